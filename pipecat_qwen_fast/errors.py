@@ -1,0 +1,34 @@
+"""Exceptions raised by the engine core.
+
+Every error names the problem and, where there is a closed set of valid values, lists them, so
+that adapters can pass the message on to the user unchanged.
+"""
+
+from __future__ import annotations
+
+
+class QwenTTSError(Exception):
+    """Base class of every error raised by pipecat_qwen_fast."""
+
+
+class InvalidInputError(QwenTTSError, ValueError):
+    """The request itself is wrong (empty text, unknown voice or language, ...).
+
+    Retrying the same request cannot help.
+    """
+
+
+class UnsupportedFeatureError(InvalidInputError):
+    """The request asks for something this model variant does not do (e.g. instruct on 0.6B)."""
+
+
+class ConfigError(QwenTTSError, ValueError):
+    """A checkpoint's config.json is missing a key or holds an invalid value."""
+
+
+class ModelLoadError(QwenTTSError, OSError):
+    """The model could not be found or loaded (missing folder, no network for a hub id, ...)."""
+
+
+class EngineClosedError(QwenTTSError, RuntimeError):
+    """The engine or its service was closed, or died after a fault; no new work is accepted."""
