@@ -1,0 +1,130 @@
+"""Decode backends: the frame-granular interface between the engine and the model.
+
+`TorchBackend` is the plain-PyTorch reference. The megakernel backend (`megakernel.py`) implements
+the same protocol, and tests compare the two. Semantics of `decode_frame` are in
+docs/ARCHITECTURE.md ("Decode backends").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from .layers import KVCache
+from .sampling import SamplingParams, sample_code0, sample_residual, talker_suppress_mask
+from .talker import Talker
+
+
+class DecodeBackend(Protocol):
+    name: str
+
+    def new_state(
+        self, *, max_positions: int, params: SamplingParams, seed: int | None, trailing: Tensor, pad_vec: Tensor
+    ) -> object: ...
+
+    def prefill(self, state: object, embeds: Tensor) -> None: ...
+
+    def decode_frame(self, state: object) -> Tensor: ...
+
+    def release(self, state: object) -> None: ...
+
+
+@dataclass
+class TorchDecodeState:
+    talker_cache: KVCache
+    predictor_cache: KVCache
+    params: SamplingParams
+    generator: torch.Generator | None
+    trailing: Tensor  # [N, D]
+    pad_vec: Tensor  # [D]
+    seen: Tensor  # bool [vocab]: code-0 ids generated so far (repetition penalty)
+    frame: int = 0
+    hidden: Tensor | None = None  # post-norm talker hidden at the newest position
+    pending: Tensor | None = None  # next talker input
+    released: bool = field(default=False)
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, talker: Talker, device: torch.device, dtype: torch.dtype):
+        self.talker = talker
+        self.device = device
+        self.dtype = dtype
+        self.eos_id = talker.cfg.codec_eos_id
+        self.num_groups = talker.cfg.num_code_groups
+        self.suppress = talker_suppress_mask(talker.cfg.vocab_size, self.eos_id, device)
+
+    def new_state(
+        self, *, max_positions: int, params: SamplingParams, seed: int | None, trailing: Tensor, pad_vec: Tensor
+    ) -> TorchDecodeState:
+        generator = None
+        if params.do_sample or params.subtalker_do_sample:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed if seed is not None else torch.seed())
+        pred = self.talker.code_predictor.cfg
+        return TorchDecodeState(
+            talker_cache=KVCache(self.talker.cfg.stack, max_positions, self.device, self.dtype),
+            # 2 prefill positions + 14 single steps; the 16th slot is never written.
+            predictor_cache=KVCache(pred.stack, pred.num_code_groups, self.device, self.dtype),
+            params=params,
+            generator=generator,
+            trailing=trailing.to(self.device, self.dtype),
+            pad_vec=pad_vec.to(self.device, self.dtype),
+            seen=torch.zeros(self.talker.cfg.vocab_size, dtype=torch.bool, device=self.device),
+        )
+
+    @torch.no_grad()
+    def prefill(self, state: TorchDecodeState, embeds: Tensor) -> None:
+        hidden = self.talker.model(embeds.to(self.device, self.dtype), state.talker_cache)
+        state.hidden = hidden[-1]
+
+    @torch.no_grad()
+    def decode_frame(self, state: TorchDecodeState) -> Tensor:
+        if state.released:
+            raise RuntimeError("decode_frame on a released state")
+        talker = self.talker
+        if state.frame > 0:
+            state.hidden = talker.model(state.pending[None], state.talker_cache)[-1]
+        h = state.hidden
+        logits = talker.codec_head(h)
+        c0 = sample_code0(logits, state.seen, self.suppress, state.frame, self.eos_id, state.params, state.generator)
+        state.seen[c0] = True
+        codes = self.predict_residual_codes(state, h, c0)
+        # Next talker input: Σ16 embeddings + the trailing text vector of this step (or tts_pad).
+        text_vec = state.trailing[state.frame] if state.frame < state.trailing.shape[0] else state.pad_vec
+        state.pending = talker.embed_frames(codes[None])[0] + text_vec
+        state.frame += 1
+        # An EOS frame carries no residual codes; mask them without a host sync.
+        eos_frame = torch.zeros_like(codes)
+        eos_frame[0] = self.eos_id
+        return torch.where(c0 == self.eos_id, eos_frame, codes)
+
+    def predict_residual_codes(self, state: TorchDecodeState, h: Tensor, c0: Tensor) -> Tensor:
+        """15 dependent predictor steps -> LongTensor[16] = [c0, c1..c15]."""
+        cp = self.talker.code_predictor
+        cache = state.predictor_cache
+        cache.reset()
+        x = torch.stack([h, self.talker.embed_codec(c0.view(1))[0]])
+        out = cp.model(cp.small_to_mtp_projection(x), cache)
+        codes = [c0.view(())]
+        code = sample_residual(cp.lm_head[0](out[-1]), state.params, state.generator)
+        codes.append(code)
+        for g in range(2, self.num_groups):
+            x = cp.model.codec_embedding[g - 2](code.view(1))
+            out = cp.model(cp.small_to_mtp_projection(x), cache)
+            code = sample_residual(cp.lm_head[g - 1](out[-1]), state.params, state.generator)
+            codes.append(code)
+        return torch.stack(codes).long()
+
+    def release(self, state: TorchDecodeState) -> None:
+        if state.released:
+            return
+        state.released = True
+        # Drop the big buffers now rather than when the session object is collected.
+        state.talker_cache.k = state.talker_cache.v = torch.empty(0)
+        state.predictor_cache.k = state.predictor_cache.v = torch.empty(0)
+        state.hidden = state.pending = None

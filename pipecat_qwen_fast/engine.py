@@ -1,0 +1,568 @@
+"""QwenTTSEngine: load a Qwen3-TTS checkpoint and stream 24 kHz speech frame by frame.
+
+The unit of work is a Session (one utterance): `open_session` validates the request, builds the
+prompt and runs the prefill; each `step` decodes one 80 ms frame and, when a chunk is complete,
+runs the streaming vocoder on it. Many sessions can be interleaved by one thread (EngineService
+does this); `stream()` and `synthesize()` are the single-session conveniences. The engine is not
+thread-safe: drive it from one thread at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+import unicodedata
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import checkpoint
+from .backend import DecodeBackend, TorchBackend
+from .config import GenerationDefaults, ModelConfig, VocoderConfig
+from .errors import EngineClosedError, InvalidInputError, UnsupportedFeatureError
+from .prompt import (
+    DUAL_TRACK,
+    PREFILL,
+    TEXT_MODES,
+    Prompt,
+    TextTokenizer,
+    VoiceClonePrompt,
+    build_prompt,
+    check_voice_clone,
+    resolve_language,
+    resolve_voice,
+    supported_languages,
+)
+from .sampling import SamplingParams
+from .talker import Qwen3TTSModel
+from .vocoder import Vocoder
+
+logger = logging.getLogger("pipecat_qwen_fast")
+
+SAMPLE_RATE = 24000
+BACKENDS = ("auto", "torch", "megakernel")
+
+# Frame cap from text length: real speech runs at roughly 3-5 frames per text token; 15 per token
+# plus 8 s is far above anything the model ends by itself, and stops the rare runaway generation
+# (spec §5, "EOS is intrinsically unreliable") long before the hard cap of 8191 frames (11 min).
+FRAMES_PER_TOKEN_CAP = 15
+FRAME_CAP_MARGIN = 100
+# Longer texts are split at sentence boundaries into segments synthesised back to back into one
+# continuous stream (one vocoder state), so a 10,000-character input neither hits the cap nor
+# builds an unbounded KV cache.
+MAX_SEGMENT_TOKENS = 300
+
+
+@dataclass
+class SynthesisRequest:
+    text: str
+    voice: str | None = None
+    language: str | None = "auto"
+    instruct: str | None = None
+    seed: int | None = None
+    greedy: bool = False
+    text_mode: str | None = None  # None: the official default of the variant
+    voice_clone: VoiceClonePrompt | None = None
+    first_chunk_frames: int = 1
+    chunk_frames: int = 4
+    max_frames: int | None = None
+    sampling: SamplingParams | None = None  # overrides generation_config.json
+    vocode: bool = True
+
+
+@dataclass
+class AudioChunk:
+    pcm: np.ndarray  # int16 mono at 24 kHz
+    frame_index: int  # index of the first frame in this chunk
+    num_frames: int
+    codes: np.ndarray  # [num_frames, 16] int64
+
+    @property
+    def duration_s(self) -> float:
+        return len(self.pcm) / SAMPLE_RATE
+
+
+@dataclass
+class SynthesisResult:
+    pcm: np.ndarray  # int16
+    audio: np.ndarray  # float32 in [-1, 1]
+    codes: np.ndarray  # [T, 16]
+    stop_reason: str | None
+    sample_rate: int = SAMPLE_RATE
+
+    @property
+    def duration_s(self) -> float:
+        return len(self.pcm) / self.sample_rate
+
+
+@dataclass
+class Session:
+    """One utterance in flight. Created by `QwenTTSEngine.open_session`."""
+
+    request: SynthesisRequest
+    speaker: str | None
+    language: str
+    text_mode: str
+    params: SamplingParams
+    segments: list[str]
+    seed: int
+    segment_index: int = 0
+    state: object | None = None
+    frame_cap: int = 0
+    segment_frames: int = 0
+    frames_decoded: int = 0
+    chunk_start: int = 0
+    pending: list[Tensor] = field(default_factory=list)  # device codes [16] not yet vocoded
+    codes: list[np.ndarray] = field(default_factory=list)  # host codes of every frame
+    vocoder_state: object | None = None
+    done: bool = False
+    stop_reason: str | None = None  # "eos" | "frame_cap" | "cancelled" | "error"
+    opened_at: float = field(default_factory=time.perf_counter)
+
+
+class QwenTTSEngine:
+    def __init__(
+        self,
+        *,
+        config: ModelConfig,
+        vocoder_config: VocoderConfig,
+        generation: GenerationDefaults,
+        model: Qwen3TTSModel,
+        vocoder: Vocoder,
+        tokenizer: TextTokenizer,
+        device: torch.device,
+        dtype: torch.dtype,
+        backend: DecodeBackend,
+        model_dir: Path | None = None,
+    ):
+        self.config = config
+        self.vocoder_config = vocoder_config
+        self.generation = generation
+        self.model = model
+        self.vocoder = vocoder
+        self.tokenizer = tokenizer
+        self.device = device
+        self.dtype = dtype
+        self.backend = backend
+        self.model_dir = model_dir
+        self.closed = False
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | os.PathLike[str],
+        *,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "auto",
+        backend: str = "auto",
+        warmup: bool | None = None,
+        progress: bool = True,
+    ) -> QwenTTSEngine:
+        """Load a checkpoint from a local folder (Hugging Face layout) or a hub id.
+
+        device "auto" picks CUDA when available; dtype "auto" is bfloat16 on CUDA, float32 on CPU;
+        backend "auto" picks the megakernel where it is supported and logs why when it falls back.
+        warmup (default: on for CUDA) runs every run-time path once so the first request is fast.
+        """
+        dev = _resolve_device(device)
+        dt = _resolve_dtype(dtype, dev)
+        if backend not in BACKENDS:
+            raise InvalidInputError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+        model_dir = checkpoint.resolve_model_dir(model)
+        cfg = checkpoint.load_model_config(model_dir)
+        vcfg = checkpoint.load_vocoder_config(model_dir)
+        gen = checkpoint.load_generation_defaults(model_dir)
+        tok = checkpoint.load_text_tokenizer(model_dir)
+
+        # Build on the meta device and assign the loaded tensors: no second copy of the weights.
+        with torch.device("meta"):
+            net = Qwen3TTSModel(cfg)
+        weights = checkpoint.load_state_dict(
+            model_dir / "model.safetensors", dtype=dt, device=dev, prefix="talker.", progress=progress
+        )
+        net.load_talker_weights(weights)
+        del weights
+        voc_weights = checkpoint.load_state_dict(
+            model_dir / "speech_tokenizer" / "model.safetensors", dtype=dt, device=dev, prefix="decoder.",
+            progress=progress,
+        )
+        voc = Vocoder.from_state_dict(vcfg, {k.removeprefix("decoder."): v for k, v in voc_weights.items()})
+        voc = voc.to(device=dev, dtype=dt)
+        del voc_weights
+        net.eval()
+        voc.eval()
+
+        decode_backend = _select_backend(backend, net, dev, dt)
+        engine = cls(
+            config=cfg, vocoder_config=vcfg, generation=gen, model=net, vocoder=voc, tokenizer=tok,
+            device=dev, dtype=dt, backend=decode_backend, model_dir=model_dir,
+        )
+        if warmup if warmup is not None else dev.type == "cuda":
+            engine.warmup()
+        return engine
+
+    def warmup(self) -> None:
+        """Run greedy and sampled sessions through both chunk sizes (kernels, allocator, graphs)."""
+        voice = self.voices[0] if self.voices else None
+        vc = None
+        if self.config.model_type == "base":
+            vc = VoiceClonePrompt(x_vector=torch.zeros(self.config.talker.hidden_size))
+        for greedy in (True, False):
+            req = SynthesisRequest(
+                "Hello there, this warms the engine up.", voice=voice, greedy=greedy, seed=0,
+                voice_clone=vc, max_frames=6, first_chunk_frames=1, chunk_frames=4,
+            )
+            s = self.open_session(req)
+            try:
+                while not s.done:
+                    self.step(s)
+            finally:
+                self.close_session(s)
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def sample_rate(self) -> int:
+        return SAMPLE_RATE
+
+    @property
+    def model_type(self) -> str:
+        return self.config.model_type
+
+    @property
+    def voices(self) -> list[str]:
+        return sorted(self.config.talker.speaker_ids) if self.config.model_type == "custom_voice" else []
+
+    @property
+    def languages(self) -> list[str]:
+        return supported_languages(self.config)
+
+    @property
+    def default_voice(self) -> str | None:
+        if not self.voices:
+            return None
+        return "ryan" if "ryan" in self.voices else self.voices[0]
+
+    # ------------------------------------------------------------------ sessions
+
+    def open_session(self, request: SynthesisRequest) -> Session:
+        """Validate the request, build the prompt of its first segment and run the prefill."""
+        if self.closed:
+            raise EngineClosedError("the engine is closed")
+        text = normalize_text(request.text)
+        cfg = self.config
+        voice = request.voice
+        if voice is None and cfg.model_type == "custom_voice":
+            voice = self.default_voice
+        speaker = resolve_voice(cfg, voice, request.voice_clone)
+        language = resolve_language(cfg, request.language)
+        if request.instruct is not None and request.instruct.strip() and not cfg.accepts_instruct:
+            raise UnsupportedFeatureError(
+                f"this model ({cfg.model_size} {cfg.model_type}) ignores instruct; instruct works with "
+                "VoiceDesign and 1.7B CustomVoice models"
+            )
+        if request.voice_clone is not None:
+            check_voice_clone(cfg, request.voice_clone)
+        text_mode = request.text_mode or (DUAL_TRACK if cfg.model_type == "base" else PREFILL)
+        if text_mode not in TEXT_MODES:
+            raise InvalidInputError(f"unknown text_mode {text_mode!r}; valid: {', '.join(TEXT_MODES)}")
+        if request.first_chunk_frames < 1 or request.chunk_frames < 1:
+            raise InvalidInputError("first_chunk_frames and chunk_frames must be >= 1")
+        if request.max_frames is not None and request.max_frames < 1:
+            raise InvalidInputError("max_frames must be >= 1")
+        params = (request.sampling or SamplingParams.from_defaults(self.generation, request.greedy)).validated()
+        if request.greedy:
+            params = replace(params, do_sample=False, subtalker_do_sample=False)
+        seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(6), "little")
+        session = Session(
+            request=request, speaker=speaker, language=language, text_mode=text_mode, params=params,
+            segments=split_text(text, self.tokenizer, MAX_SEGMENT_TOKENS), seed=seed,
+        )
+        try:
+            self._start_segment(session)
+            if request.vocode:
+                session.vocoder_state = self.vocoder.new_stream(batch=1, device=self.device, dtype=self.dtype)
+                vc = request.voice_clone
+                if vc is not None and vc.icl:
+                    # The talker continues right after the reference frames; so does the vocoder.
+                    ref = vc.ref_codes.to(self.device).T[None]
+                    self.vocoder.prime_stream(ref, session.vocoder_state)
+        except BaseException:
+            self.close_session(session)
+            raise
+        return session
+
+    def _start_segment(self, s: Session) -> None:
+        if s.state is not None:
+            self.backend.release(s.state)
+            s.state = None
+        req = s.request
+        with torch.no_grad():
+            prompt: Prompt = build_prompt(
+                self.model.talker, self.tokenizer, self.config, text=s.segments[s.segment_index],
+                speaker=s.speaker, language=s.language, instruct=req.instruct, text_mode=s.text_mode,
+                voice_clone=req.voice_clone,
+            )
+        # The official loop emits at most max_new_tokens - 1 frames; ours never runs past that either.
+        s.frame_cap = min(self.generation.max_new_tokens - 1, FRAMES_PER_TOKEN_CAP * prompt.num_text_tokens + FRAME_CAP_MARGIN)
+        s.segment_frames = 0
+        budget = s.frame_cap
+        if req.max_frames is not None:
+            budget = min(budget, req.max_frames - s.frames_decoded)
+        # Each segment gets its own seed stream so a multi-segment text is reproducible.
+        seed = s.seed + 1_000_003 * s.segment_index
+        s.state = self.backend.new_state(
+            max_positions=prompt.embeds.shape[0] + budget + 1, params=s.params, seed=seed,
+            trailing=prompt.trailing, pad_vec=prompt.pad_vec,
+        )
+        self.backend.prefill(s.state, prompt.embeds)
+
+    def step(self, s: Session) -> list[AudioChunk]:
+        """Decode one frame of `s`; returns the audio chunk completed by it, if any."""
+        if s.done:
+            return []
+        try:
+            codes = self.backend.decode_frame(s.state)
+            host = codes.cpu().numpy()  # the one host read per frame (EOS check)
+            if int(host[0]) == self.config.talker.codec_eos_id:
+                return self._end_segment(s, "eos")
+            s.pending.append(codes)
+            s.codes.append(host)
+            s.frames_decoded += 1
+            s.segment_frames += 1
+            if s.request.max_frames is not None and s.frames_decoded >= s.request.max_frames:
+                return self._finish(s, "frame_cap")
+            if s.segment_frames >= s.frame_cap:
+                return self._end_segment(s, "frame_cap")
+            target = s.request.first_chunk_frames if s.chunk_start == 0 else s.request.chunk_frames
+            if len(s.pending) >= target:
+                return self._flush(s)
+            return []
+        except BaseException:
+            s.stop_reason = s.stop_reason or "error"
+            self.close_session(s)
+            raise
+
+    def _end_segment(self, s: Session, reason: str) -> list[AudioChunk]:
+        if s.segment_index + 1 < len(s.segments):
+            s.segment_index += 1
+            self._start_segment(s)
+            return []
+        return self._finish(s, reason)
+
+    def _finish(self, s: Session, reason: str) -> list[AudioChunk]:
+        chunks = self._flush(s)
+        s.stop_reason = reason
+        self.close_session(s)
+        return chunks
+
+    def _flush(self, s: Session) -> list[AudioChunk]:
+        if not s.pending:
+            return []
+        n = len(s.pending)
+        codes_dev = torch.stack(s.pending)  # [n, 16]
+        s.pending = []
+        start = s.chunk_start
+        s.chunk_start += n
+        host_codes = np.stack(s.codes[start : start + n])
+        if not s.request.vocode:
+            return [AudioChunk(np.zeros(0, np.int16), start, n, host_codes)]
+        with torch.no_grad():
+            wav = self.vocoder.decode_stream(codes_dev.T[None], s.vocoder_state)[0, 0]
+        pcm = (wav.float().clamp(-1, 1) * 32767).round().to(torch.int16).cpu().numpy()
+        return [AudioChunk(pcm, start, n, host_codes)]
+
+    def cancel(self, s: Session) -> None:
+        """Stop a session now and free its state; later `step` calls return nothing."""
+        if not s.done:
+            s.stop_reason = "cancelled"
+        self.close_session(s)
+
+    def close_session(self, s: Session) -> None:
+        """Free the session's KV cache and vocoder state (idempotent)."""
+        s.done = True
+        if s.state is not None:
+            self.backend.release(s.state)
+            s.state = None
+        s.vocoder_state = None
+        s.pending = []
+
+    # ------------------------------------------------------------------ conveniences
+
+    def stream(self, text: str, **kwargs) -> Iterator[AudioChunk]:
+        """Yield int16 24 kHz chunks as frames are decoded (first chunk after `first_chunk_frames`)."""
+        s = self.open_session(SynthesisRequest(text, **kwargs))
+        try:
+            while not s.done:
+                yield from self.step(s)
+        finally:
+            self.cancel(s)
+
+    def synthesize(self, text: str, **kwargs) -> SynthesisResult:
+        kwargs.setdefault("first_chunk_frames", 25)
+        kwargs.setdefault("chunk_frames", 25)
+        s = self.open_session(SynthesisRequest(text, **kwargs))
+        chunks: list[AudioChunk] = []
+        try:
+            while not s.done:
+                chunks.extend(self.step(s))
+        finally:
+            self.cancel(s)
+        pcm = np.concatenate([c.pcm for c in chunks]) if chunks else np.zeros(0, np.int16)
+        codes = np.stack(s.codes) if s.codes else np.zeros((0, self.config.talker.num_code_groups), np.int64)
+        return SynthesisResult(pcm=pcm, audio=pcm.astype(np.float32) / 32767, codes=codes, stop_reason=s.stop_reason)
+
+    def generate_codes(self, text: str, **kwargs) -> Tensor:
+        """Codes [T, 16] of an utterance without running the vocoder (oracle comparisons)."""
+        s = self.open_session(SynthesisRequest(text, vocode=False, **kwargs))
+        try:
+            while not s.done:
+                self.step(s)
+        finally:
+            self.cancel(s)
+        if not s.codes:
+            return torch.zeros((0, self.config.talker.num_code_groups), dtype=torch.long)
+        return torch.from_numpy(np.stack(s.codes)).long()
+
+    @torch.no_grad()
+    def decode_codes(self, codes: Tensor) -> np.ndarray:
+        """Whole-utterance vocoder decode of codes [T, 16] -> float32 waveform [T * 1920]."""
+        codes = torch.as_tensor(codes, dtype=torch.long, device=self.device)
+        if codes.dim() != 2 or codes.shape[1] != self.config.talker.num_code_groups:
+            raise InvalidInputError(f"codes must have shape [frames, {self.config.talker.num_code_groups}]")
+        return self.vocoder.decode(codes.T[None])[0, 0].float().cpu().numpy()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+# ---------------------------------------------------------------------- helpers
+
+_CONTROL_OK = {"\n", "\t"}
+
+
+def normalize_text(text: object) -> str:
+    """Reject empty input; replace control characters (except newline/tab) by spaces.
+
+    Control characters carry no speech and can break the tokenizer's template slicing; emoji and
+    other symbols are passed through to the tokenizer unchanged.
+    """
+    if not isinstance(text, str):
+        raise InvalidInputError(f"text must be a string, got {type(text).__name__}")
+    cleaned = "".join(" " if unicodedata.category(ch) == "Cc" and ch not in _CONTROL_OK else ch for ch in text)
+    cleaned = cleaned.strip()
+    if not cleaned:
+        raise InvalidInputError("text is empty or whitespace only; there is nothing to say")
+    return cleaned
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?;。！？；…])\s+|(?<=[。！？；])|\n+")
+_CLAUSE_END = re.compile(r"(?<=[,:，、：])\s*")
+
+
+def split_text(text: str, tok: TextTokenizer, max_tokens: int) -> list[str]:
+    """Split text into segments of at most `max_tokens` tokens, at sentence, then clause, then word
+    boundaries. Short texts come back unchanged as one segment."""
+    if len(tok.encode(text)) <= max_tokens:
+        return [text]
+    pieces: list[str] = []
+    for sentence in filter(None, (p.strip() for p in _SENTENCE_END.split(text))):
+        if len(tok.encode(sentence)) <= max_tokens:
+            pieces.append(sentence)
+            continue
+        for clause in filter(None, (p.strip() for p in _CLAUSE_END.split(sentence))):
+            if len(tok.encode(clause)) <= max_tokens:
+                pieces.append(clause)
+            else:
+                pieces.extend(_split_words(clause, tok, max_tokens))
+    segments: list[str] = []
+    current = ""
+    for piece in pieces:
+        candidate = f"{current} {piece}".strip() if current else piece
+        if current and len(tok.encode(candidate)) > max_tokens:
+            segments.append(current)
+            current = piece
+        else:
+            current = candidate
+    if current:
+        segments.append(current)
+    return segments
+
+
+def _split_words(text: str, tok: TextTokenizer, max_tokens: int) -> list[str]:
+    out: list[str] = []
+    current = ""
+    for word in text.split() or [text]:
+        candidate = f"{current} {word}".strip()
+        if current and len(tok.encode(candidate)) > max_tokens:
+            out.append(current)
+            current = word
+        else:
+            current = candidate
+        while len(tok.encode(current)) > max_tokens:  # one "word" longer than a segment (no spaces)
+            cut = max(1, len(current) * max_tokens // (2 * len(tok.encode(current))))
+            out.append(current[:cut])
+            current = current[cut:]
+    if current:
+        out.append(current)
+    return out
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise InvalidInputError(f"unknown device {device!r}; use 'auto', 'cpu', 'cuda' or 'cuda:N'") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError("device 'cuda' was requested but CUDA is not available; use device='cpu'")
+    return dev
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise InvalidInputError(f"unknown dtype {dtype!r}; valid: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _select_backend(name: str, net: Qwen3TTSModel, device: torch.device, dtype: torch.dtype) -> DecodeBackend:
+    if name == "torch":
+        return TorchBackend(net.talker, device, dtype)
+    reason = None
+    if device.type != "cuda":
+        reason = "the megakernel needs a CUDA device"
+    else:
+        try:
+            from .megakernel import MegakernelBackend, megakernel_unsupported_reason
+
+            reason = megakernel_unsupported_reason(net, device, dtype)
+            if reason is None:
+                return MegakernelBackend(net.talker, device, dtype)
+        except ImportError as e:  # megakernel module not built / not available
+            reason = f"megakernel unavailable ({e})"
+    if name == "megakernel":
+        raise UnsupportedFeatureError(f"backend='megakernel' is not supported here: {reason}")
+    if device.type == "cuda":
+        logger.warning("falling back to the torch backend: %s", reason)
+    else:
+        logger.info("using the torch backend: %s", reason)
+    return TorchBackend(net.talker, device, dtype)

@@ -1,0 +1,148 @@
+"""Qwen3 decoder building blocks with a preallocated KV cache (the torch reference path).
+
+Module and parameter names mirror the checkpoint (`input_layernorm`, `self_attn.q_proj`, ...), so the
+talker and code predictor load their state dicts with strict=True and no renaming.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import DecoderStackConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 and cast back before the weight multiply, as the checkpoint was trained.
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rotary_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [n, head_dim] for rotate-half RoPE at the given integer positions.
+
+    The talker's interleaved M-RoPE reduces to this exactly: its three position rows are identical
+    in TTS (spec §5).
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [heads, n, head_dim]; cos/sin: [n, head_dim]."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class KVCache:
+    """Static per-stack K/V storage for one sequence: [layers, kv_heads, max_len, head_dim]."""
+
+    def __init__(self, cfg: DecoderStackConfig, max_len: int, device: torch.device, dtype: torch.dtype):
+        shape = (cfg.num_layers, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.empty(shape, device=device, dtype=dtype)
+        self.v = torch.empty(shape, device=device, dtype=dtype)
+        self.max_len = max_len
+        self.length = 0  # positions filled
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderStackConfig):
+        super().__init__()
+        d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(d, h * hd, bias=False)
+        self.k_proj = nn.Linear(d, kvh * hd, bias=False)
+        self.v_proj = nn.Linear(d, kvh * hd, bias=False)
+        self.o_proj = nn.Linear(h * hd, d, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, hd
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, start: int) -> Tensor:
+        """x: [n, D] new positions start..start+n-1; attends to cache[:start] and itself (causal)."""
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        # QK-norm per head, before RoPE.
+        q = apply_rotary(self.q_norm(q).transpose(0, 1), cos, sin)
+        k = apply_rotary(self.k_norm(k).transpose(0, 1), cos, sin)
+        end = start + n
+        cache.k[layer, :, start:end] = k
+        cache.v[layer, :, start:end] = v.transpose(0, 1)
+        keys = cache.k[layer, :, :end]
+        values = cache.v[layer, :, :end]
+        rep = self.num_heads // self.num_kv_heads
+        keys = keys.repeat_interleave(rep, dim=0)
+        values = values.repeat_interleave(rep, dim=0)
+        if n == 1:
+            out = F.scaled_dot_product_attention(q[None], keys[None], values[None])[0]
+        else:
+            # Causal over the new block, full view of everything cached before it.
+            mask = torch.ones(n, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
+            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)[0]
+        return self.o_proj(out.transpose(0, 1).reshape(n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderStackConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderStackConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, start: int) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """`layers` + final `norm`; embeddings and heads belong to the owning model."""
+
+    def __init__(self, cfg: DecoderStackConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cache: KVCache) -> Tensor:
+        """Run new positions x [n, D] after cache.length; returns post-norm hidden states [n, D]."""
+        n = x.shape[0]
+        start = cache.length
+        if start + n > cache.max_len:
+            raise RuntimeError(f"KV cache overflow: {start + n} positions > capacity {cache.max_len}")
+        positions = torch.arange(start, start + n, device=x.device)
+        cos, sin = rotary_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, start)
+        cache.length = start + n
+        return self.norm(x)

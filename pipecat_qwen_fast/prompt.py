@@ -1,0 +1,213 @@
+"""Prompt construction for every model variant and both text modes (spec §4).
+
+The prefill is a sequence of vectors, each the sum of a text-track vector T(id) and a codec-track
+vector C(id) (or the speaker vector). `build_prompt` returns it together with the "trailing" text
+vectors that the decode loop adds one per frame.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from .config import ModelConfig
+from .errors import InvalidInputError, UnsupportedFeatureError
+from .talker import Talker
+
+PREFILL = "prefill"  # all text in the prefill (official non_streaming_mode=True)
+DUAL_TRACK = "dual_track"  # one text token per frame (official non_streaming_mode=False)
+TEXT_MODES = (PREFILL, DUAL_TRACK)
+
+
+class TextTokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class VoiceClonePrompt:
+    """A Base-model voice: the speaker x-vector and, for in-context cloning, reference codes + text.
+
+    ICL mode when both `ref_codes` and `ref_text` are given; x-vector-only mode otherwise.
+    """
+
+    x_vector: Tensor  # [D]
+    ref_codes: Tensor | None = None  # [T_ref, 16] int64
+    ref_text: str | None = None
+
+    @property
+    def icl(self) -> bool:
+        return self.ref_codes is not None and self.ref_text is not None
+
+
+@dataclass
+class Prompt:
+    embeds: Tensor  # [L, D] prefill
+    trailing: Tensor  # [N, D] text vectors added at decode steps 0..N-1
+    pad_vec: Tensor  # [D] tts_pad vector added after the trailing text is exhausted
+    num_text_tokens: int  # target text body length (drives the frame cap)
+    ref_codes: Tensor | None  # ICL reference frames (prime the vocoder with them)
+
+
+def supported_languages(cfg: ModelConfig) -> list[str]:
+    """`auto` plus the config's languages; dialects are chosen through the speaker, not by name."""
+    return ["auto"] + sorted(k for k in cfg.talker.language_ids if "dialect" not in k)
+
+
+def resolve_language(cfg: ModelConfig, language: str | None) -> str:
+    lang = (language or "auto").strip().lower()
+    valid = supported_languages(cfg)
+    if lang not in valid:
+        raise InvalidInputError(f"unknown language {language!r}; valid languages: {', '.join(valid)}")
+    return lang
+
+
+def resolve_voice(cfg: ModelConfig, voice: str | None, voice_clone: VoiceClonePrompt | None) -> str | None:
+    """Check the voice arguments against the model variant; returns the speaker name or None."""
+    speakers = sorted(cfg.talker.speaker_ids)
+    if cfg.model_type == "custom_voice":
+        if voice_clone is not None:
+            raise UnsupportedFeatureError("voice_clone needs a Base model; this CustomVoice model has speakers: " + ", ".join(speakers))
+        if voice is None:
+            raise InvalidInputError(f"a voice is required; valid voices: {', '.join(speakers)}")
+        name = voice.strip().lower()
+        if name not in cfg.talker.speaker_ids:
+            raise InvalidInputError(f"unknown voice {voice!r}; valid voices: {', '.join(speakers)}")
+        return name
+    if cfg.model_type == "voice_design":
+        if voice is not None or voice_clone is not None:
+            raise UnsupportedFeatureError(
+                "VoiceDesign models have no preset voices; describe the voice with instruct= instead"
+            )
+        return None
+    # base
+    if voice is not None:
+        raise UnsupportedFeatureError(
+            "Base models have no preset voices; pass voice_clone=VoiceClonePrompt(x_vector, ref_codes, ref_text)"
+        )
+    if voice_clone is None:
+        raise InvalidInputError("Base models need voice_clone=VoiceClonePrompt(x_vector, ref_codes, ref_text)")
+    return None
+
+
+def check_voice_clone(cfg: ModelConfig, vc: VoiceClonePrompt) -> None:
+    d = cfg.talker.hidden_size
+    if vc.x_vector.shape != (d,):
+        raise InvalidInputError(f"voice_clone.x_vector must have shape ({d},), got {tuple(vc.x_vector.shape)}")
+    if (vc.ref_codes is None) != (vc.ref_text is None):
+        raise InvalidInputError("in-context cloning needs both voice_clone.ref_codes and voice_clone.ref_text")
+    if vc.ref_codes is not None:
+        g = cfg.talker.num_code_groups
+        rc = vc.ref_codes
+        if rc.dim() != 2 or rc.shape[1] != g or rc.shape[0] == 0:
+            raise InvalidInputError(f"voice_clone.ref_codes must have shape [frames, {g}], got {tuple(rc.shape)}")
+        if rc.dtype.is_floating_point or int(rc.min()) < 0 or int(rc.max()) >= cfg.predictor.vocab_size:
+            raise InvalidInputError(f"voice_clone.ref_codes must be integers in [0, {cfg.predictor.vocab_size})")
+        if not vc.ref_text or not vc.ref_text.strip():
+            raise InvalidInputError("voice_clone.ref_text is empty")
+
+
+def _target_body(tok: TextTokenizer, cfg: ModelConfig, text: str) -> list[int]:
+    ids = tok.encode(f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n")
+    role = [cfg.im_start_id, cfg.assistant_id, ids[2] if len(ids) > 2 else -1]
+    if ids[:2] != role[:2] or len(ids) < 9:
+        raise InvalidInputError("text could not be tokenized into the TTS template")
+    body = ids[3:-5]
+    if not body:
+        raise InvalidInputError("text is empty after tokenization")
+    return body
+
+
+def build_prompt(
+    talker: Talker,
+    tok: TextTokenizer,
+    cfg: ModelConfig,
+    *,
+    text: str,
+    speaker: str | None,
+    language: str,
+    instruct: str | None,
+    text_mode: str,
+    voice_clone: VoiceClonePrompt | None,
+) -> Prompt:
+    tc = cfg.talker
+    device = talker.codec_head.weight.device
+
+    def ids(x: list[int]) -> Tensor:
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    T = lambda x: talker.embed_text(ids(x))  # noqa: E731
+    C = lambda x: talker.embed_codec(ids(x))  # noqa: E731
+
+    bos_vec, eos_vec, pad_vec = T([cfg.tts_bos_id, cfg.tts_eos_id, cfg.tts_pad_id])
+    body = _target_body(tok, cfg, text)
+
+    # Codec control prefix: think/lang or nothink, then the speaker slot, then pad, bos.
+    lang_id = None if language == "auto" else tc.language_ids[language]
+    if speaker is not None and language in ("chinese", "auto") and tc.speaker_dialect.get(speaker):
+        lang_id = tc.language_ids[tc.speaker_dialect[speaker]]
+    if lang_id is None:
+        control = [tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id]
+    else:
+        control = [tc.codec_think_id, tc.codec_think_bos_id, lang_id, tc.codec_think_eos_id]
+    codec = [C(control)]
+    if speaker is not None:
+        codec.append(C([tc.speaker_ids[speaker]]))
+    elif voice_clone is not None:
+        codec.append(voice_clone.x_vector.to(device, pad_vec.dtype)[None])
+    codec.append(C([tc.codec_pad_id, tc.codec_bos_id]))
+    codec_track = torch.cat(codec)  # [m + 2, D]; its last row (codec bos) pairs with the first text input
+
+    parts: list[Tensor] = []
+    if instruct:
+        parts.append(T(tok.encode(f"<|im_start|>user\n{instruct}<|im_end|>\n")))
+    parts.append(T([cfg.im_start_id, cfg.assistant_id, tok.encode("\n")[0]]))
+    n_ctl = codec_track.shape[0] - 1
+    text_track = torch.cat([pad_vec.expand(n_ctl - 1, -1), bos_vec[None]])
+    parts.append(text_track + codec_track[:-1])
+    codec_bos = codec_track[-1]
+    codec_pad = C([tc.codec_pad_id])[0]
+
+    ref_codes = None
+    if voice_clone is not None and voice_clone.icl:
+        ref_codes = voice_clone.ref_codes.to(device)
+        ref_body = _ref_body(tok, cfg, voice_clone.ref_text)
+        text_vecs = torch.cat([T(ref_body + body), eos_vec[None]])  # [R+N+1, D]
+        codec_vecs = torch.cat([codec_bos[None], talker.embed_frames(ref_codes)])  # [T_ref+1, D]
+        if text_mode == PREFILL:
+            parts.append(text_vecs + codec_pad)
+            parts.append(codec_vecs + pad_vec)
+            trailing = pad_vec[None]
+        elif text_vecs.shape[0] > codec_vecs.shape[0]:
+            k = codec_vecs.shape[0]
+            parts.append(text_vecs[:k] + codec_vecs)
+            trailing = text_vecs[k:]
+        else:
+            padded = torch.cat([text_vecs, pad_vec.expand(codec_vecs.shape[0] - text_vecs.shape[0], -1)])
+            parts.append(padded + codec_vecs)
+            trailing = pad_vec[None]
+    elif text_mode == PREFILL:
+        parts.append(torch.cat([T(body), eos_vec[None]]) + codec_pad)
+        parts.append((pad_vec + codec_bos)[None])
+        trailing = pad_vec[None]
+    else:
+        parts.append((T(body[:1])[0] + codec_bos)[None])
+        trailing = torch.cat([T(body[1:]), eos_vec[None]]) if len(body) > 1 else eos_vec[None]
+
+    return Prompt(
+        embeds=torch.cat(parts),
+        trailing=trailing,
+        pad_vec=pad_vec,
+        num_text_tokens=len(body),
+        ref_codes=ref_codes,
+    )
+
+
+def _ref_body(tok: TextTokenizer, cfg: ModelConfig, ref_text: str) -> list[int]:
+    ids = tok.encode(f"<|im_start|>assistant\n{ref_text}<|im_end|>\n")
+    body = ids[3:-2]
+    if not body:
+        raise InvalidInputError("voice_clone.ref_text is empty after tokenization")
+    return body

@@ -1,0 +1,132 @@
+"""Logits processing and sampling in the official order (spec §6), without host syncs.
+
+Talker code 0: repetition penalty over past code-0 ids -> EOS masked for the first `min_new_tokens`
+frames -> ids [vocab-1024, vocab) suppressed except EOS -> (sampling only) temperature -> top-k ->
+top-p -> draw. Greedy is the argmax after the first three steps. Predictor codes 1..15: temperature,
+top-k, top-p only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .config import GenerationDefaults
+from .errors import InvalidInputError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    do_sample: bool = True
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.05
+    subtalker_do_sample: bool = True
+    subtalker_temperature: float = 0.9
+    subtalker_top_k: int = 50
+    subtalker_top_p: float = 1.0
+    min_new_tokens: int = 2
+
+    @classmethod
+    def from_defaults(cls, d: GenerationDefaults, greedy: bool = False) -> SamplingParams:
+        return cls(
+            do_sample=d.do_sample and not greedy,
+            temperature=d.temperature,
+            top_k=d.top_k,
+            top_p=d.top_p,
+            repetition_penalty=d.repetition_penalty,
+            subtalker_do_sample=d.subtalker_do_sample and not greedy,
+            subtalker_temperature=d.subtalker_temperature,
+            subtalker_top_k=d.subtalker_top_k,
+            subtalker_top_p=d.subtalker_top_p,
+        ).validated()
+
+    def validated(self) -> SamplingParams:
+        for name in ("temperature", "subtalker_temperature"):
+            if not getattr(self, name) > 0:
+                raise InvalidInputError(f"{name} must be > 0 (use greedy=True for argmax decoding)")
+        for name in ("top_p", "subtalker_top_p"):
+            if not 0 < getattr(self, name) <= 1:
+                raise InvalidInputError(f"{name} must be in (0, 1]")
+        for name in ("top_k", "subtalker_top_k"):
+            if getattr(self, name) < 0:
+                raise InvalidInputError(f"{name} must be >= 0 (0 disables top-k)")
+        if not self.repetition_penalty > 0:
+            raise InvalidInputError("repetition_penalty must be > 0")
+        return self
+
+
+def talker_suppress_mask(vocab_size: int, eos_id: int, device: torch.device) -> Tensor:
+    """Boolean [vocab]: True where the id may never be sampled as code 0."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    mask[vocab_size - 1024 :] = True
+    mask[eos_id] = False
+    return mask
+
+
+def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """Divide positive / multiply negative logits of already generated ids (HF semantics)."""
+    if penalty == 1.0:
+        return logits
+    penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def process_talker_logits(
+    logits: Tensor, seen: Tensor, suppress: Tensor, frame: int, eos_id: int, params: SamplingParams
+) -> Tensor:
+    """Steps 2-4 of spec §6 on fp32 logits [vocab]; `frame` = number of codes sampled before."""
+    logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if frame < params.min_new_tokens:
+        logits = logits.clone()
+        logits[eos_id] = float("-inf")
+    return logits.masked_fill(suppress, float("-inf"))
+
+
+def warp_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """Temperature -> top-k -> top-p on [..., vocab] fp32 logits (HF warper semantics)."""
+    logits = logits / temperature
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=False)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cum <= (1 - top_p)
+        remove_sorted[..., -1:] = False  # always keep the most likely id
+        remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+def draw(logits: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Sample from softmax(logits) with no host sync: argmax(p / Exp(1)) is a categorical draw."""
+    probs = logits.softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    return torch.argmax(probs / noise, dim=-1)
+
+
+def sample_code0(
+    logits: Tensor,
+    seen: Tensor,
+    suppress: Tensor,
+    frame: int,
+    eos_id: int,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> Tensor:
+    logits = process_talker_logits(logits.float(), seen, suppress, frame, eos_id, params)
+    if not params.do_sample:
+        return torch.argmax(logits, dim=-1)
+    return draw(warp_logits(logits, params.temperature, params.top_k, params.top_p), generator)
+
+
+def sample_residual(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> Tensor:
+    logits = logits.float()
+    if not params.subtalker_do_sample:
+        return torch.argmax(logits, dim=-1)
+    warped = warp_logits(logits, params.subtalker_temperature, params.subtalker_top_k, params.subtalker_top_p)
+    return draw(warped, generator)
