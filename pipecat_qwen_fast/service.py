@@ -1,0 +1,540 @@
+"""EngineService: one GPU thread per loaded engine, many interleaved sessions, an asyncio API.
+
+The engine is not thread-safe and owns one device, so every engine call (load, open_session, step,
+close_session) happens on a single dedicated thread. That thread serves all sessions round-robin,
+one frame per session per round, so concurrent streams all progress and a long utterance cannot
+starve a short one. Adapters (Pipecat, LiveKit) talk to it from any event loop:
+
+    service = await get_shared_service("Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice")
+    async for chunk in service.stream(SynthesisRequest("Hello.", voice="ryan")):
+        play(chunk.pcm)
+
+Leaving the loop early (break, ``aclose()``, task cancellation) asks the thread to stop that
+session; it checks before every frame, so at most the frame already running completes. Engines
+are shared process-wide through a registry keyed by (model, device, dtype, backend), so a Pipecat
+pipeline and a LiveKit agent in one process load the weights once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import EngineClosedError
+
+logger = logging.getLogger("pipecat_qwen_fast.service")
+
+# Audio chunks a stream may hold unread before its session is paused: enough to ride out event-loop
+# hiccups, small enough that a stalled consumer holds a few seconds of audio at most.
+DEFAULT_MAX_BUFFERED_CHUNKS = 16
+# Finished streams kept for inspection (tests, debugging); each record is a few ints per frame.
+HISTORY_SIZE = 64
+
+
+@dataclass
+class StreamRecord:
+    """What the engine thread did for one stream, kept after the stream finishes.
+
+    ``frames_decoded`` is the engine session's own frame count when the session was closed;
+    ``frames_at_cancel`` is that count at the moment cancellation was requested, so
+    ``frames_decoded - frames_at_cancel`` is the work done after a barge-in (0 or 1).
+    ``ticks`` are the service-wide step numbers at which this stream's frames were decoded:
+    interleaved streams have interleaved ticks.
+    """
+
+    stream_id: int
+    frames_decoded: int = 0
+    frames_at_cancel: int | None = None
+    stop_reason: str | None = None
+    error: BaseException | None = None
+    opened: bool = False
+    closed: bool = False
+    ticks: list[int] = field(default_factory=list)
+    submitted_at: float = field(default_factory=time.monotonic)
+    first_chunk_at: float | None = None
+
+
+class _End:
+    """Terminal item of a stream's queue: normal end (error None) or the error to raise."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+
+class SynthesisStream:
+    """Async iterator over the AudioChunks of one request, fed by the engine thread.
+
+    Create it with :meth:`EngineService.open_stream` inside a running event loop. Iterating yields
+    ``AudioChunk`` objects; an engine error is raised from the iteration. ``cancel()`` or
+    ``aclose()`` stop the session's GPU work before its next frame.
+    """
+
+    def __init__(self, service: EngineService, request: Any, stream_id: int) -> None:
+        self.request = request
+        self.record = StreamRecord(stream_id=stream_id)
+        self._service = service
+        self._loop = asyncio.get_running_loop()
+        self._items: collections.deque[Any] = collections.deque()
+        self._ready = asyncio.Event()
+        self._finished = False
+        self._closed = concurrent.futures.Future[StreamRecord]()
+        self._closed.set_running_or_notify_cancel()
+        self.cancel_requested = False
+        self.session: Any = None
+
+    # -- consumer side (event loop) ----------------------------------------------------------
+
+    def __aiter__(self) -> SynthesisStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            while not self._items:
+                self._ready.clear()
+                if self._items:
+                    break
+                await self._ready.wait()
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        item = self._items.popleft()
+        self._service._wake.set()  # a paused (backpressured) session may run again
+        if isinstance(item, _End):
+            self._finished = True
+            if item.error is not None:
+                raise item.error
+            raise StopAsyncIteration
+        return item
+
+    def cancel(self) -> None:
+        """Ask the engine thread to stop this session before its next frame (idempotent)."""
+        if self._finished and self._closed.done():
+            return
+        if not self.cancel_requested:
+            session = self.session
+            self.record.frames_at_cancel = int(session.frames_decoded) if session is not None else 0
+            self.cancel_requested = True
+        self._finished = True
+        self._service._wake.set()
+
+    async def aclose(self) -> StreamRecord:
+        """Cancel if still running and wait until the engine thread has freed the session."""
+        self.cancel()
+        return await self.wait_closed()
+
+    async def wait_closed(self) -> StreamRecord:
+        """Wait until the engine thread has closed this stream's session; return its record."""
+        return await asyncio.shield(asyncio.wrap_future(self._closed))
+
+    @property
+    def done(self) -> bool:
+        return self._closed.done()
+
+    # -- producer side (engine thread) -------------------------------------------------------
+
+    def _post(self, item: Any) -> None:
+        self._items.append(item)
+        try:
+            self._loop.call_soon_threadsafe(self._ready.set)
+        except RuntimeError:
+            # The consumer's loop is gone: nobody will read this stream again.
+            self.cancel_requested = True
+
+    def _buffered(self) -> int:
+        return len(self._items)
+
+
+class EngineService:
+    """Owns one engine and the thread that runs it; serves many streams concurrently.
+
+    Use :func:`get_shared_service` (or :func:`shared_service`) rather than constructing one
+    directly, so every adapter in the process shares the loaded engine.
+
+    Args:
+        loader: called once on the engine thread to build the engine (so CUDA state and weights
+            belong to that thread); its exception becomes the service's load error.
+        name: thread name suffix, for debugging.
+        max_buffered_chunks: unread chunks per stream before its session is paused.
+    """
+
+    def __init__(
+        self,
+        loader: Callable[[], Any],
+        *,
+        name: str = "engine",
+        max_buffered_chunks: int = DEFAULT_MAX_BUFFERED_CHUNKS,
+        owns_engine: bool = True,
+    ) -> None:
+        if max_buffered_chunks < 1:
+            raise ValueError(f"max_buffered_chunks must be >= 1, got {max_buffered_chunks}")
+        self._loader = loader
+        self._owns_engine = owns_engine
+        self._max_buffered = max_buffered_chunks
+        self._engine: Any = None
+        self._ready = concurrent.futures.Future[Any]()
+        self._ready.set_running_or_notify_cancel()  # awaiting callers must not cancel the load
+        self._lock = threading.Lock()
+        self._inbox: list[SynthesisStream] = []
+        self._active: list[SynthesisStream] = []
+        self._wake = threading.Event()
+        self._closing = False
+        self._dead: BaseException | None = None
+        self._ids = itertools.count(1)
+        self._tick = 0
+        self.history: collections.deque[StreamRecord] = collections.deque(maxlen=HISTORY_SIZE)
+        self._on_exit: Callable[[EngineService], None] | None = None
+        self._thread = threading.Thread(
+            target=self._run, name=f"qwen-fast-{name}", daemon=True
+        )
+        self._thread.start()
+
+    @classmethod
+    def for_engine(cls, engine: Any, **kwargs: Any) -> EngineService:
+        """Serve an engine that is already loaded (it must not be used by other threads).
+
+        The caller keeps ownership: closing the service does not close the engine.
+        """
+        return cls(lambda: engine, owns_engine=False, **kwargs)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def wait_ready(self) -> EngineService:
+        """Wait for the engine to load; raise its load error (e.g. ModelLoadError) if it failed."""
+        await asyncio.shield(asyncio.wrap_future(self._ready))
+        return self
+
+    def wait_ready_blocking(self, timeout: float | None = None) -> EngineService:
+        self._ready.result(timeout)
+        return self
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.done() and self._ready.exception() is None
+
+    @property
+    def alive(self) -> bool:
+        """False once closed, dead after a fatal fault, or failed to load."""
+        if self._closing or self._dead is not None:
+            return False
+        return not (self._ready.done() and self._ready.exception() is not None)
+
+    @property
+    def engine(self) -> Any:
+        """The loaded engine. Only the service thread may call its methods."""
+        return self._ready.result(0) if self._ready.done() else None
+
+    @property
+    def sample_rate(self) -> int:
+        return int(self._require_engine().sample_rate)
+
+    @property
+    def voices(self) -> list[str]:
+        return list(self._require_engine().voices)
+
+    @property
+    def languages(self) -> list[str]:
+        return list(self._require_engine().languages)
+
+    @property
+    def model_type(self) -> str:
+        return str(self._require_engine().model_type)
+
+    @property
+    def steps_run(self) -> int:
+        """Frames decoded by this service across all streams (one engine.step each)."""
+        return self._tick
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Stop accepting work, end every open stream with EngineClosedError, join the thread."""
+        self._closing = True
+        self._wake.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    async def aclose(self, timeout: float | None = 30.0) -> None:
+        """Like close(), without blocking the event loop while the thread finishes its frame."""
+        self._closing = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join, timeout)
+
+    async def __aenter__(self) -> EngineService:
+        return await self.wait_ready()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def open_stream(self, request: Any) -> SynthesisStream:
+        """Queue a request; return the stream its chunks arrive on. Needs a running loop.
+
+        Validation and prefill run on the engine thread, so an invalid request surfaces as an
+        exception from the first iteration (InvalidInputError etc. from the engine).
+        """
+        stream = SynthesisStream(self, request, next(self._ids))
+        with self._lock:
+            if not self.alive:
+                raise self._closed_error()
+            self._inbox.append(stream)
+        self._wake.set()
+        return stream
+
+    async def stream(self, request: Any) -> AsyncIterator[Any]:
+        """Yield the request's AudioChunks; leaving the loop early cancels the session."""
+        await self.wait_ready()
+        stream = self.open_stream(request)
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            stream.cancel()
+
+    async def synthesize(self, request: Any) -> np.ndarray:
+        """Whole-utterance int16 PCM at ``sample_rate`` (concatenated stream chunks)."""
+        parts = [chunk.pcm async for chunk in self.stream(request)]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int16)
+
+    def _closed_error(self) -> EngineClosedError:
+        if self._dead is not None:
+            err = EngineClosedError(
+                f"the TTS engine stopped after a fatal fault ({type(self._dead).__name__}: "
+                f"{self._dead}); a new service must be created"
+            )
+            err.__cause__ = self._dead
+            return err
+        if self._ready.done() and (load_error := self._ready.exception()) is not None:
+            err = EngineClosedError(f"the TTS engine failed to load: {load_error}")
+            err.__cause__ = load_error
+            return err
+        return EngineClosedError("the TTS engine service is closed")
+
+    def _require_engine(self) -> Any:
+        if not self._ready.done():
+            raise EngineClosedError("the TTS engine is still loading; await wait_ready() first")
+        return self._ready.result()
+
+    # -- engine thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            engine = self._loader()
+        except BaseException as exc:  # noqa: BLE001 - any load failure is the caller's error
+            self._ready.set_exception(exc)
+            self._finish_thread(None)
+            return
+        self._engine = engine
+        self._ready.set_result(engine)
+        fault: BaseException | None = None
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiting caller below
+            fault = exc
+            self._dead = exc
+            logger.error("engine thread died: %s: %s", type(exc).__name__, exc)
+        finally:
+            self._finish_thread(fault)
+
+    def _serve(self) -> None:
+        while True:
+            self._wake.clear()
+            with self._lock:
+                new, self._inbox = self._inbox, []
+                closing = self._closing
+            if closing:
+                for stream in new:
+                    self._end(stream, EngineClosedError("the TTS engine service is closed"))
+                return
+            for stream in new:
+                self._open(stream)
+            progressed = False
+            for stream in list(self._active):
+                if stream.cancel_requested:
+                    self._finish(stream, None, reason="cancelled")
+                elif stream._buffered() < self._max_buffered:
+                    self._step(stream)
+                    progressed = True
+            if not progressed:
+                self._wake.wait()
+
+    def _open(self, stream: SynthesisStream) -> None:
+        if stream.cancel_requested:
+            self._end(stream, None, reason="cancelled")
+            return
+        try:
+            stream.session = self._engine.open_session(stream.request)
+        except Exception as exc:  # noqa: BLE001 - delivered to the caller
+            if _is_fatal(exc):
+                raise
+            self._end(stream, exc)
+            return
+        stream.record.opened = True
+        self._active.append(stream)
+
+    def _step(self, stream: SynthesisStream) -> None:
+        session = stream.session
+        try:
+            chunks = self._engine.step(session)
+        except Exception as exc:  # noqa: BLE001 - delivered to the caller
+            if _is_fatal(exc):
+                raise
+            self._finish(stream, exc)
+            return
+        self._tick += 1
+        record = stream.record
+        record.ticks.append(self._tick)
+        record.frames_decoded = int(session.frames_decoded)
+        for chunk in chunks:
+            if record.first_chunk_at is None:
+                record.first_chunk_at = time.monotonic()
+            stream._post(chunk)
+        if session.done:
+            self._finish(stream, None, reason=session.stop_reason)
+
+    def _finish(self, stream: SynthesisStream, error: BaseException | None, *, reason: Any = None) -> None:
+        self._active.remove(stream)
+        session = stream.session
+        if session is not None:
+            stream.record.frames_decoded = int(session.frames_decoded)
+            if reason is None:
+                reason = session.stop_reason
+            try:
+                self._engine.close_session(session)
+            except Exception as exc:  # noqa: BLE001
+                if _is_fatal(exc):
+                    raise
+                logger.warning("close_session failed: %s: %s", type(exc).__name__, exc)
+        self._end(stream, error, reason=reason)
+
+    def _end(self, stream: SynthesisStream, error: BaseException | None, *, reason: Any = None) -> None:
+        record = stream.record
+        record.stop_reason = "cancelled" if stream.cancel_requested else reason
+        if error is not None and record.stop_reason is None:
+            record.stop_reason = "error"
+        record.error = error
+        record.closed = True
+        stream.session = None
+        self.history.append(record)
+        # Closed before the end marker is visible, so a consumer that sees the end never races
+        # the thread into recording a cancellation.
+        stream._closed.set_result(record)
+        stream._post(_End(error))
+
+    def _finish_thread(self, fault: BaseException | None) -> None:
+        with self._lock:
+            self._closing = True
+            pending, self._inbox = self._inbox, []
+        error = self._closed_error()
+        for stream in self._active + pending:
+            if stream.session is not None and fault is None:
+                try:
+                    self._engine.close_session(stream.session)
+                except Exception:  # noqa: BLE001 - shutting down anyway
+                    pass
+            self._end(stream, error)
+        self._active = []
+        if self._owns_engine and self._engine is not None and fault is None:
+            try:
+                self._engine.close()
+            except Exception as exc:  # noqa: BLE001 - shutting down anyway
+                logger.warning("engine close failed: %s: %s", type(exc).__name__, exc)
+        self._engine = None
+        if self._on_exit is not None:
+            self._on_exit(self)
+
+
+def _is_fatal(exc: BaseException) -> bool:
+    """Faults that poison the device for every session (sticky CUDA errors), not just one."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    return accelerator_error is not None and isinstance(exc, accelerator_error)
+
+
+# -- process-wide registry ----------------------------------------------------------------------
+
+_registry: dict[tuple[str, str, str, str], EngineService] = {}
+_registry_lock = threading.Lock()
+
+
+def registry_key(model: str | os.PathLike[str], device: str, dtype: str, backend: str) -> tuple[str, str, str, str]:
+    """Local folders are keyed by their real path, so './m' and '/abs/m' share one engine."""
+    name = os.fspath(model)
+    expanded = os.path.expanduser(name)
+    if os.path.exists(expanded):
+        name = os.path.realpath(expanded)
+    return (name, str(device), str(dtype), str(backend))
+
+
+def shared_service(
+    model: str | os.PathLike[str],
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    backend: str = "auto",
+) -> EngineService:
+    """Return the process-wide service for this model, starting its load if needed.
+
+    Does not block: loading runs on the service's own thread. Await ``wait_ready()`` (or use
+    :func:`get_shared_service`) before reading ``sample_rate``/``voices``. A service that failed
+    to load, died or was closed is replaced on the next call.
+    """
+    key = registry_key(model, device, dtype, backend)
+    with _registry_lock:
+        service = _registry.get(key)
+        if service is not None and service.alive:
+            return service
+
+        def load() -> Any:
+            from .engine import QwenTTSEngine
+
+            return QwenTTSEngine.from_pretrained(key[0], device=device, dtype=dtype, backend=backend)
+
+        service = EngineService(load, name=os.path.basename(key[0].rstrip("/")) or "engine")
+        service._on_exit = _forget
+        _registry[key] = service
+        return service
+
+
+async def get_shared_service(
+    model: str | os.PathLike[str],
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    backend: str = "auto",
+) -> EngineService:
+    """Shared service for this model, loaded (raises the load error, e.g. ModelLoadError)."""
+    service = shared_service(model, device=device, dtype=dtype, backend=backend)
+    return await service.wait_ready()
+
+
+def _forget(service: EngineService) -> None:
+    with _registry_lock:
+        for key, value in list(_registry.items()):
+            if value is service:
+                del _registry[key]
+
+
+async def close_shared_services() -> None:
+    """Close every shared service (tests, process shutdown)."""
+    with _registry_lock:
+        services = list(_registry.values())
+        _registry.clear()
+    for service in services:
+        await service.aclose()

@@ -1,0 +1,308 @@
+"""Pipecat text-to-speech service for self-hosted Qwen3-TTS (pipecat-qwen-fast engine).
+
+Tested with Pipecat v1.14.0. Usage::
+
+    from pipecat_qwen_fast import QwenFastTTSService
+
+    tts = QwenFastTTSService(
+        settings=QwenFastTTSService.Settings(
+            model="Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice", voice="ryan", language="english"
+        )
+    )
+
+All services in a process that name the same model share one loaded engine and one GPU thread
+(see :mod:`pipecat_qwen_fast.service`), so many pipelines can run side by side on one GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+from loguru import logger
+
+try:
+    from pipecat.audio.utils import create_stream_resampler
+    from pipecat.frames.frames import ErrorFrame, Frame, StartFrame, TTSAudioRawFrame
+    from pipecat.processors.frame_processor import FrameProcessorSetup
+    from pipecat.services.settings import TTSSettings
+    from pipecat.services.tts_service import TTSService
+    from pipecat.transcriptions.language import Language, resolve_language
+    from pipecat.utils.tracing.service_decorators import traced_tts
+    from pipecat.utils.types import NOT_GIVEN, NotGiven
+except ModuleNotFoundError as e:  # pragma: no cover - depends on the install
+    logger.error(f"Exception: {e}")
+    logger.error(
+        'In order to use QwenFastTTSService, you need to `pip install "pipecat-qwen-fast[pipecat]"`.'
+    )
+    raise ImportError(f"Missing module: {e}") from e
+
+from .errors import EngineClosedError, InvalidInputError, ModelLoadError, QwenTTSError
+from .service import EngineService, SynthesisStream, shared_service
+
+DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
+# The first utterance after a cold start can take seconds (CUDA context, kernel warm-up, CPU
+# fallback); Pipecat's 3 s default would close the audio context before its first audio arrives.
+DEFAULT_STOP_FRAME_TIMEOUT_S = 10.0
+
+_LANGUAGE_MAP = {
+    Language.ZH: "chinese",
+    Language.EN: "english",
+    Language.DE: "german",
+    Language.IT: "italian",
+    Language.PT: "portuguese",
+    Language.ES: "spanish",
+    Language.JA: "japanese",
+    Language.KO: "korean",
+    Language.FR: "french",
+    Language.RU: "russian",
+}
+
+
+def language_to_qwen_language(language: Language) -> str:
+    """Map a Pipecat ``Language`` to a Qwen3-TTS language name ("english", "chinese", ...).
+
+    Languages Qwen3-TTS does not know resolve to their base code, which the engine then rejects
+    with the list of valid names.
+    """
+    result = resolve_language(language, _LANGUAGE_MAP, use_base_code=True)
+    if result not in _LANGUAGE_MAP.values():
+        by_code = {str(k): v for k, v in _LANGUAGE_MAP.items()}
+        result = by_code.get(result, result)
+    return result
+
+
+@dataclass
+class QwenFastTTSSettings(TTSSettings):
+    """Runtime-updatable settings for :class:`QwenFastTTSService`.
+
+    Parameters:
+        model: Hugging Face id or local folder of a Qwen3-TTS checkpoint. Changing it at runtime
+            loads (or reuses) that model's shared engine on the next utterance.
+        voice: CustomVoice speaker name ("ryan", "serena", ...); None picks the model's default.
+        language: Qwen3-TTS language name or Pipecat ``Language``; "auto" lets the model decide.
+        instruct: Style instruction (VoiceDesign, 1.7B CustomVoice); None for none.
+    """
+
+    instruct: str | None | NotGiven = field(default_factory=lambda: NOT_GIVEN)
+
+
+class QwenFastTTSService(TTSService):
+    """Pipecat TTS service running Qwen3-TTS in-process on the pipecat-qwen-fast engine.
+
+    Audio is int16 mono, produced at the engine's 24 kHz and resampled to the pipeline's output
+    rate. The model loads on the engine's own thread when the pipeline starts, so the event loop
+    is never blocked. An interruption stops the engine's work for the interrupted context before
+    its next frame.
+    """
+
+    Settings = QwenFastTTSSettings
+    _settings: Settings
+
+    def __init__(
+        self,
+        *,
+        model: str | os.PathLike[str] | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        backend: str = "auto",
+        seed: int | None = None,
+        greedy: bool = False,
+        text_mode: str | None = None,
+        first_chunk_frames: int = 1,
+        chunk_frames: int = 4,
+        max_frames: int | None = None,
+        engine_service: EngineService | None = None,
+        stop_frame_timeout_s: float = DEFAULT_STOP_FRAME_TIMEOUT_S,
+        settings: Settings | None = None,
+        **kwargs: Any,
+    ):
+        """Initialize the service.
+
+        Args:
+            model: Shorthand for ``settings.model`` (a hub id or local checkpoint folder).
+            device: "auto", "cuda", "cuda:N" or "cpu".
+            dtype: "auto", "bfloat16", "float16" or "float32".
+            backend: "auto", "megakernel" or "torch".
+            seed: Sampling seed for every utterance (reproducible audio); None for fresh
+                randomness.
+            greedy: Decode greedily instead of sampling.
+            text_mode: "prefill" (whole text in the prompt) or "dual_track" (streamed text);
+                None uses the model variant's official default.
+            first_chunk_frames: Codec frames (80 ms each) in the first audio chunk.
+            chunk_frames: Codec frames in every later chunk.
+            max_frames: Cap on frames per utterance; None uses the model's limit.
+            engine_service: Use this EngineService instead of the process-wide shared one.
+            stop_frame_timeout_s: Idle time before a context is considered finished; large
+                enough by default for a cold first utterance.
+            settings: Runtime-updatable settings (model, voice, language, instruct).
+            **kwargs: Passed to Pipecat's ``TTSService`` (sample_rate, text_transforms, ...).
+        """
+        default_settings = self.Settings(
+            model=DEFAULT_MODEL, voice=None, language="auto", instruct=None
+        )
+        if model is not None:
+            default_settings.model = os.fspath(model)
+        if settings is not None:
+            default_settings.apply_update(settings)
+
+        super().__init__(
+            push_start_frame=True,
+            push_stop_frames=True,
+            stop_frame_timeout_s=stop_frame_timeout_s,
+            settings=default_settings,
+            **kwargs,
+        )
+        self._device = device
+        self._dtype = dtype
+        self._backend = backend
+        self._generation = {
+            "seed": seed,
+            "greedy": greedy,
+            "text_mode": text_mode,
+            "first_chunk_frames": first_chunk_frames,
+            "chunk_frames": chunk_frames,
+            "max_frames": max_frames,
+        }
+        self._explicit_service = engine_service
+        self._service: EngineService | None = engine_service
+        self._streams: dict[str, set[SynthesisStream]] = {}
+
+    @property
+    def engine_service(self) -> EngineService | None:
+        """The EngineService this Pipecat service synthesizes with (None before setup)."""
+        return self._service
+
+    def can_generate_metrics(self) -> bool:
+        """TTFB, TTFA, processing and usage (characters) metrics are all reported."""
+        return True
+
+    def language_to_service_language(self, language: Language) -> str | None:
+        """Map a Pipecat ``Language`` to a Qwen3-TTS language name."""
+        return language_to_qwen_language(language)
+
+    #
+    # Lifecycle
+    #
+
+    async def setup(self, setup: FrameProcessorSetup):
+        """Start loading the model on the engine thread (returns at once)."""
+        await super().setup(setup)
+        self._acquire_service()
+
+    async def start(self, frame: StartFrame):
+        """Wait for the model to load; a load failure is a permanent error for this service."""
+        await super().start(frame)
+        await self._wait_for_service()
+
+    async def on_audio_context_interrupted(self, context_id: str):
+        """Stop the engine's work for an interrupted context before its next frame."""
+        for stream in self._streams.pop(context_id, set()):
+            stream.cancel()
+        await super().on_audio_context_interrupted(context_id)
+
+    async def cleanup(self):
+        """Stop this service's streams; the shared engine stays loaded for other users."""
+        for streams in self._streams.values():
+            for stream in streams:
+                stream.cancel()
+        self._streams.clear()
+        await super().cleanup()
+
+    async def _update_settings(self, delta: Settings) -> dict[str, Any]:
+        changed = await super()._update_settings(delta)
+        if "model" in changed and self._explicit_service is None:
+            self._service = None
+            self._acquire_service()
+        return changed
+
+    def _acquire_service(self) -> EngineService:
+        if self._service is None or (self._explicit_service is None and not self._service.alive):
+            model = self._settings.model or DEFAULT_MODEL
+            self._service = shared_service(
+                model, device=self._device, dtype=self._dtype, backend=self._backend
+            )
+        return self._service
+
+    async def _wait_for_service(self) -> EngineService | None:
+        """The loaded service, or None after pushing a permanent error for a failed load."""
+        service = self._acquire_service()
+        try:
+            return await service.wait_ready()
+        except Exception as e:
+            await self.push_error(
+                f"{self}: could not load the Qwen3-TTS model: {e}",
+                exception=e,
+                force_treat_as_permanent=True,
+            )
+            return None
+
+    #
+    # Synthesis
+    #
+
+    def _build_request(self, text: str) -> Any:
+        from .engine import SynthesisRequest
+
+        language = self._settings.language
+        return SynthesisRequest(
+            text,
+            voice=self._settings.voice or None,
+            language=str(language) if language else "auto",
+            instruct=self._settings.instruct or None,
+            **self._generation,
+        )
+
+    @traced_tts
+    async def run_tts(self, text: str, context_id: str) -> AsyncGenerator[Frame | None, None]:
+        """Synthesize one sentence; yields int16 mono ``TTSAudioRawFrame``s at the pipeline rate.
+
+        Args:
+            text: The sentence to speak.
+            context_id: The audio context this sentence belongs to.
+        """
+        service = await self._wait_for_service()
+        if service is None:
+            return
+        stream: SynthesisStream | None = None
+        try:
+            stream = service.open_stream(self._build_request(text))
+            self._streams.setdefault(context_id, set()).add(stream)
+            await self.start_tts_usage_metrics(text)
+            in_rate = service.sample_rate
+            resampler = create_stream_resampler() if in_rate != self.sample_rate else None
+            async for chunk in stream:
+                audio = chunk.pcm.tobytes()
+                if resampler is not None:
+                    audio = await resampler.resample(audio, in_rate, self.sample_rate)
+                if audio:
+                    await self.stop_ttfb_metrics()
+                    yield TTSAudioRawFrame(audio, self.sample_rate, 1, context_id=context_id)
+            if resampler is not None and (tail := await resampler.flush()):
+                yield TTSAudioRawFrame(tail, self.sample_rate, 1, context_id=context_id)
+        except InvalidInputError as e:
+            # A bad request (unknown voice, empty text, ...) says nothing about the service's
+            # health: the next request may well be fine.
+            yield ErrorFrame(error=f"{self}: {e}")
+        except (ModelLoadError, EngineClosedError) as e:
+            await self.push_error(
+                f"{self}: the Qwen3-TTS engine is unavailable: {e}",
+                exception=e,
+                force_treat_as_permanent=True,
+            )
+        except QwenTTSError as e:
+            yield ErrorFrame(error=f"{self}: {e}")
+        except Exception as e:
+            logger.error(f"{self}: synthesis failed: {type(e).__name__}: {e}")
+            yield ErrorFrame(error=f"{self}: synthesis failed: {type(e).__name__}: {e}")
+        finally:
+            if stream is not None:
+                stream.cancel()
+                streams = self._streams.get(context_id)
+                if streams is not None:
+                    streams.discard(stream)
+                    if not streams:
+                        del self._streams[context_id]
+            await self.stop_ttfb_metrics()
