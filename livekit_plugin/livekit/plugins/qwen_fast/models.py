@@ -1,0 +1,41 @@
+# Copyright 2026 pipecat-qwen-fast authors
+# SPDX-License-Identifier: Apache-2.0
+
+"""Names the plugin accepts. Any local checkpoint folder works as a model too."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+TTSModels = Literal[
+    "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice",
+    "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice",
+    "Qwen/Qwen3-TTS-12Hz-1.7B-VoiceDesign",
+    "Qwen/Qwen3-TTS-12Hz-0.6B-Base",
+    "Qwen/Qwen3-TTS-12Hz-1.7B-Base",
+]
+
+# CustomVoice speakers (spec §4.1); eric and dylan speak dialects when language is chinese/auto.
+TTSVoices = Literal[
+    "aiden", "dylan", "eric", "ono_anna", "ryan", "serena", "sohee", "uncle_fu", "vivian"
+]
+
+TTSLanguages = Literal[
+    "auto",
+    "chinese",
+    "english",
+    "german",
+    "italian",
+    "portuguese",
+    "spanish",
+    "japanese",
+    "korean",
+    "french",
+    "russian",
+    "beijing_dialect",
+    "sichuan_dialect",
+]
+
+TTSBackends = Literal["auto", "megakernel", "torch"]
+
+DEFAULT_MODEL: TTSModels = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"

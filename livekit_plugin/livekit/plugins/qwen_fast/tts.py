@@ -1,0 +1,316 @@
+# Copyright 2026 pipecat-qwen-fast authors
+# SPDX-License-Identifier: Apache-2.0
+
+"""LiveKit Agents TTS running Qwen3-TTS in-process on the pipecat-qwen-fast engine.
+
+Every TTS instance naming the same model shares one loaded engine and its GPU thread (the
+process-wide registry in :mod:`pipecat_qwen_fast.service`), so a TTS shared by many
+``AgentSession``s serves them concurrently, frame by frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import weakref
+from dataclasses import dataclass, replace
+from typing import Any
+
+from livekit.agents import (
+    APIConnectionError,
+    APIConnectOptions,
+    APIError,
+    tokenize,
+    tts,
+    utils,
+)
+from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, NOT_GIVEN, NotGivenOr
+from livekit.agents.utils import is_given
+
+from pipecat_qwen_fast.engine import SAMPLE_RATE, SynthesisRequest
+from pipecat_qwen_fast.errors import EngineClosedError, InvalidInputError, QwenTTSError
+from pipecat_qwen_fast.service import EngineService, SynthesisStream, shared_service
+
+from .log import logger
+from .models import DEFAULT_MODEL, TTSBackends, TTSLanguages, TTSModels, TTSVoices
+
+NUM_CHANNELS = 1
+
+
+@dataclass
+class _TTSOptions:
+    model: str
+    voice: str | None
+    language: str
+    instruct: str | None
+    seed: int | None
+    greedy: bool
+    text_mode: str | None
+    first_chunk_frames: int
+    chunk_frames: int
+    max_frames: int | None
+
+    def request(self, text: str) -> SynthesisRequest:
+        return SynthesisRequest(
+            text,
+            voice=self.voice,
+            language=self.language,
+            instruct=self.instruct,
+            seed=self.seed,
+            greedy=self.greedy,
+            text_mode=self.text_mode,
+            first_chunk_frames=self.first_chunk_frames,
+            chunk_frames=self.chunk_frames,
+            max_frames=self.max_frames,
+        )
+
+
+class TTS(tts.TTS):
+    def __init__(
+        self,
+        *,
+        model: TTSModels | str | os.PathLike[str] = DEFAULT_MODEL,
+        voice: TTSVoices | str | None = None,
+        language: TTSLanguages | str = "auto",
+        instruct: str | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        backend: TTSBackends | str = "auto",
+        seed: int | None = None,
+        greedy: bool = False,
+        text_mode: str | None = None,
+        first_chunk_frames: int = 1,
+        chunk_frames: int = 4,
+        max_frames: int | None = None,
+        engine_service: EngineService | None = None,
+        sentence_tokenizer: NotGivenOr[tokenize.SentenceTokenizer] = NOT_GIVEN,
+    ) -> None:
+        """Create a Qwen3-TTS text-to-speech for LiveKit Agents.
+
+        Args:
+            model: Hugging Face id or local folder of a Qwen3-TTS checkpoint.
+            voice: CustomVoice speaker ("ryan", "serena", ...); None picks the model's default.
+            language: Qwen3-TTS language name; "auto" lets the model decide.
+            instruct: Style instruction (VoiceDesign and 1.7B CustomVoice models).
+            device: "auto", "cuda", "cuda:N" or "cpu".
+            dtype: "auto", "bfloat16", "float16" or "float32".
+            backend: "auto", "megakernel" or "torch".
+            seed: Sampling seed for every utterance (reproducible audio); None for fresh
+                randomness.
+            greedy: Decode greedily instead of sampling.
+            text_mode: "prefill" or "dual_track"; None uses the model variant's default.
+            first_chunk_frames: Codec frames (80 ms each) in the first audio chunk.
+            chunk_frames: Codec frames in every later chunk.
+            max_frames: Cap on frames per utterance; None uses the model's limit.
+            engine_service: Use this EngineService instead of the process-wide shared one.
+            sentence_tokenizer: Splits streamed text into sentences (default: blingfire).
+        """
+        super().__init__(
+            capabilities=tts.TTSCapabilities(streaming=True),
+            sample_rate=SAMPLE_RATE,
+            num_channels=NUM_CHANNELS,
+        )
+        self._opts = _TTSOptions(
+            model=os.fspath(model),
+            voice=voice,
+            language=language,
+            instruct=instruct,
+            seed=seed,
+            greedy=greedy,
+            text_mode=text_mode,
+            first_chunk_frames=first_chunk_frames,
+            chunk_frames=chunk_frames,
+            max_frames=max_frames,
+        )
+        self._device = device
+        self._dtype = dtype
+        self._backend = backend
+        self._explicit_service = engine_service
+        self._service: EngineService | None = engine_service
+        self._sentence_tokenizer = (
+            sentence_tokenizer if is_given(sentence_tokenizer) else tokenize.blingfire.SentenceTokenizer()
+        )
+        self._streams: weakref.WeakSet[ChunkedStream | SynthesizeStream] = weakref.WeakSet()
+
+    @property
+    def model(self) -> str:
+        return self._opts.model
+
+    @property
+    def provider(self) -> str:
+        return "qwen-fast"
+
+    @property
+    def engine_service(self) -> EngineService | None:
+        """The EngineService this TTS synthesizes with (None until first use or prewarm)."""
+        return self._service
+
+    def update_options(
+        self,
+        *,
+        model: NotGivenOr[TTSModels | str] = NOT_GIVEN,
+        voice: NotGivenOr[TTSVoices | str | None] = NOT_GIVEN,
+        language: NotGivenOr[TTSLanguages | str] = NOT_GIVEN,
+        instruct: NotGivenOr[str | None] = NOT_GIVEN,
+    ) -> None:
+        """Change options for later requests; requests already running keep their snapshot."""
+        if is_given(model) and os.fspath(model) != self._opts.model:
+            self._opts.model = os.fspath(model)
+            if self._explicit_service is None:
+                self._service = None
+        if is_given(voice):
+            self._opts.voice = voice
+        if is_given(language):
+            self._opts.language = language
+        if is_given(instruct):
+            self._opts.instruct = instruct
+
+    def prewarm(self) -> None:
+        """Start loading the model on the engine thread without waiting for it."""
+        self._acquire_service()
+
+    def synthesize(
+        self, text: str, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS
+    ) -> ChunkedStream:
+        stream = ChunkedStream(tts=self, input_text=text, conn_options=conn_options)
+        self._streams.add(stream)
+        return stream
+
+    def stream(
+        self, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS
+    ) -> SynthesizeStream:
+        stream = SynthesizeStream(tts=self, conn_options=conn_options)
+        self._streams.add(stream)
+        return stream
+
+    async def aclose(self) -> None:
+        """Close this TTS's open streams; the shared engine stays loaded for other users."""
+        for stream in list(self._streams):
+            await stream.aclose()
+        self._streams.clear()
+
+    def _acquire_service(self) -> EngineService:
+        service = self._service
+        if service is None or (self._explicit_service is None and not service.alive):
+            service = shared_service(
+                self._opts.model, device=self._device, dtype=self._dtype, backend=self._backend
+            )
+            self._service = service
+        return service
+
+    async def _ready_service(self) -> EngineService:
+        service = self._acquire_service()
+        try:
+            return await service.wait_ready()
+        except Exception as e:
+            # A missing folder, a bad config or an unknown hub id stays broken on retry.
+            detail = str(e) if isinstance(e, QwenTTSError) else f"{type(e).__name__}: {e}"
+            raise APIError(f"could not load the Qwen3-TTS model: {detail}", retryable=False) from None
+
+
+async def _speak(tts_: TTS, opts: _TTSOptions, text: str, emitter: tts.AudioEmitter) -> None:
+    """Synthesize one sentence into the emitter, mapping engine errors to LiveKit's APIError."""
+    service = await tts_._ready_service()
+    stream: SynthesisStream | None = None
+    try:
+        stream = service.open_stream(opts.request(text))
+        async for chunk in stream:
+            emitter.push(chunk.pcm.tobytes())
+    except InvalidInputError as e:
+        # The engine's message names the bad field and the valid choices, never the text.
+        raise APIError(str(e), retryable=False) from None
+    except EngineClosedError as e:
+        # The registry replaces a dead engine on the next request, so a retry can succeed.
+        raise APIConnectionError(f"the Qwen3-TTS engine stopped: {e}", retryable=True) from None
+    except QwenTTSError as e:
+        raise APIError(str(e), retryable=False) from None
+    except (asyncio.CancelledError, APIError):
+        raise
+    except Exception as e:
+        logger.error("synthesis failed: %s: %s", type(e).__name__, e)
+        raise APIError(f"synthesis failed: {type(e).__name__}: {e}", retryable=True) from None
+    finally:
+        if stream is not None:
+            stream.cancel()
+
+
+class ChunkedStream(tts.ChunkedStream):
+    """One text in, its audio out."""
+
+    def __init__(self, *, tts: TTS, input_text: str, conn_options: APIConnectOptions) -> None:
+        super().__init__(tts=tts, input_text=input_text, conn_options=conn_options)
+        self._tts: TTS = tts
+        self._opts = replace(tts._opts)
+
+    async def _run(self, output_emitter: tts.AudioEmitter) -> None:
+        output_emitter.initialize(
+            request_id=utils.shortuuid(),
+            sample_rate=SAMPLE_RATE,
+            num_channels=NUM_CHANNELS,
+            mime_type="audio/pcm",
+        )
+        logger.debug("synthesizing", extra={"lk.pii.text": self._input_text})
+        await _speak(self._tts, self._opts, self._input_text, output_emitter)
+        output_emitter.flush()
+
+
+class SynthesizeStream(tts.SynthesizeStream):
+    """Streamed text in; each flush closes one segment, synthesized sentence by sentence."""
+
+    def __init__(self, *, tts: TTS, conn_options: APIConnectOptions) -> None:
+        super().__init__(tts=tts, conn_options=conn_options)
+        self._tts: TTS = tts
+        self._opts = replace(tts._opts)
+
+    async def _run(self, output_emitter: tts.AudioEmitter) -> None:
+        output_emitter.initialize(
+            request_id=utils.shortuuid(),
+            sample_rate=SAMPLE_RATE,
+            num_channels=NUM_CHANNELS,
+            mime_type="audio/pcm",
+            stream=True,
+        )
+        segments = utils.aio.Chan[tokenize.SentenceStream]()
+        opened: list[tokenize.SentenceStream] = []
+
+        async def split_segments() -> None:
+            sentences: tokenize.SentenceStream | None = None
+            async for data in self._input_ch:
+                if isinstance(data, self._FlushSentinel):
+                    if sentences is not None:
+                        sentences.end_input()
+                        sentences = None
+                    continue
+                if sentences is None:
+                    sentences = self._tts._sentence_tokenizer.stream()
+                    opened.append(sentences)
+                    segments.send_nowait(sentences)
+                sentences.push_text(data)
+            if sentences is not None:
+                sentences.end_input()
+            segments.close()
+
+        async def speak_segments() -> None:
+            async for sentences in segments:
+                output_emitter.start_segment(segment_id=utils.shortuuid())
+                async for ev in sentences:
+                    if not ev.token.strip():
+                        continue
+                    self._mark_started()
+                    logger.debug("synthesizing sentence", extra={"lk.pii.text": ev.token})
+                    await _speak(self._tts, self._opts, ev.token, output_emitter)
+                output_emitter.end_segment()
+
+        tasks = [
+            asyncio.create_task(split_segments(), name="qwen_fast.split_segments"),
+            asyncio.create_task(speak_segments(), name="qwen_fast.speak_segments"),
+        ]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            await utils.aio.cancel_and_wait(*tasks)
+            for sentences in opened:
+                await sentences.aclose()
+
+
+__all__ = ["TTS", "ChunkedStream", "SynthesizeStream"]
