@@ -1,0 +1,272 @@
+"""The Pipecat demo: a voice bot on the SmallWebRTC transport with Pipecat's prebuilt browser UI.
+
+    python -m demo_agent pipecat            # then open http://localhost:7860/
+
+One HTTP server serves the UI (``/client/``) and the WebRTC signalling the UI speaks (``/start``,
+then ``/sessions/{id}/api/offer``; plain ``/api/offer`` for other clients). Each browser
+connection gets its own pipeline:
+
+    transport in -> [Deepgram STT] -> user context -> LLM -> Qwen3-TTS -> transport out
+
+With DEEPGRAM_API_KEY set, speech is transcribed (Silero VAD finds the turns); with
+OPENAI_API_KEY set, an OpenAI model answers. Without keys it runs offline: the UI's text box
+sends the typed text, :class:`~demo_agent.pipecat_llm.OfflineLLM` answers, and our TTS speaks.
+The model is loaded once, before the server accepts its first connection; every session shares
+it through the engine service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import BackgroundTasks, FastAPI, HTTPException, Request
+from fastapi.responses import RedirectResponse
+from loguru import logger as pipecat_logger
+from pipecat.frames.frames import TTSSpeakFrame
+from pipecat.pipeline.pipeline import Pipeline
+from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+from pipecat.processors.aggregators.llm_context import LLMContext
+from pipecat.processors.aggregators.llm_response_universal import (
+    LLMContextAggregatorPair,
+    LLMUserAggregatorParams,
+)
+from pipecat.transports.base_transport import TransportParams
+from pipecat.transports.smallwebrtc.connection import SmallWebRTCConnection
+from pipecat.transports.smallwebrtc.request_handler import (
+    IceCandidate,
+    SmallWebRTCPatchRequest,
+    SmallWebRTCRequest,
+    SmallWebRTCRequestHandler,
+)
+from pipecat.transports.smallwebrtc.transport import SmallWebRTCTransport
+from pipecat.workers.runner import WorkerRunner
+
+from pipecat_qwen_fast.service import EngineService
+from pipecat_qwen_fast.tts import QwenFastTTSService
+
+from .options import TTSOptions, cloud_keys
+from .pipecat_llm import OfflineLLM
+from .prompts import GREETING, SYSTEM_PROMPT
+
+logger = logging.getLogger("demo_agent.pipecat")
+
+@dataclass(frozen=True)
+class BotConfig:
+    """Everything a session needs; built once per process."""
+
+    tts: TTSOptions
+    service: EngineService
+    greeting: str = GREETING
+    idle_timeout_s: float = 300.0
+
+
+def create_tts(config: BotConfig) -> QwenFastTTSService:
+    opts = config.tts
+    return QwenFastTTSService(
+        engine_service=config.service,
+        seed=opts.seed,
+        max_frames=opts.max_frames,
+        settings=QwenFastTTSService.Settings(
+            model=opts.model, voice=opts.voice, language=opts.language
+        ),
+    )
+
+
+def create_stt_and_llm(deepgram_key: str | None, openai_key: str | None) -> tuple[Any, Any]:
+    """Cloud services where a key is set, the offline stand-in LLM where not (no offline STT)."""
+    stt = None
+    if deepgram_key:
+        try:
+            from pipecat.services.deepgram.stt import DeepgramSTTService
+        except ImportError as e:
+            raise RuntimeError(
+                'DEEPGRAM_API_KEY is set but Deepgram support is missing: '
+                'pip install "pipecat-ai[deepgram]" (or unset the key to type instead of talk)'
+            ) from e
+        stt = DeepgramSTTService(api_key=deepgram_key)
+    if openai_key:
+        try:
+            from pipecat.services.openai.llm import OpenAILLMService
+        except ImportError as e:
+            raise RuntimeError(
+                'OPENAI_API_KEY is set but OpenAI support is missing: '
+                'pip install "pipecat-ai[openai]" (or unset the key for the offline echo LLM)'
+            ) from e
+        llm = OpenAILLMService(api_key=openai_key)
+    else:
+        llm = OfflineLLM()
+    return stt, llm
+
+
+async def run_bot(connection: SmallWebRTCConnection, config: BotConfig) -> None:
+    """Run one browser session's pipeline until the client leaves or the server stops."""
+    deepgram_key, openai_key = cloud_keys()
+    stt, llm = create_stt_and_llm(deepgram_key, openai_key)
+    listening = stt is not None
+
+    transport = SmallWebRTCTransport(
+        webrtc_connection=connection,
+        params=TransportParams(audio_in_enabled=listening, audio_out_enabled=True),
+    )
+    context = LLMContext(messages=[{"role": "system", "content": SYSTEM_PROMPT}])
+    vad = None
+    if listening:
+        from pipecat.audio.vad.silero import SileroVADAnalyzer
+
+        vad = SileroVADAnalyzer()
+    aggregators = LLMContextAggregatorPair(
+        context, user_params=LLMUserAggregatorParams(vad_analyzer=vad)
+    )
+    processors = [
+        transport.input(),
+        *([stt] if stt is not None else []),
+        aggregators.user(),
+        llm,
+        create_tts(config),
+        transport.output(),
+        aggregators.assistant(),
+    ]
+    worker = PipelineWorker(
+        Pipeline(processors),
+        params=PipelineParams(enable_metrics=True, enable_usage_metrics=True),
+        idle_timeout_secs=config.idle_timeout_s,
+    )
+
+    @transport.event_handler("on_client_connected")
+    async def on_client_connected(_transport, _client):
+        logger.info("client connected (%s mode)", "voice" if listening else "text")
+        if config.greeting:
+            await worker.queue_frames([TTSSpeakFrame(config.greeting)])
+
+    @transport.event_handler("on_client_disconnected")
+    async def on_client_disconnected(_transport, _client):
+        logger.info("client disconnected")
+        await worker.cancel()
+
+    runner = WorkerRunner(handle_sigint=False)
+    await runner.add_workers(worker)
+    await runner.run()
+
+
+def create_app(config: BotConfig, *, ready_message: str | None = None) -> FastAPI:
+    """The HTTP app: prebuilt UI, the signalling routes it uses, and clean shutdown."""
+    handler = SmallWebRTCRequestHandler()
+    sessions: set[str] = set()
+    bots: set[asyncio.Task] = set()
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        if ready_message:
+            print(ready_message, flush=True)
+        yield
+        # Hang up first so every pipeline sees its client leave, then stop what is left.
+        await handler.close()
+        for task in list(bots):
+            task.cancel()
+        if bots:
+            await asyncio.wait(bots, timeout=10)
+        await config.service.aclose()
+
+    app = FastAPI(lifespan=lifespan)
+
+    try:
+        from pipecat_ai_prebuilt.frontend import PipecatPrebuiltUI
+    except ImportError:
+        logger.warning('prebuilt UI missing: pip install "pipecat-ai[runner]"; serving the API only')
+    else:
+        app.mount("/client", PipecatPrebuiltUI)
+
+        @app.get("/", include_in_schema=False)
+        async def root():
+            return RedirectResponse(url="/client/")
+
+    @app.get("/status")
+    async def status():
+        return {"status": "ready", "transports": ["webrtc"]}
+
+    @app.post("/start")
+    async def start(request: Request):
+        try:
+            body = await request.json()
+        except ValueError:
+            body = {}
+        transport = (body or {}).get("transport", "webrtc")
+        if transport != "webrtc":
+            raise HTTPException(
+                status_code=400,
+                detail=f"transport {transport!r} is not served here; valid transports: webrtc",
+            )
+        session_id = str(uuid.uuid4())
+        sessions.add(session_id)
+        return {"sessionId": session_id}
+
+    def start_bot(connection: SmallWebRTCConnection) -> None:
+        task = asyncio.create_task(_run_logged(connection, config))
+        bots.add(task)
+        task.add_done_callback(bots.discard)
+
+    async def answer_offer(offer: SmallWebRTCRequest) -> dict:
+        async def on_connection(connection: SmallWebRTCConnection) -> None:
+            start_bot(connection)
+
+        return await handler.handle_web_request(offer, on_connection)
+
+    @app.post("/api/offer")
+    async def offer(offer: SmallWebRTCRequest):
+        return await answer_offer(offer)
+
+    @app.patch("/api/offer")
+    async def ice_candidates(patch: SmallWebRTCPatchRequest):
+        await handler.handle_patch_request(patch)
+        return {"status": "success"}
+
+    @app.api_route("/sessions/{session_id}/api/offer", methods=["POST", "PATCH"])
+    async def session_offer(session_id: str, request: Request, _tasks: BackgroundTasks):
+        if session_id not in sessions:
+            raise HTTPException(status_code=404, detail="unknown session; POST /start first")
+        data = await request.json()
+        if request.method == "POST":
+            return await answer_offer(
+                SmallWebRTCRequest(
+                    sdp=data["sdp"],
+                    type=data["type"],
+                    pc_id=data.get("pc_id"),
+                    restart_pc=data.get("restart_pc"),
+                )
+            )
+        candidates = [IceCandidate(**c) for c in data.get("candidates", [])]
+        return await ice_candidates(SmallWebRTCPatchRequest(pc_id=data["pc_id"], candidates=candidates))
+
+    return app
+
+
+async def _run_logged(connection: SmallWebRTCConnection, config: BotConfig) -> None:
+    try:
+        await run_bot(connection, config)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        pipecat_logger.exception("bot session failed")
+
+
+def serve(config: BotConfig, *, host: str, port: int) -> None:
+    """Serve until SIGINT/SIGTERM, then hang up every session and stop the engine."""
+    import uvicorn
+
+    deepgram_key, openai_key = cloud_keys()
+    mode = "voice (Deepgram STT)" if deepgram_key else "text (type in the page)"
+    llm = "OpenAI" if openai_key else "offline echo"
+    logger.info("input: %s; LLM: %s", mode, llm)
+    ready = f"Demo ready: open http://{_url_host(host)}:{port}/ in a browser"
+    uvicorn.run(create_app(config, ready_message=ready), host=host, port=port, log_level="warning")
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::"):
+        return "localhost"
+    return f"[{host}]" if ":" in host else host
