@@ -1,0 +1,150 @@
+// Logits processing and sampling by one block (spec §6 order). Every block of the grid runs it on
+// the same logits with the same counter-based random number, so all blocks know the sampled id
+// without a grid barrier.
+#pragma once
+
+#include "mk_util.cuh"
+#include "qwen_mk.h"
+
+#define QMK_MAX_PER_THREAD 8  // vocab <= 8 * QMK_THREADS
+
+struct TalkerRules {
+    const uint8_t* seen;
+    float penalty;
+    int mask_eos;
+    int eos;
+    int suppress_start;
+};
+
+// Monotone map float -> uint32 so that comparisons and reductions can run on integers.
+__device__ __forceinline__ unsigned order_key(float v) {
+    const unsigned u = __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_value(unsigned k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// Exclusive prefix sum over the block in thread order; `scratch` holds QMK_WARPS floats.
+__device__ __forceinline__ float block_exclusive_scan(float local, float* scratch) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    float x = local;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const float y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    __syncthreads();
+    if (lane == 31) scratch[w] = x;
+    __syncthreads();
+    float before = 0.f;
+    for (int i = 0; i < w; ++i) before += scratch[i];
+    return before + x - local;
+}
+
+// Thread t owns ids [t*E, t*E + E): contiguous ranges keep the draw in id order.
+template <bool TALKER>
+__device__ int sample_block(const float* logits, int n, const qmk_sampler& cfg, const TalkerRules& rules, float u,
+                            BlockReducer& red, float* scan_scratch) {
+    const int E = (n + QMK_THREADS - 1) / QMK_THREADS;
+    const int base = threadIdx.x * E;
+    float v[QMK_MAX_PER_THREAD];
+    unsigned key[QMK_MAX_PER_THREAD];
+#pragma unroll
+    for (int e = 0; e < QMK_MAX_PER_THREAD; ++e) {
+        const int i = base + e;
+        const bool valid = e < E && i < n;
+        float x = -INFINITY;
+        if (valid) {
+            x = __ldcg(logits + i);
+            if (TALKER) {
+                // repetition penalty -> EOS mask for the first frames -> suppression, HF order.
+                if (__ldcg(rules.seen + i)) x = x < 0.f ? x * rules.penalty : x / rules.penalty;
+                if (rules.mask_eos && i == rules.eos) x = -INFINITY;
+                if (i >= rules.suppress_start && i != rules.eos) x = -INFINITY;
+            }
+            if (cfg.do_sample) x = x / cfg.temperature;
+        }
+        v[e] = x;
+        key[e] = valid ? order_key(x) : 0u;  // padding sorts below -inf
+    }
+
+    unsigned mk = 0;
+#pragma unroll
+    for (int e = 0; e < QMK_MAX_PER_THREAD; ++e) mk = max(mk, key[e]);
+    mk = red.umax(mk);
+
+    if (!cfg.do_sample) {
+        // argmax, lowest id on ties (torch.argmax semantics)
+        unsigned idx = 0xffffffffu;
+#pragma unroll
+        for (int e = QMK_MAX_PER_THREAD - 1; e >= 0; --e)
+            if (key[e] == mk && e < E) idx = base + e;
+        return (int)red.umin(idx);
+    }
+
+    // top-k: the k-th largest key, found bit by bit from the top; ties with it are kept, like
+    // HF's `scores < topk(...)[-1]` removal.
+    unsigned th = 0;
+    if (cfg.top_k > 0 && cfg.top_k < n) {
+        for (int b = 31; b >= 0; --b) {
+            const unsigned cand = th | (1u << b);
+            unsigned c = 0;
+#pragma unroll
+            for (int e = 0; e < QMK_MAX_PER_THREAD; ++e) c += key[e] >= cand;
+            if (red.count(c) >= (unsigned)cfg.top_k) th = cand;
+        }
+    }
+    const float M = key_value(mk);
+    float p[QMK_MAX_PER_THREAD];
+    float local = 0.f;
+#pragma unroll
+    for (int e = 0; e < QMK_MAX_PER_THREAD; ++e) {
+        p[e] = key[e] >= th ? expf(v[e] - M) : 0.f;
+        local += p[e];
+    }
+    float Z = red.sum(local);
+
+    if (cfg.top_p < 1.f) {
+        // Keep the smallest top set whose mass reaches top_p: the largest key K with
+        // mass(key >= K) >= top_p * Z.
+        const float target = cfg.top_p * Z;
+        unsigned th2 = 0;
+        for (int b = 31; b >= 0; --b) {
+            const unsigned cand = th2 | (1u << b);
+            float m = 0.f;
+#pragma unroll
+            for (int e = 0; e < QMK_MAX_PER_THREAD; ++e) m += key[e] >= cand ? p[e] : 0.f;
+            if (red.sum(m) >= target) th2 = cand;
+        }
+        local = 0.f;
+#pragma unroll
+        for (int e = 0; e < QMK_MAX_PER_THREAD; ++e) {
+            if (key[e] < th2) p[e] = 0.f;
+            local += p[e];
+        }
+        Z = red.sum(local);
+    }
+
+    const float r = u * Z;
+    float running = block_exclusive_scan(local, scan_scratch);
+    unsigned found = 0xffffffffu;
+#pragma unroll
+    for (int e = 0; e < QMK_MAX_PER_THREAD; ++e) {
+        if (p[e] > 0.f) {
+            running += p[e];
+            if (running > r && found == 0xffffffffu) found = base + e;
+        }
+    }
+    unsigned res = red.umin(found);
+    if (res == 0xffffffffu) {
+        // r landed past the float total by rounding: take the last id with mass.
+        unsigned last = 0;
+#pragma unroll
+        for (int e = 0; e < QMK_MAX_PER_THREAD; ++e)
+            if (p[e] > 0.f) last = base + e + 1;
+        res = red.umax(last) - 1;
+    }
+    return (int)res;
+}

@@ -1,0 +1,106 @@
+/* Plain C ABI of the Qwen3-TTS decode megakernel (loaded from Python with ctypes).
+ *
+ * One call of qmk_decode_frame runs one whole 80 ms frame on the GPU in a single cooperative
+ * launch: the talker step, the codec head, code-0 sampling, the 15 code-predictor steps with their
+ * LM heads, sampling and embedding feedback, and the next talker input. Every address below is a
+ * device pointer passed as uint64_t so the layout is identical in C and ctypes.
+ *
+ * Weights are used in checkpoint layout (bf16, row-major [out, in]); nothing is repacked.
+ */
+#ifndef QWEN_MK_H
+#define QWEN_MK_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define QMK_ABI_VERSION 1
+#define QMK_MAX_GROUPS 16
+#define QMK_HEAD_DIM 128
+
+/* One Qwen3 decoder layer. */
+typedef struct {
+    uint64_t input_norm, q, k, v, q_norm, k_norm, o, post_norm, gate, up, down;
+} qmk_layer;
+
+/* A stack of layers (talker or code predictor) and its KV cache. */
+typedef struct {
+    int32_t hidden, inter, num_layers, num_heads, num_kv_heads, max_pos;
+    float eps;
+    int32_t reserved;
+    uint64_t layers;     /* qmk_layer[num_layers] in device memory */
+    uint64_t final_norm; /* bf16 [hidden] */
+    uint64_t inv_freq;   /* fp32 [head_dim / 2] RoPE inverse frequencies */
+    uint64_t k_cache;    /* bf16 [num_layers][num_kv_heads][max_pos][head_dim] */
+    uint64_t v_cache;
+} qmk_stack;
+
+typedef struct {
+    int32_t do_sample, top_k; /* top_k <= 0: off */
+    float temperature, top_p; /* top_p >= 1: off */
+} qmk_sampler;
+
+/* Weights plus one session's buffers. */
+typedef struct {
+    qmk_stack talker, pred;
+    int32_t vocab, pred_vocab, eos_id, num_groups;
+    uint64_t codec_head;  /* bf16 [vocab][Dt] */
+    uint64_t talker_emb;  /* bf16 [vocab][Dt] */
+    uint64_t proj_w;      /* bf16 [Dp][Dt] or 0 when Dt == Dp */
+    uint64_t proj_b;      /* bf16 [Dp] */
+    uint64_t pred_emb[QMK_MAX_GROUPS - 1]; /* bf16 [pred_vocab][Dt] */
+    uint64_t lm_head[QMK_MAX_GROUPS - 1];  /* bf16 [pred_vocab][Dp] */
+    /* session state */
+    uint64_t pending;     /* bf16 [Dt] next talker input (16-way embedding sum + text vector) */
+    uint64_t hidden;      /* bf16 [Dt] post-norm talker hidden at the newest position */
+    uint64_t seen;        /* uint8 [vocab] code-0 ids generated so far */
+    /* scratch */
+    uint64_t resid;       /* bf16 [max(Dt, Dp)] */
+    uint64_t qkv;         /* bf16 [(H + 2 KV) * 128] */
+    uint64_t attn;        /* bf16 [H * 128] */
+    uint64_t act;         /* bf16 [max(It, Ip)] */
+    uint64_t proj_out;    /* bf16 [Dp] */
+    uint64_t logits;      /* fp32 [vocab] raw codec-head logits (bf16-rounded) */
+    uint64_t pred_logits; /* fp32 [num_groups - 1][pred_vocab] */
+    uint64_t pred_hidden; /* bf16 [num_groups][Dp] post-norm predictor hidden per position */
+    uint64_t attn_part;   /* fp32 split-attention partials, qmk_attn_part_floats() */
+    uint64_t attn_count;  /* uint32 [max KV heads], zero-initialised, self-resetting */
+} qmk_model;
+
+/* Per-frame arguments. */
+typedef struct {
+    int32_t run_talker;    /* 0 on frame 0: the prefill already produced the hidden state */
+    int32_t run_predictor; /* 0 only for timing the talker alone */
+    int32_t pos;           /* talker position of this step */
+    int32_t frame;         /* number of code-0 ids sampled before this frame */
+    int32_t min_new_tokens;
+    int32_t suppress_start; /* ids >= this (except EOS) may never be code 0 */
+    float rep_penalty;
+    int32_t reserved;
+    qmk_sampler talker_s, pred_s;
+    uint64_t seed;
+    uint64_t trailing;    /* bf16 [Dt] text vector added to the next talker input */
+    uint64_t force_codes; /* int64 [16] teacher forcing (feedback uses these) or 0 */
+    uint64_t codes_out;   /* int64 [16] */
+} qmk_frame;
+
+int qmk_abi_version(void);
+/* sizeof of qmk_layer, qmk_stack, qmk_model, qmk_frame into out[0..3]. */
+void qmk_struct_sizes(int32_t* out);
+/* Floats needed by attn_part for a stack of max_pos positions and kv_heads heads. */
+int64_t qmk_attn_part_floats(int32_t max_pos, int32_t kv_heads);
+/* Blocks and dynamic shared memory of the cooperative grid on the current device; returns a
+ * cudaError_t (cudaErrorCooperativeLaunchTooLarge / cudaErrorNotSupported when co-residency
+ * cannot be guaranteed). */
+int qmk_grid_size(const qmk_model* m, int32_t* blocks, int32_t* smem_bytes);
+/* Launch one frame on `stream` (a cudaStream_t); returns a cudaError_t. */
+int qmk_decode_frame(const qmk_model* m, const qmk_frame* f, uint64_t stream);
+const char* qmk_error_string(int code);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,126 @@
+"""Plain-torch replica of the megakernel's instruction stream, plus random full-size talkers.
+
+The kernel rounds to bf16 at the same points as the torch modules in `pipecat_qwen_fast.layers`;
+this file spells those points out phase by phase (the five phases of `cuda/qwen_mk.cu`), in fp32
+arithmetic with explicit `bf16()` roundings, so a mismatch can be pinned to one phase of one layer
+(`stop_after`) instead of only showing up in the logits.
+
+Used by tests/test_megakernel.py and bench/megakernel_check.py (imported by path: cuda/ is not a
+package).
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+import torch
+from torch import Tensor
+
+PHASES = ("qkv", "attention", "o_proj", "mlp_in", "down")
+
+
+def bf16(x: Tensor) -> Tensor:
+    return x.to(torch.bfloat16).float()
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    r = torch.rsqrt(x.pow(2).mean() + eps)
+    return bf16(bf16(x * r) * w.float())
+
+
+def matvec(w: Tensor, x: Tensor) -> Tensor:
+    return w.float() @ x
+
+
+def rope(x: Tensor, pos: int, inv_freq: Tensor) -> Tensor:
+    """x [heads, 128] bf16 values -> rotate-half RoPE with bf16 cos/sin and per-op rounding."""
+    ang = torch.tensor(float(pos), device=x.device) * inv_freq
+    ang = torch.cat([ang, ang])
+    cos, sin = bf16(ang.cos()), bf16(ang.sin())
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return bf16(bf16(x * cos) + bf16(rot * sin))
+
+
+@torch.no_grad()
+def layer_step(layer, x_in: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int, inv_freq: Tensor, eps: float,
+               stop_after: str | None = None) -> Tensor:
+    """One decoder layer at one position. x_in: fp32 [D] holding bf16 values; caches [KV, max_pos, 128]
+    (bf16, this layer) are appended at `pos`. Returns the new residual (or the named phase's output)."""
+    a, mlp = layer.self_attn, layer.mlp
+    H, KV, HD = a.num_heads, a.num_kv_heads, a.head_dim
+    n = rms_norm(x_in, layer.input_layernorm.weight, eps)
+    q = bf16(matvec(a.q_proj.weight, n)).view(H, HD)
+    k = bf16(matvec(a.k_proj.weight, n)).view(KV, HD)
+    v = bf16(matvec(a.v_proj.weight, n)).view(KV, HD)
+    if stop_after == "qkv":
+        return torch.cat([q.flatten(), k.flatten(), v.flatten()])
+    qn = torch.stack([rms_norm(q[h], a.q_norm.weight, eps) for h in range(H)])
+    kn = torch.stack([rms_norm(k[h], a.k_norm.weight, eps) for h in range(KV)])
+    q, k = rope(qn, pos, inv_freq), rope(kn, pos, inv_freq)
+    k_cache[:, pos] = k.to(k_cache.dtype)
+    v_cache[:, pos] = v.to(v_cache.dtype)
+    keys, values = k_cache[:, : pos + 1].float(), v_cache[:, : pos + 1].float()
+    rep = H // KV
+    scores = torch.einsum("hd,htd->ht", q, keys.repeat_interleave(rep, 0)) / HD**0.5
+    attn = bf16(torch.einsum("ht,htd->hd", scores.softmax(-1), values.repeat_interleave(rep, 0))).flatten()
+    if stop_after == "attention":
+        return attn
+    resid = bf16(x_in + bf16(matvec(a.o_proj.weight, attn)))
+    if stop_after == "o_proj":
+        return resid
+    n = rms_norm(resid, layer.post_attention_layernorm.weight, eps)
+    g, u = bf16(matvec(mlp.gate_proj.weight, n)), bf16(matvec(mlp.up_proj.weight, n))
+    act = bf16(bf16(g * torch.sigmoid(g)) * u)
+    if stop_after == "mlp_in":
+        return act
+    return bf16(resid + bf16(matvec(mlp.down_proj.weight, act)))
+
+
+@torch.no_grad()
+def stack_step(stack, x: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int, inv_freq: Tensor,
+               layers: int | None = None) -> tuple[Tensor, Tensor]:
+    """All (or the first `layers`) layers at `pos`; returns (residual, post-final-norm hidden)."""
+    eps = stack.cfg.rms_norm_eps
+    x = x.float()
+    n = len(stack.layers) if layers is None else layers
+    for i in range(n):
+        x = layer_step(stack.layers[i], x, k_cache[i], v_cache[i], pos, inv_freq, eps)
+    return x, rms_norm(x, stack.norm.weight, eps)
+
+
+# ---------------------------------------------------------------------------------------------
+# Random full-size checkpoints (speed does not depend on values; zeros would hide bugs)
+
+
+def model_config(size: str = "0.6b"):
+    from pipecat_qwen_fast.config import parse_model_config
+
+    name = f"{size}-custom_voice.config.json"
+    text = resources.files("pipecat_qwen_fast").joinpath("assets", "configs", name).read_text("utf-8")
+    return parse_model_config(json.loads(text))
+
+
+@torch.no_grad()
+def random_talker(size: str = "0.6b", device: str | torch.device = "cuda", seed: int = 0, zero_eos: bool = True):
+    """A `Talker` with N(0, 0.02) matrices, N(0, 1)-ish embeddings scaled like real ones, and norm
+    weights in [0.5, 1.5]. zero_eos zeroes the EOS row of the codec head so greedy runs never stop."""
+    from pipecat_qwen_fast.talker import Talker
+
+    cfg = model_config(size)
+    with torch.device("meta"):
+        talker = Talker(cfg.talker, cfg.predictor)
+    talker = talker.to_empty(device=device).to(torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in talker.named_parameters():
+        if "norm" in name and p.dim() == 1:
+            p.copy_(torch.rand(p.shape, generator=gen, device=device) + 0.5)
+        elif name.endswith("bias"):
+            p.copy_(torch.randn(p.shape, generator=gen, device=device) * 0.02)
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen, device=device) * 0.02)
+    if zero_eos:
+        talker.codec_head.weight[cfg.talker.codec_eos_id].zero_()
+    talker.eval()
+    return talker, cfg

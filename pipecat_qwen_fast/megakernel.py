@@ -1,0 +1,436 @@
+"""ctypes binding to the CUDA frame megakernel (`cuda/`) and the `megakernel` decode backend.
+
+The shared library is compiled with nvcc on first use and cached under
+`$QWEN_FAST_CACHE` (default `~/.cache/pipecat_qwen_fast`) by source hash and GPU architecture, so
+a change to any kernel source or a different GPU gets its own build. One `decode_frame` is one
+cooperative launch (talker step, codec head, sampling, 15 predictor steps, next input); the only
+host read per frame is the engine's look at code 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .errors import UnsupportedFeatureError
+from .layers import KVCache
+from .sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SOURCE_FILES = ("qwen_mk.h", "mk_util.cuh", "mk_matvec.cuh", "mk_attention.cuh", "mk_sample.cuh", "qwen_mk.cu")
+ABI_VERSION = 1
+MAX_GROUPS = 16
+HEAD_DIM = 128
+NVCC_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "-Xcompiler", "-fPIC")
+
+
+def source_dir() -> Path:
+    override = os.environ.get("QWEN_FAST_CUDA_DIR")
+    if override:
+        return Path(override)
+    return Path(__file__).resolve().parent.parent / "cuda"
+
+
+def source_hash(src: Path | None = None) -> str:
+    src = src or source_dir()
+    h = hashlib.sha256()
+    for name in SOURCE_FILES:
+        h.update(name.encode())
+        h.update((src / name).read_bytes())
+    h.update(" ".join(NVCC_FLAGS).encode())
+    return h.hexdigest()[:16]
+
+
+def find_nvcc() -> str | None:
+    for candidate in (os.environ.get("NVCC"), shutil.which("nvcc")):
+        if candidate and Path(candidate).exists():
+            return candidate
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    path = Path(home) / "bin" / "nvcc"
+    return str(path) if path.exists() else None
+
+
+def gencode_flags(archs: list[str]) -> list[str]:
+    """['sm_90'] -> ['-gencode', 'arch=compute_90,code=sm_90']."""
+    out = []
+    for arch in archs:
+        num = arch.removeprefix("sm_")
+        if not num.isdigit():
+            raise ValueError(f"GPU architecture must look like 'sm_90', got {arch!r}")
+        out += ["-gencode", f"arch=compute_{num},code=sm_{num}"]
+    return out
+
+
+def nvcc_command(nvcc: str, archs: list[str], out: Path, shared: bool = True) -> list[str]:
+    src = source_dir() / "qwen_mk.cu"
+    mode = ["-shared"] if shared else ["-c"]
+    return [nvcc, *NVCC_FLAGS, *mode, *gencode_flags(archs), "-o", str(out), str(src)]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("QWEN_FAST_CACHE", Path.home() / ".cache" / "pipecat_qwen_fast")) / "megakernel"
+
+
+def build_library(arch: str) -> Path:
+    """Compile (or reuse) libqwen_mk.so for `arch`; returns its path."""
+    target = cache_root() / f"{source_hash()}-{arch}" / "libqwen_mk.so"
+    if target.exists():
+        return target
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise UnsupportedFeatureError("the megakernel is built on first use and needs nvcc (set NVCC or CUDA_HOME)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename, so concurrent first uses never load a half-written file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        tmp_out = Path(tmp) / "libqwen_mk.so"
+        cmd = nvcc_command(nvcc, [arch], tmp_out)
+        logger.info("building the megakernel for %s (first use, cached afterwards)", arch)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed building the megakernel for {arch}:\n{proc.stderr[-4000:]}")
+        os.replace(tmp_out, target)
+    return target
+
+
+# ---------------------------------------------------------------------------------------------
+# ctypes mirror of cuda/qwen_mk.h
+
+
+class QmkLayer(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in
+                ("input_norm", "q", "k", "v", "q_norm", "k_norm", "o", "post_norm", "gate", "up", "down")]
+
+
+class QmkStack(ctypes.Structure):
+    _fields_ = [
+        ("hidden", ctypes.c_int32), ("inter", ctypes.c_int32), ("num_layers", ctypes.c_int32),
+        ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32), ("max_pos", ctypes.c_int32),
+        ("eps", ctypes.c_float), ("reserved", ctypes.c_int32),
+        ("layers", ctypes.c_uint64), ("final_norm", ctypes.c_uint64), ("inv_freq", ctypes.c_uint64),
+        ("k_cache", ctypes.c_uint64), ("v_cache", ctypes.c_uint64),
+    ]
+
+
+class QmkSampler(ctypes.Structure):
+    _fields_ = [("do_sample", ctypes.c_int32), ("top_k", ctypes.c_int32),
+                ("temperature", ctypes.c_float), ("top_p", ctypes.c_float)]
+
+
+class QmkModel(ctypes.Structure):
+    _fields_ = [
+        ("talker", QmkStack), ("pred", QmkStack),
+        ("vocab", ctypes.c_int32), ("pred_vocab", ctypes.c_int32), ("eos_id", ctypes.c_int32),
+        ("num_groups", ctypes.c_int32),
+        ("codec_head", ctypes.c_uint64), ("talker_emb", ctypes.c_uint64),
+        ("proj_w", ctypes.c_uint64), ("proj_b", ctypes.c_uint64),
+        ("pred_emb", ctypes.c_uint64 * (MAX_GROUPS - 1)), ("lm_head", ctypes.c_uint64 * (MAX_GROUPS - 1)),
+        ("pending", ctypes.c_uint64), ("hidden", ctypes.c_uint64), ("seen", ctypes.c_uint64),
+        ("resid", ctypes.c_uint64), ("qkv", ctypes.c_uint64), ("attn", ctypes.c_uint64),
+        ("act", ctypes.c_uint64), ("proj_out", ctypes.c_uint64), ("logits", ctypes.c_uint64),
+        ("pred_logits", ctypes.c_uint64), ("pred_hidden", ctypes.c_uint64),
+        ("attn_part", ctypes.c_uint64), ("attn_count", ctypes.c_uint64),
+    ]
+
+
+class QmkFrame(ctypes.Structure):
+    _fields_ = [
+        ("run_talker", ctypes.c_int32), ("run_predictor", ctypes.c_int32), ("pos", ctypes.c_int32),
+        ("frame", ctypes.c_int32), ("min_new_tokens", ctypes.c_int32), ("suppress_start", ctypes.c_int32),
+        ("rep_penalty", ctypes.c_float), ("reserved", ctypes.c_int32),
+        ("talker_s", QmkSampler), ("pred_s", QmkSampler),
+        ("seed", ctypes.c_uint64), ("trailing", ctypes.c_uint64), ("force_codes", ctypes.c_uint64),
+        ("codes_out", ctypes.c_uint64),
+    ]
+
+
+STRUCTS = (QmkLayer, QmkStack, QmkModel, QmkFrame)
+
+
+def load_library(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.qmk_abi_version.restype = ctypes.c_int
+    lib.qmk_struct_sizes.argtypes = [ctypes.POINTER(ctypes.c_int32)]
+    lib.qmk_attn_part_floats.argtypes = [ctypes.c_int32, ctypes.c_int32]
+    lib.qmk_attn_part_floats.restype = ctypes.c_int64
+    lib.qmk_grid_size.argtypes = [ctypes.POINTER(QmkModel), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)]
+    lib.qmk_decode_frame.argtypes = [ctypes.POINTER(QmkModel), ctypes.POINTER(QmkFrame), ctypes.c_uint64]
+    lib.qmk_error_string.restype = ctypes.c_char_p
+    if lib.qmk_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"megakernel ABI {lib.qmk_abi_version()} != expected {ABI_VERSION}")
+    sizes = (ctypes.c_int32 * 4)()
+    lib.qmk_struct_sizes(sizes)
+    for struct, size in zip(STRUCTS, sizes):
+        if ctypes.sizeof(struct) != size:
+            raise RuntimeError(f"ctypes {struct.__name__} is {ctypes.sizeof(struct)} bytes, C has {size}")
+    return lib
+
+
+_LIBS: dict[str, ctypes.CDLL] = {}
+
+
+def library_for(device: torch.device) -> ctypes.CDLL:
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = f"sm_{major}{minor}"
+    if arch not in _LIBS:
+        _LIBS[arch] = load_library(build_library(arch))
+    return _LIBS[arch]
+
+
+def check(lib: ctypes.CDLL, code: int, what: str) -> None:
+    if code != 0:
+        raise RuntimeError(f"megakernel {what} failed: {lib.qmk_error_string(code).decode()} (cuda error {code})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Support check
+
+
+def megakernel_unsupported_reason(net, device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when the megakernel can run this model here, else why not (for the auto fallback)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "the megakernel needs a CUDA device"
+    if dtype != torch.bfloat16:
+        return f"the megakernel runs bf16 weights only (dtype is {dtype})"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return "the megakernel needs compute capability 8.0 or newer"
+    talker = getattr(net, "talker", net)
+    reason = shape_unsupported_reason(talker)
+    if reason:
+        return reason
+    if find_nvcc() is None and not any(cache_root().glob(f"{source_hash()}-*/libqwen_mk.so")):
+        return "nvcc was not found to build the megakernel (set NVCC or CUDA_HOME)"
+    if not torch.cuda.get_device_properties(device).multi_processor_count:
+        return "the device reports no multiprocessors"
+    return None
+
+
+def shape_unsupported_reason(talker) -> str | None:
+    t, p = talker.cfg.stack, talker.code_predictor.cfg.stack
+    for name, s in (("talker", t), ("code predictor", p)):
+        if s.head_dim != HEAD_DIM:
+            return f"{name} head_dim is {s.head_dim}; the megakernel is built for {HEAD_DIM}"
+        if s.num_heads != 2 * s.num_kv_heads:
+            return f"{name} has {s.num_heads} query / {s.num_kv_heads} kv heads; the megakernel needs 2 query heads per kv head"
+        for what, n in (("hidden size", s.hidden_size), ("intermediate size", s.intermediate_size)):
+            if n % 1024:
+                return f"{name} {what} {n} is not a multiple of 1024"
+    if talker.cfg.vocab_size % 2 or talker.cfg.vocab_size > 4096:
+        return f"codec vocab {talker.cfg.vocab_size} must be even and at most 4096"
+    if talker.code_predictor.cfg.vocab_size % 2 or talker.code_predictor.cfg.vocab_size > 4096:
+        return "predictor vocab must be even and at most 4096"
+    if talker.cfg.num_code_groups > MAX_GROUPS:
+        return f"at most {MAX_GROUPS} code groups are supported"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend
+
+
+def inv_freq(head_dim: int, theta: float, device: torch.device) -> Tensor:
+    # Same expression as layers.rotary_cos_sin, so both paths use bit-identical frequencies.
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+
+
+def ptr(t: Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+@dataclass
+class MegakernelState:
+    model: QmkModel
+    talker_cache: KVCache
+    pred_k: Tensor
+    pred_v: Tensor
+    params: SamplingParams
+    seed: int
+    trailing: Tensor
+    pad_vec: Tensor
+    buffers: dict[str, Tensor]
+    frame: int = 0
+    released: bool = field(default=False)
+
+
+class MegakernelBackend:
+    """The DecodeBackend protocol over the CUDA megakernel, on a loaded `Talker` module."""
+
+    name = "megakernel"
+
+    def __init__(self, talker, device: torch.device, dtype: torch.dtype, warmup: bool = True):
+        reason = shape_unsupported_reason(talker)
+        if reason:
+            raise UnsupportedFeatureError(reason)
+        if dtype != torch.bfloat16:
+            raise UnsupportedFeatureError(f"the megakernel runs bf16 weights only (dtype is {dtype})")
+        self.talker = talker
+        self.device = device
+        self.dtype = dtype
+        self.lib = library_for(device)
+        self.tcfg, self.pcfg = talker.cfg, talker.code_predictor.cfg
+        self.eos_id = self.tcfg.codec_eos_id
+        self.num_groups = self.tcfg.num_code_groups
+        self._keep: list[Tensor] = []
+        self.talker_layers = self._layer_table(talker.model)
+        self.pred_layers = self._layer_table(talker.code_predictor.model)
+        self.talker_freq = inv_freq(HEAD_DIM, self.tcfg.stack.rope_theta, device)
+        self.pred_freq = inv_freq(HEAD_DIM, self.pcfg.stack.rope_theta, device)
+        if warmup:
+            self.warmup()
+
+    def _w(self, t: Tensor) -> int:
+        if t.device != self.device or t.dtype != torch.bfloat16 or not t.is_contiguous():
+            t = t.detach().to(self.device, torch.bfloat16).contiguous()
+            self._keep.append(t)
+        return t.data_ptr()
+
+    def _layer_table(self, stack) -> Tensor:
+        rows = []
+        for layer in stack.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            rows.append([self._w(x) for x in (
+                layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
+                a.q_norm.weight, a.k_norm.weight, a.o_proj.weight, layer.post_attention_layernorm.weight,
+                mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)])
+        return torch.tensor(rows, dtype=torch.int64).to(self.device)
+
+    def _stack(self, cfg, table: Tensor, final_norm: Tensor, freq: Tensor, k: Tensor, v: Tensor, max_pos: int) -> QmkStack:
+        return QmkStack(
+            hidden=cfg.hidden_size, inter=cfg.intermediate_size, num_layers=cfg.num_layers,
+            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, max_pos=max_pos, eps=cfg.rms_norm_eps,
+            reserved=0, layers=ptr(table), final_norm=self._w(final_norm), inv_freq=ptr(freq),
+            k_cache=ptr(k), v_cache=ptr(v),
+        )
+
+    def new_state(self, *, max_positions: int, params: SamplingParams, seed: int | None, trailing: Tensor,
+                  pad_vec: Tensor) -> MegakernelState:
+        dev, bf = self.device, torch.bfloat16
+        ts, ps = self.tcfg.stack, self.pcfg.stack
+        Dt, Dp = ts.hidden_size, ps.hidden_size
+        G = self.num_groups
+        talker_cache = KVCache(ts, max_positions, dev, bf)
+        pk = torch.empty((ps.num_layers, ps.num_kv_heads, G, HEAD_DIM), device=dev, dtype=bf)
+        pv = torch.empty_like(pk)
+        part = max(self.lib.qmk_attn_part_floats(max_positions, ts.num_kv_heads),
+                   self.lib.qmk_attn_part_floats(G, ps.num_kv_heads))
+        buf = {
+            "pending": torch.zeros(Dt, device=dev, dtype=bf),
+            "hidden": torch.zeros(Dt, device=dev, dtype=bf),
+            "seen": torch.zeros(self.tcfg.vocab_size, device=dev, dtype=torch.uint8),
+            "resid": torch.empty(max(Dt, Dp), device=dev, dtype=bf),
+            "qkv": torch.empty(max(ts.num_heads + 2 * ts.num_kv_heads, ps.num_heads + 2 * ps.num_kv_heads) * HEAD_DIM,
+                               device=dev, dtype=bf),
+            "attn": torch.empty(max(ts.num_heads, ps.num_heads) * HEAD_DIM, device=dev, dtype=bf),
+            "act": torch.empty(max(ts.intermediate_size, ps.intermediate_size), device=dev, dtype=bf),
+            "proj_out": torch.empty(Dp, device=dev, dtype=bf),
+            "logits": torch.empty(self.tcfg.vocab_size, device=dev, dtype=torch.float32),
+            "pred_logits": torch.empty((G - 1, self.pcfg.vocab_size), device=dev, dtype=torch.float32),
+            "pred_hidden": torch.zeros((G, Dp), device=dev, dtype=bf),
+            "attn_part": torch.empty(part, device=dev, dtype=torch.float32),
+            "attn_count": torch.zeros(max(ts.num_kv_heads, ps.num_kv_heads), device=dev, dtype=torch.int32),
+            "trailing": trailing.to(dev, bf).contiguous(),
+            "pad_vec": pad_vec.to(dev, bf).contiguous(),
+        }
+        cp = self.talker.code_predictor
+        proj = cp.small_to_mtp_projection
+        has_proj = isinstance(proj, torch.nn.Linear)
+        m = QmkModel(
+            talker=self._stack(ts, self.talker_layers, self.talker.model.norm.weight, self.talker_freq,
+                               talker_cache.k, talker_cache.v, max_positions),
+            pred=self._stack(ps, self.pred_layers, cp.model.norm.weight, self.pred_freq, pk, pv, G),
+            vocab=self.tcfg.vocab_size, pred_vocab=self.pcfg.vocab_size, eos_id=self.eos_id, num_groups=G,
+            codec_head=self._w(self.talker.codec_head.weight),
+            talker_emb=self._w(self.talker.model.codec_embedding.weight),
+            proj_w=self._w(proj.weight) if has_proj else 0,
+            proj_b=self._w(proj.bias) if has_proj else 0,
+        )
+        for g in range(G - 1):
+            m.pred_emb[g] = self._w(cp.model.codec_embedding[g].weight)
+            m.lm_head[g] = self._w(cp.lm_head[g].weight)
+        for name in ("pending", "hidden", "seen", "resid", "qkv", "attn", "act", "proj_out", "logits",
+                     "pred_logits", "pred_hidden", "attn_part", "attn_count"):
+            setattr(m, name, ptr(buf[name]))
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        return MegakernelState(model=m, talker_cache=talker_cache, pred_k=pk, pred_v=pv, params=params,
+                               seed=seed & (2**64 - 1), trailing=buf["trailing"], pad_vec=buf["pad_vec"], buffers=buf)
+
+    @torch.no_grad()
+    def prefill(self, state: MegakernelState, embeds: Tensor) -> None:
+        # One batched torch pass writes the KV cache in the layout the kernel reads.
+        hidden = self.talker.model(embeds.to(self.device, self.dtype), state.talker_cache)
+        state.buffers["hidden"].copy_(hidden[-1])
+
+    def frame_args(self, state: MegakernelState, *, run_talker: bool, run_predictor: bool = True, pos: int | None = None,
+                   force: Tensor | None = None, out: Tensor | None = None) -> tuple[QmkFrame, Tensor]:
+        p = state.params
+        t = state.frame
+        trailing = state.trailing[t] if t < state.trailing.shape[0] else state.pad_vec
+        if out is None:
+            out = torch.empty(MAX_GROUPS, dtype=torch.int64, device=self.device)
+        f = QmkFrame(
+            run_talker=int(run_talker), run_predictor=int(run_predictor),
+            pos=state.talker_cache.length if pos is None else pos, frame=t,
+            min_new_tokens=p.min_new_tokens, suppress_start=self.tcfg.vocab_size - 1024,
+            rep_penalty=p.repetition_penalty, reserved=0,
+            talker_s=QmkSampler(int(p.do_sample), p.top_k, p.temperature, p.top_p),
+            pred_s=QmkSampler(int(p.subtalker_do_sample), p.subtalker_top_k, p.subtalker_temperature, p.subtalker_top_p),
+            seed=state.seed, trailing=ptr(trailing), force_codes=ptr(force), codes_out=ptr(out),
+        )
+        return f, out
+
+    def launch(self, state: MegakernelState, f: QmkFrame) -> None:
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        check(self.lib, self.lib.qmk_decode_frame(ctypes.byref(state.model), ctypes.byref(f), stream), "launch")
+
+    @torch.no_grad()
+    def decode_frame(self, state: MegakernelState, force: Tensor | None = None) -> Tensor:
+        """One frame; `force` (LongTensor[16] on the device) teacher-forces the fed-back codes."""
+        if state.released:
+            raise RuntimeError("decode_frame on a released state")
+        run_talker = state.frame > 0
+        cache = state.talker_cache
+        if run_talker and cache.length >= cache.max_len:
+            raise RuntimeError(f"KV cache overflow: position {cache.length} >= capacity {cache.max_len}")
+        f, out = self.frame_args(state, run_talker=run_talker, force=force)
+        self.launch(state, f)
+        if run_talker:
+            cache.length += 1
+        state.frame += 1
+        return out[: self.num_groups]
+
+    def release(self, state: MegakernelState) -> None:
+        if state.released:
+            return
+        state.released = True
+        state.talker_cache.k = state.talker_cache.v = torch.empty(0)
+        state.pred_k = state.pred_v = torch.empty(0)
+        state.buffers.clear()
+
+    @torch.no_grad()
+    def warmup(self) -> None:
+        """Run greedy and sampled frames once so the first request pays no build or load cost."""
+        D = self.tcfg.hidden_size
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        for do_sample in (False, True):
+            params = SamplingParams(do_sample=do_sample, subtalker_do_sample=do_sample)
+            st = self.new_state(max_positions=8, params=params, seed=0,
+                                trailing=torch.zeros((1, D), device=self.device, dtype=self.dtype),
+                                pad_vec=torch.zeros(D, device=self.device, dtype=self.dtype))
+            embeds = torch.randn((2, D), device=self.device, generator=gen).to(self.dtype) * 0.1
+            self.prefill(st, embeds)
+            for _ in range(3):
+                self.decode_frame(st)
+            torch.cuda.synchronize(self.device)
+            self.release(st)
