@@ -113,5 +113,8 @@ def speech_tokenizer_config_dict(size: str) -> dict[str, Any]:
         intermediate_size=64,
         codebook_dim=16,
         vector_quantization_hidden_dimension=16,
+        # MimiModel builds (then drops) a grouped transposed conv with this many groups; the
+        # default 512 does not divide the tiny width.
+        upsample_groups=32,
     )
     return d
