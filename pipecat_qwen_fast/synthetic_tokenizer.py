@@ -133,8 +133,11 @@ def build_pre_tokenizer():
     )
 
 
-def train_merges(vocab_size: int = TRAIN_VOCAB_SIZE) -> list[tuple[str, str]]:
-    """Train the byte-level BPE merges (deterministic for a given set of files; ~30 s)."""
+def train_merges(vocab_size: int = TRAIN_VOCAB_SIZE, texts: list[str] | None = None) -> list[tuple[str, str]]:
+    """Train the byte-level BPE merges (deterministic for a given set of files; ~30 s).
+
+    BPE picks merges greedily, so a smaller vocab_size yields a prefix of the same merge list.
+    """
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -146,7 +149,7 @@ def train_merges(vocab_size: int = TRAIN_VOCAB_SIZE) -> list[tuple[str, str]]:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(list(iter_training_text()), trainer)
+    tok.train_from_iterator(texts if texts is not None else list(iter_training_text()), trainer)
     merges = json.loads(tok.to_str())["model"]["merges"]
     return [tuple(m.split(" ", 1)) if isinstance(m, str) else (m[0], m[1]) for m in merges]
 

@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny random checkpoints, built once and cached across test runs.
+
+`tiny_checkpoint(variant="custom_voice", zero_eos=False, *, size_tag=None, seed=0,
+dtype="bfloat16") -> Path` returns a folder in the real Hugging Face layout (spec §10 tiny shapes).
+Builds land in `<repo>/.cache/ckpt/` (override with QWEN_FAST_CKPT_CACHE), keyed by a hash of
+the builder's source files and the arguments, so a change to the builder rebuilds and an unchanged
+one never does. Parallel pytest processes are safe: one builds under a file lock into a temporary
+folder that is renamed into place; the rest wait for it and reuse the result.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = REPO_ROOT / "pipecat_qwen_fast"
+BUILDER_SOURCES = (
+    "build_checkpoint.py",
+    "layout.py",
+    "tiny_configs.py",
+    "synthetic_tokenizer.py",
+    "config.py",
+)
+
+
+def checkpoint_cache_dir() -> Path:
+    return Path(os.environ.get("QWEN_FAST_CKPT_CACHE", REPO_ROOT / ".cache" / "ckpt"))
+
+
+def builder_source_hash() -> str:
+    h = hashlib.sha256()
+    files = [PACKAGE / name for name in BUILDER_SOURCES]
+    files += sorted((PACKAGE / "assets").rglob("*"))
+    for path in files:
+        if path.is_file():
+            h.update(path.relative_to(PACKAGE).as_posix().encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build_cached_checkpoint(variant: str, zero_eos: bool, size_tag: str | None, seed: int, dtype: str) -> Path:
+    from pipecat_qwen_fast.build_checkpoint import build_checkpoint
+
+    cache = checkpoint_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    key = f"tiny-{variant}-{size_tag or 'default'}-eos{'0' if zero_eos else '1'}-s{seed}-{dtype}-{builder_source_hash()}"
+    final = cache / key
+    if final.is_dir():
+        return final
+    with open(cache / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if final.is_dir():  # another process built it while we waited
+                return final
+            tmp = Path(tempfile.mkdtemp(prefix=f"{key}.tmp-", dir=cache))
+            try:
+                build_checkpoint(tmp, "tiny", variant, seed=seed, zero_eos=zero_eos, dtype=dtype,
+                                 size_tag=size_tag)
+                os.rename(tmp, final)  # atomic: readers see a complete folder or none
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return final
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint() -> Callable[..., Path]:
+    """Factory: tiny_checkpoint(variant="custom_voice", zero_eos=False, *, size_tag=None, seed=0,
+    dtype="bfloat16") -> Path of a cached tiny random checkpoint. Treat the folder as read-only."""
+    built: dict[tuple, Path] = {}
+
+    def make(variant: str = "custom_voice", zero_eos: bool = False, *, size_tag: str | None = None,
+             seed: int = 0, dtype: str = "bfloat16") -> Path:
+        args = (variant, zero_eos, size_tag, seed, dtype)
+        if args not in built:
+            built[args] = build_cached_checkpoint(*args)
+        return built[args]
+
+    return make
