@@ -376,7 +376,7 @@ class QwenTTSEngine:
         if not s.request.vocode:
             return [AudioChunk(np.zeros(0, np.int16), start, n, host_codes)]
         with torch.no_grad():
-            wav = self.vocoder.decode_stream(codes_dev.T[None], s.vocoder_state)[0, 0]
+            wav = self.vocoder.decode_stream(codes_dev.T[None], s.vocoder_state, check_values=False)[0, 0]
         pcm = (wav.float().clamp(-1, 1) * 32767).round().to(torch.int16).cpu().numpy()
         return [AudioChunk(pcm, start, n, host_codes)]
 
