@@ -2,9 +2,10 @@
 
     python -m demo_agent pipecat            # then open http://localhost:7860/
 
-One HTTP server serves the UI (``/client/``) and the WebRTC signalling the UI speaks (``/start``,
-then ``/sessions/{id}/api/offer``; plain ``/api/offer`` for other clients). Each browser
-connection gets its own pipeline:
+One HTTP server serves the prebuilt UI (``/client/``, where ``/`` leads), a small text-only page
+that needs no internet (``/text/``, see :mod:`demo_agent.text_page`) and the WebRTC signalling both
+speak (``/start``, then ``/sessions/{id}/api/offer``; plain ``/api/offer`` for other clients).
+Each browser connection gets its own pipeline:
 
     transport in -> [Deepgram STT] -> user context -> LLM -> Qwen3-TTS -> transport out
 
@@ -20,12 +21,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from fastapi import BackgroundTasks, FastAPI, HTTPException, Request
-from fastapi.responses import RedirectResponse
+from fastapi.responses import HTMLResponse, RedirectResponse
 from loguru import logger as pipecat_logger
 from pipecat.frames.frames import TTSSpeakFrame
 from pipecat.pipeline.pipeline import Pipeline
@@ -52,8 +55,11 @@ from pipecat_qwen_fast.tts import QwenFastTTSService
 from .options import TTSOptions, cloud_keys
 from .pipecat_llm import OfflineLLM
 from .prompts import GREETING, SYSTEM_PROMPT
+from .text_page import PAGE
 
 logger = logging.getLogger("demo_agent.pipecat")
+
+TRANSPORTS = ("webrtc",)
 
 @dataclass(frozen=True)
 class BotConfig:
@@ -103,16 +109,23 @@ def create_stt_and_llm(deepgram_key: str | None, openai_key: str | None) -> tupl
     return stt, llm
 
 
-async def run_bot(connection: SmallWebRTCConnection, config: BotConfig) -> None:
-    """Run one browser session's pipeline until the client leaves or the server stops."""
-    deepgram_key, openai_key = cloud_keys()
-    stt, llm = create_stt_and_llm(deepgram_key, openai_key)
-    listening = stt is not None
-
-    transport = SmallWebRTCTransport(
+def create_webrtc_transport(connection: SmallWebRTCConnection, listening: bool):
+    return SmallWebRTCTransport(
         webrtc_connection=connection,
         params=TransportParams(audio_in_enabled=listening, audio_out_enabled=True),
     )
+
+
+async def run_bot(make_transport: Callable[[bool], Any], config: BotConfig) -> None:
+    """Run one client's pipeline until the client leaves or the server stops.
+
+    ``make_transport(listening)`` builds the session's transport; ``listening`` says whether
+    audio input is wanted (only when there is speech recognition).
+    """
+    deepgram_key, openai_key = cloud_keys()
+    stt, llm = create_stt_and_llm(deepgram_key, openai_key)
+    listening = stt is not None
+    transport = make_transport(listening)
     context = LLMContext(messages=[{"role": "system", "content": SYSTEM_PROMPT}])
     vad = None
     if listening:
@@ -185,9 +198,17 @@ def create_app(config: BotConfig, *, ready_message: str | None = None) -> FastAP
         async def root():
             return RedirectResponse(url="/client/")
 
+    @app.get("/text/", include_in_schema=False)
+    async def text_page():
+        return HTMLResponse(PAGE)
+
+    @app.get("/text", include_in_schema=False)
+    async def text_page_redirect():
+        return RedirectResponse(url="/text/")
+
     @app.get("/status")
     async def status():
-        return {"status": "ready", "transports": ["webrtc"]}
+        return {"status": "ready", "transports": list(TRANSPORTS)}
 
     @app.post("/start")
     async def start(request: Request):
@@ -196,23 +217,25 @@ def create_app(config: BotConfig, *, ready_message: str | None = None) -> FastAP
         except ValueError:
             body = {}
         transport = (body or {}).get("transport", "webrtc")
-        if transport != "webrtc":
+        if transport not in TRANSPORTS:
             raise HTTPException(
                 status_code=400,
-                detail=f"transport {transport!r} is not served here; valid transports: webrtc",
+                detail=f"transport {transport!r} is not served here; "
+                f"valid transports: {', '.join(TRANSPORTS)}",
             )
         session_id = str(uuid.uuid4())
         sessions.add(session_id)
         return {"sessionId": session_id}
 
-    def start_bot(connection: SmallWebRTCConnection) -> None:
-        task = asyncio.create_task(_run_logged(connection, config))
+    def start_bot(make_transport: Callable[[bool], Any]) -> asyncio.Task:
+        task = asyncio.create_task(_run_logged(make_transport, config))
         bots.add(task)
         task.add_done_callback(bots.discard)
+        return task
 
     async def answer_offer(offer: SmallWebRTCRequest) -> dict:
         async def on_connection(connection: SmallWebRTCConnection) -> None:
-            start_bot(connection)
+            start_bot(partial(create_webrtc_transport, connection))
 
         return await handler.handle_web_request(offer, on_connection)
 
@@ -245,9 +268,9 @@ def create_app(config: BotConfig, *, ready_message: str | None = None) -> FastAP
     return app
 
 
-async def _run_logged(connection: SmallWebRTCConnection, config: BotConfig) -> None:
+async def _run_logged(make_transport: Callable[[bool], Any], config: BotConfig) -> None:
     try:
-        await run_bot(connection, config)
+        await run_bot(make_transport, config)
     except asyncio.CancelledError:
         raise
     except Exception:
@@ -262,8 +285,16 @@ def serve(config: BotConfig, *, host: str, port: int) -> None:
     mode = "voice (Deepgram STT)" if deepgram_key else "text (type in the page)"
     llm = "OpenAI" if openai_key else "offline echo"
     logger.info("input: %s; LLM: %s", mode, llm)
-    ready = f"Demo ready: open http://{_url_host(host)}:{port}/ in a browser"
-    uvicorn.run(create_app(config, ready_message=ready), host=host, port=port, log_level="warning")
+    url = f"http://{_url_host(host)}:{port}"
+    ready = f"Demo ready: open {url}/ in a browser ({url}/text/ works with no internet at all)"
+    uvicorn.run(
+        create_app(config, ready_message=ready),
+        host=host,
+        port=port,
+        log_level="warning",
+        # An open browser tab would otherwise hold shutdown until it hangs up.
+        timeout_graceful_shutdown=5,
+    )
 
 
 def _url_host(host: str) -> str:
