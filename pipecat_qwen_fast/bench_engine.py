@@ -1,0 +1,543 @@
+"""Benchmark phase: our engine with one decode backend (run by `qwen-fast-tts bench`).
+
+Stages, most important first, each written to the JSON file as soon as it is done so a run cut
+short by its time budget still reports what it measured: load and the first request, warm TTFC
+over the 24 utterances, streaming and whole-utterance RTF on the 250-frame sentence, the per-frame
+breakdown, the bandwidth floor, peak memory, then 1/4/16/64 concurrent streams through
+EngineService.
+
+Timing rules: TTFC runs from the call with text to the first int16 chunk in host memory; every
+device figure is either bracketed by a synchronize or taken from CUDA events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import bench_texts as texts
+from .engine import QwenTTSEngine, SynthesisRequest
+from .errors import QwenTTSError, UnsupportedFeatureError
+
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.deadline = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+class Report:
+    """The phase's JSON result, rewritten after every stage (atomic replace)."""
+
+    def __init__(self, path: Path, data: dict):
+        self.path = path
+        self.data = data
+        self.save()
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=_jsonable))
+        os.replace(tmp, self.path)
+
+    def put(self, key: str, value) -> None:
+        self.data[key] = value
+        self.save()
+
+
+def _jsonable(x):
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    return str(x)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarize(values: list[float]) -> dict:
+    return {
+        "n": len(values),
+        "p50": percentile(values, 50),
+        "p95": percentile(values, 95),
+        "min": min(values) if values else None,
+        "max": max(values) if values else None,
+    }
+
+
+def sync(engine: QwenTTSEngine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+# ---------------------------------------------------------------------------------- single stream
+
+
+def request(engine: QwenTTSEngine, text: str, frames: int, seed: int, **kw) -> SynthesisRequest:
+    return SynthesisRequest(
+        text, voice=engine.default_voice, seed=seed, max_frames=frames, first_chunk_frames=1, chunk_frames=4, **kw
+    )
+
+
+def measure_ttfc(engine: QwenTTSEngine, text: str, frames: int, seed: int) -> float:
+    """Seconds from the call with text to the first PCM chunk on the host; the rest is cancelled."""
+    t0 = time.perf_counter()
+    session = engine.open_session(request(engine, text, frames, seed))
+    try:
+        while not session.done:
+            if engine.step(session):
+                return time.perf_counter() - t0
+    finally:
+        engine.cancel(session)
+    raise RuntimeError("the session ended without producing audio")
+
+
+def measure_stream(engine: QwenTTSEngine, text: str, frames: int, seed: int) -> dict:
+    """One streamed utterance: TTFC, wall, audio, chunk arrivals, steady-state frames/s."""
+    t0 = time.perf_counter()
+    session = engine.open_session(request(engine, text, frames, seed))
+    arrivals: list[float] = []
+    sizes: list[int] = []
+    try:
+        while not session.done:
+            for chunk in engine.step(session):
+                arrivals.append(time.perf_counter() - t0)
+                sizes.append(chunk.num_frames)
+    finally:
+        engine.cancel(session)
+    wall = arrivals[-1]
+    produced = sum(sizes)
+    audio = texts.audio_seconds(produced)
+    steady = (produced - sizes[0]) / (arrivals[-1] - arrivals[0]) if len(arrivals) > 1 else None
+    return {
+        "frames": produced,
+        "stop_reason": session.stop_reason,
+        "ttfc_ms": 1e3 * arrivals[0],
+        "wall_s": wall,
+        "audio_s": audio,
+        "rtf": wall / audio,
+        "frames_per_s_after_first_chunk": steady,
+        "max_chunk_gap_ms": 1e3 * max(np.diff(arrivals), default=0.0),
+        "underrun_ms": 1e3 * max_underrun(arrivals, [n / texts.FRAME_RATE_HZ for n in sizes]),
+    }
+
+
+def measure_whole(engine: QwenTTSEngine, text: str, frames: int, seed: int) -> dict:
+    t0 = time.perf_counter()
+    result = engine.synthesize(text, voice=engine.default_voice, seed=seed, max_frames=frames)
+    wall = time.perf_counter() - t0
+    produced = len(result.pcm) // texts.SAMPLES_PER_FRAME
+    return {
+        "frames": produced,
+        "stop_reason": result.stop_reason,
+        "wall_s": wall,
+        "audio_s": result.duration_s,
+        "rtf": wall / max(result.duration_s, 1e-9),
+    }
+
+
+def max_underrun(arrivals: list[float], durations: list[float]) -> float:
+    """Longest silence a player starting at the first chunk would hear (0 = never starved).
+
+    Chunk k is late when it arrives after the audio of chunks 0..k-1 has finished playing.
+    """
+    worst = 0.0
+    played = 0.0
+    for k in range(1, len(arrivals)):
+        played += durations[k - 1]
+        worst = max(worst, (arrivals[k] - arrivals[0]) - played)
+    return worst
+
+
+# ---------------------------------------------------------------------------------- breakdown
+
+
+class ModuleTimer:
+    """CUDA events around module forwards, summed per category (forward hooks, removed after)."""
+
+    def __init__(self, groups: dict[str, list[torch.nn.Module]]):
+        self.events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {g: [] for g in groups}
+        self.handles = []
+        for name, modules in groups.items():
+            for m in modules:
+                self.handles.append(m.register_forward_pre_hook(self._pre(name, m)))
+                self.handles.append(m.register_forward_hook(self._post(m)))
+        self._open: dict[int, torch.cuda.Event] = {}
+
+    def _pre(self, name: str, module: torch.nn.Module):
+        def hook(mod, args):
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._open[id(module)] = (name, ev)
+
+        return hook
+
+    def _post(self, module: torch.nn.Module):
+        def hook(mod, args, out):
+            name, start = self._open.pop(id(module))
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events[name].append((start, end))
+
+        return hook
+
+    def totals_ms(self) -> dict[str, float]:
+        torch.cuda.synchronize()
+        return {g: sum(s.elapsed_time(e) for s, e in evs) for g, evs in self.events.items()}
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def decode_frames_back_to_back(engine: QwenTTSEngine, n: int) -> tuple[float, object]:
+    """Seconds per frame of `backend.decode_frame` with no host read in between (device-bound)."""
+    session = engine.open_session(request(engine, texts.RTF_TEXT, n + 4, seed=7, vocode=False))
+    try:
+        for _ in range(3):
+            engine.backend.decode_frame(session.state)
+        sync(engine)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            engine.backend.decode_frame(session.state)
+        sync(engine)
+        per_frame = (time.perf_counter() - t0) / n
+        prompt_len = getattr(getattr(session.state, "talker_cache", None), "length", None)
+    finally:
+        engine.cancel(session)
+    return per_frame, prompt_len
+
+
+def step_wall_per_frame(engine: QwenTTSEngine, n: int) -> float:
+    """Seconds per `engine.step` without the vocoder: decode + the per-frame EOS read + bookkeeping."""
+    session = engine.open_session(request(engine, texts.RTF_TEXT, n + 4, seed=8, vocode=False))
+    try:
+        for _ in range(3):
+            engine.step(session)
+        sync(engine)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            engine.step(session)
+        sync(engine)
+        return (time.perf_counter() - t0) / n
+    finally:
+        engine.cancel(session)
+
+
+def vocoder_ms_per_call(engine: QwenTTSEngine, frames_per_call: int, calls: int) -> float:
+    voc = engine.vocoder
+    state = voc.new_stream(batch=1, device=engine.device, dtype=engine.dtype)
+    gen = torch.Generator(device="cpu").manual_seed(frames_per_call)
+    codebook = engine.vocoder_config.codebook_size
+    chunks = [
+        torch.randint(0, codebook, (1, 16, frames_per_call), generator=gen).to(engine.device) for _ in range(calls + 3)
+    ]
+    with torch.no_grad():
+        for c in chunks[:3]:
+            voc.decode_stream(c, state)
+        sync(engine)
+        t0 = time.perf_counter()
+        for c in chunks[3:]:
+            voc.decode_stream(c, state)
+        sync(engine)
+    return 1e3 * (time.perf_counter() - t0) / calls
+
+
+def instrumented_split(engine: QwenTTSEngine, n: int) -> dict | None:
+    """Talker / predictor / rest of decode_frame in GPU time, from CUDA events on module forwards."""
+    if engine.device.type != "cuda":
+        return None
+    talker = engine.model.talker
+    cp = talker.code_predictor
+    groups = {
+        "talker": [talker.model, talker.codec_head],
+        "predictor": [cp.model, cp.small_to_mtp_projection, *cp.lm_head],
+    }
+    session = engine.open_session(request(engine, texts.RTF_TEXT, n + 4, seed=9, vocode=False))
+    spans = []
+    timer = None
+    try:
+        # Frame 0 has no talker step (the prefill made its hidden state): leave it out.
+        engine.backend.decode_frame(session.state)
+        timer = ModuleTimer(groups)
+        for _ in range(n):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            engine.backend.decode_frame(session.state)
+            end.record()
+            spans.append((start, end))
+        totals = timer.totals_ms()
+    finally:
+        if timer is not None:
+            timer.remove()
+        engine.cancel(session)
+    frame_ms = sum(s.elapsed_time(e) for s, e in spans) / n
+    talker_ms = totals["talker"] / n
+    predictor_ms = totals["predictor"] / n
+    if talker_ms == 0 and predictor_ms == 0:
+        # The backend does not run our torch modules (a fused kernel): no split to report.
+        return {"decode_frame_ms_instrumented": frame_ms, "split": "not visible (fused backend)"}
+    return {
+        "decode_frame_ms_instrumented": frame_ms,
+        "talker_ms": talker_ms,
+        "predictor_ms": predictor_ms,
+        "sampling_and_glue_ms": frame_ms - talker_ms - predictor_ms,
+    }
+
+
+def measure_breakdown(engine: QwenTTSEngine, n: int) -> dict:
+    device_s, prompt_len = decode_frames_back_to_back(engine, n)
+    step_s = step_wall_per_frame(engine, n)
+    voc4 = vocoder_ms_per_call(engine, 4, max(4, n // 8))
+    voc1 = vocoder_ms_per_call(engine, 1, max(4, n // 8))
+    out = {
+        "frames": n,
+        "decode_frame_ms": 1e3 * device_s,
+        "engine_step_ms": 1e3 * step_s,
+        "host_overhead_ms": 1e3 * (step_s - device_s),
+        "vocoder_ms_per_frame_chunk4": voc4 / 4,
+        "vocoder_ms_per_call_chunk4": voc4,
+        "vocoder_ms_per_call_chunk1": voc1,
+        "streaming_frame_ms_estimate": 1e3 * step_s + voc4 / 4,
+        "prompt_positions": prompt_len,
+    }
+    split = instrumented_split(engine, n)
+    if split is not None:
+        out.update(split)
+    return out
+
+
+# ---------------------------------------------------------------------------------- floor
+
+
+def _param_bytes(*modules: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+
+
+def weight_bytes_per_frame(engine: QwenTTSEngine, positions: int) -> dict:
+    """Bytes one frame must read at least: every weight matrix once per pass that uses it.
+
+    Talker: its decoder stack + codec head, once. Predictor: its decoder stack (and input
+    projection, 1.7B) once per each of its 15 passes (its 157 MB do not fit the 60 MB L2, so
+    each pass re-reads them), one lm_head per pass. Plus the talker's K/V up to `positions`.
+    Embedding rows (31 rows of 2 KB) are left out: under 0.01 %.
+    """
+    talker = engine.model.talker
+    cp = talker.code_predictor
+    passes = engine.config.talker.num_code_groups - 1
+    stack = engine.config.talker.stack
+    talker_b = _param_bytes(talker.model.layers, talker.model.norm, talker.codec_head)
+    predictor_b = passes * _param_bytes(cp.model.layers, cp.model.norm, cp.small_to_mtp_projection)
+    heads_b = _param_bytes(*cp.lm_head)
+    elem = torch.finfo(engine.dtype).bits // 8
+    kv_b = 2 * stack.num_layers * stack.num_kv_heads * stack.head_dim * elem * positions
+    return {
+        "talker_bytes": talker_b,
+        "predictor_bytes": predictor_b,
+        "predictor_heads_bytes": heads_b,
+        "talker_kv_bytes": kv_b,
+        "kv_positions": positions,
+        "total_bytes": talker_b + predictor_b + heads_b + kv_b,
+    }
+
+
+# ---------------------------------------------------------------------------------- concurrency
+
+
+async def _run_level(service, engine: QwenTTSEngine, n: int, frames: int, timeout: float) -> dict:
+    t0 = time.monotonic()
+    streams = [
+        service.open_stream(request(engine, texts.CONCURRENCY_TEXT, frames, seed=1000 + i)) for i in range(n)
+    ]
+    arrivals: list[list[float]] = [[] for _ in range(n)]
+    sizes: list[list[int]] = [[] for _ in range(n)]
+
+    async def consume(i: int) -> None:
+        async for chunk in streams[i]:
+            arrivals[i].append(time.monotonic() - t0)
+            sizes[i].append(chunk.num_frames)
+
+    tasks = [asyncio.create_task(consume(i)) for i in range(n)]
+    done, pending = await asyncio.wait(tasks, timeout=timeout)
+    cut = time.monotonic() - t0
+    for s in streams:
+        s.cancel()
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for s in streams:
+        await s.wait_closed()
+    errors = [repr(t.exception()) for t in done if not t.cancelled() and t.exception() is not None]
+    per_stream = []
+    for i in range(n):
+        a, z = arrivals[i], sizes[i]
+        audio = sum(z) / texts.FRAME_RATE_HZ
+        complete = sum(z) >= frames
+        end = a[-1] if complete else cut
+        underrun = max_underrun(a, [k / texts.FRAME_RATE_HZ for k in z]) if a else None
+        if a and not complete:
+            # Cut by the time budget: the player has been waiting since its last chunk too.
+            underrun = max(underrun, (cut - a[0]) - audio)
+        per_stream.append({
+            "ttfc_s": a[0] if a else None,
+            "frames": sum(z),
+            "complete": complete,
+            "rtf": end / audio if audio else None,
+            "underrun_s": underrun,
+        })
+    ttfcs = [s["ttfc_s"] for s in per_stream if s["ttfc_s"] is not None]
+    rtfs = [s["rtf"] for s in per_stream if s["rtf"] is not None]
+    frames_total = sum(s["frames"] for s in per_stream)
+    return {
+        "streams": n,
+        "frames_per_stream": frames,
+        "wall_s": cut,
+        "completed": sum(s["complete"] for s in per_stream),
+        "cut_by_budget": bool(pending),
+        "errors": errors[:3],
+        "ttfc_ms": {k: (None if v is None else (1e3 * v if k != "n" else v)) for k, v in summarize(ttfcs).items()},
+        "rtf_per_stream": summarize(rtfs),
+        "starved_streams": sum(1 for s in per_stream if s["underrun_s"] is None or s["underrun_s"] > 0),
+        "worst_underrun_ms": 1e3 * max((s["underrun_s"] or 0.0) for s in per_stream),
+        "aggregate_frames_per_s": frames_total / cut,
+    }
+
+
+def measure_concurrency(engine: QwenTTSEngine, levels: list[int], frames: int, budget: Budget, report: Report) -> None:
+    try:
+        from .service import EngineService
+    except ImportError as e:
+        report.put("concurrency", {"error": f"EngineService unavailable: {e}"})
+        return
+    results: dict = {"via": "EngineService (one engine thread, round-robin, one frame per stream per round)"}
+    service = EngineService.for_engine(engine)
+    try:
+        service.wait_ready_blocking(timeout=60)
+        for i, n in enumerate(levels):
+            share = budget.left() / (len(levels) - i) - 2
+            if share < 3:
+                results[str(n)] = {"skipped": "time budget exhausted"}
+                continue
+            if engine.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(engine.device)
+            level = asyncio.run(_run_level(service, engine, n, frames, timeout=share))
+            if engine.device.type == "cuda":
+                level["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
+            results[str(n)] = level
+            report.put("concurrency", results)
+    finally:
+        service.close()
+    report.put("concurrency", results)
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def run_phase(args: argparse.Namespace, report: Report) -> None:
+    budget = Budget(args.budget)
+    device = torch.device(args.device)
+    quick = args.quick
+    rtf_frames = 24 if quick else texts.RTF_FRAMES
+    runs = 1 if quick else 3
+
+    t0 = time.perf_counter()
+    try:
+        engine = QwenTTSEngine.from_pretrained(
+            args.model, device=args.device, dtype=args.dtype, backend=args.backend, progress=False
+        )
+    except UnsupportedFeatureError as e:
+        report.put("available", False)
+        report.put("reason", str(e))
+        return
+    sync(engine)
+    report.put("available", True)
+    report.put("backend_name", engine.backend.name)
+    report.put("load_s", time.perf_counter() - t0)
+    if device.type == "cuda":
+        report.put("gpu_memory_after_load_gib", torch.cuda.memory_allocated(device) / 2**30)
+        torch.cuda.reset_peak_memory_stats(device)
+
+    first_text = texts.UTTERANCES[1]
+    report.put("first_request_ttfc_ms", 1e3 * measure_ttfc(engine, first_text, texts.frames_for(first_text), 1))
+
+    utterances = texts.UTTERANCES[:4] if quick else texts.UTTERANCES
+    ttfc = []
+    for i, text in enumerate(utterances):
+        ttfc.append({"words": texts.word_count(text), "ms": 1e3 * measure_ttfc(engine, text, texts.frames_for(text), 100 + i)})
+    values = [t["ms"] for t in ttfc]
+    report.put("ttfc_warm_ms", {**summarize(values), "per_utterance": ttfc})
+
+    streams = []
+    for r in range(runs):
+        if r and budget.left() < 2 * streams[-1]["wall_s"] + 60:
+            break
+        streams.append(measure_stream(engine, texts.RTF_TEXT, rtf_frames, 200 + r))
+        report.put("streaming", {"text_words": texts.word_count(texts.RTF_TEXT), "runs": streams,
+                                 "rtf_median": float(np.median([s["rtf"] for s in streams]))})
+
+    wholes = []
+    for r in range(runs):
+        if budget.left() < (wholes[-1]["wall_s"] if wholes else streams[-1]["wall_s"]) + 50:
+            break
+        wholes.append(measure_whole(engine, texts.RTF_TEXT, rtf_frames, 300 + r))
+        report.put("whole", {"runs": wholes, "rtf_median": float(np.median([w["rtf"] for w in wholes]))})
+
+    if budget.left() > 40:
+        breakdown = measure_breakdown(engine, 12 if quick else 100)
+        report.put("breakdown", breakdown)
+        positions = (breakdown.get("prompt_positions") or 0) + rtf_frames // 2
+        floor = weight_bytes_per_frame(engine, positions)
+        if args.bandwidth_gbs:
+            floor["bandwidth_gbs"] = args.bandwidth_gbs
+            floor_ms = 1e3 * floor["total_bytes"] / (args.bandwidth_gbs * 1e9)
+            floor["floor_ms_per_frame"] = floor_ms
+            floor["floor_rtf"] = floor_ms / 80.0
+            stream_ms = 1e3 * float(np.median([s["wall_s"] / s["frames"] for s in streams]))
+            floor["pct_of_roofline"] = {
+                "decode_frame": 100 * floor_ms / breakdown["decode_frame_ms"],
+                "engine_step": 100 * floor_ms / breakdown["engine_step_ms"],
+                "streaming_end_to_end": 100 * floor_ms / stream_ms,
+            }
+        report.put("floor", floor)
+
+    if device.type == "cuda":
+        report.put("peak_gpu_memory_single_stream_gib", torch.cuda.max_memory_allocated(device) / 2**30)
+
+    levels = [1, 4] if quick else [1, 4, 16, 64]
+    frames = 12 if quick else texts.CONCURRENCY_FRAMES
+    measure_concurrency(engine, levels, frames, budget, report)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipecat_qwen_fast.bench_engine")
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--backend", default="torch", choices=["torch", "megakernel"])
+    p.add_argument("--budget", type=float, default=180.0, help="seconds this phase may use")
+    p.add_argument("--bandwidth-gbs", type=float, default=None, help="copy bandwidth measured in this run")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", required=True, type=Path)
+    args = p.parse_args(argv)
+    report = Report(args.out, {"implementation": f"ours ({args.backend})", "backend": args.backend,
+                               "device": args.device, "quick": args.quick})
+    try:
+        run_phase(args, report)
+    except (QwenTTSError, RuntimeError, torch.cuda.OutOfMemoryError) as e:
+        report.put("error", f"{type(e).__name__}: {e}")
+        raise
+    report.put("finished", True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""Turn a benchmark run's merged JSON into the markdown tables of results.md / docs/performance.md.
+
+Every ratio is "baseline / ours" on the same quantity from the same run, so "3.0x" means ours
+takes a third of the time. A missing measurement prints as "n/a", never as a guess.
+
+    python -m pipecat_qwen_fast.bench_report results.json > results.md
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+FRAME_MS = 80.0
+
+
+def _get(d: dict | None, *path, default=None):
+    for key in path:
+        if not isinstance(d, dict) or key not in d:
+            return default
+        d = d[key]
+    return d
+
+
+def _fmt(x, digits: int = 1, unit: str = "") -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, (int, float)):
+        return f"{x:.{digits}f}{unit}"
+    return str(x)
+
+
+def _ratio(baseline, ours) -> str:
+    if baseline is None or ours is None or ours <= 0:
+        return "n/a"
+    return f"{baseline / ours:.1f}x"
+
+
+def implementation_rows(results: dict) -> list[dict]:
+    """One row per implementation and mode, with the same columns for all."""
+    phases = results.get("phases", {})
+    rows = []
+    for backend in ("torch", "megakernel"):
+        p = phases.get(backend)
+        if p is None:
+            continue
+        if not p.get("available", True) or "load_s" not in p:
+            rows.append({"name": f"ours ({backend})", "missing": p.get("reason") or p.get("error")
+                         or p.get("phase_status")})
+            continue
+        rows.append({
+            "name": f"ours ({backend}), streaming, first chunk 1 frame, then 4",
+            "ttfc_first": p.get("first_request_ttfc_ms"),
+            "ttfc_p50": _get(p, "ttfc_warm_ms", "p50"),
+            "ttfc_p95": _get(p, "ttfc_warm_ms", "p95"),
+            "rtf": _get(p, "streaming", "rtf_median"),
+            "rtf_whole": _get(p, "whole", "rtf_median"),
+            "mem": p.get("peak_gpu_memory_single_stream_gib"),
+            "load_s": p.get("load_s"),
+        })
+    f = phases.get("faster")
+    if f is not None:
+        if "load_s" not in f:
+            rows.append({"name": "faster-qwen3-tts 0.5.4", "missing": f.get("error") or f.get("phase_status")})
+        for chunk, label in ((12, "default"), (1, "smallest")):
+            s = f.get(f"streaming_chunk{chunk}")
+            if s is None:
+                continue
+            rows.append({
+                "name": f"faster-qwen3-tts, streaming, chunk {chunk} ({label})",
+                "ttfc_first": _get(f, "first_request", "ttfc_ms") if chunk == 12 else None,
+                "ttfc_p50": _get(s, "ttfc_warm_ms", "p50"),
+                "ttfc_p95": _get(s, "ttfc_warm_ms", "p95"),
+                "rtf": s.get("rtf_median"),
+                "rtf_whole": _get(f, "whole", "rtf_median"),
+                "mem": f.get("peak_gpu_memory_gib"),
+                "load_s": f.get("load_s"),
+            })
+    o = phases.get("official")
+    if o is not None:
+        if "whole" not in o:
+            rows.append({"name": "official qwen_tts", "missing": o.get("error") or o.get("phase_status")})
+        else:
+            w = o["whole"]
+            rows.append({
+                "name": "official qwen_tts (qwen-tts-hf), non-streaming",
+                "ttfc_first": _get(o, "first_request", "ttfc_ms"),
+                "ttfc_p50": None,
+                "ttfc_p95": None,
+                "ttfc_note": f"= whole call ({_fmt(_median_wall(w), 1, ' s')} for "
+                             f"{_median([r.get('frames') for r in w.get('runs', [])])} frames)",
+                "rtf": None,
+                "rtf_whole": w.get("rtf_median"),
+                "mem": o.get("peak_gpu_memory_gib"),
+                "load_s": o.get("load_s"),
+            })
+    return rows
+
+
+def _median(values: list) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
+
+
+def _median_wall(whole: dict) -> float | None:
+    return _median([r.get("wall_s") for r in whole.get("runs", [])])
+
+
+def main_table(results: dict) -> str:
+    lines = [
+        "| implementation | TTFC, first request after load (ms) | TTFC warm p50 / p95 (ms) | RTF streaming | "
+        "RTF whole utterance | ms per 80 ms frame, end to end (streaming, else whole) | peak GPU memory (GiB) | load (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in implementation_rows(results):
+        if "missing" in r:
+            lines.append(f"| {r['name']} | not measured: {r['missing']} | | | | | | |")
+            continue
+        ttfc = r.get("ttfc_note") or f"{_fmt(r['ttfc_p50'])} / {_fmt(r['ttfc_p95'])}"
+        rtf = r["rtf"] if r["rtf"] is not None else r["rtf_whole"]
+        per_frame = rtf * FRAME_MS if rtf is not None else None
+        lines.append(
+            f"| {r['name']} | {_fmt(r['ttfc_first'])} | {ttfc} | {_fmt(r['rtf'], 3)} | {_fmt(r['rtf_whole'], 3)} | "
+            f"{_fmt(per_frame, 2)} | {_fmt(r['mem'], 2)} | {_fmt(r['load_s'])} |"
+        )
+    return "\n".join(lines)
+
+
+def breakdown_table(results: dict) -> str:
+    phases = results.get("phases", {})
+    lines = ["| implementation | component | ms per frame |", "|---|---|---|"]
+    for backend in ("torch", "megakernel"):
+        b = _get(phases, backend, "breakdown")
+        if not b:
+            continue
+        name = f"ours ({backend})"
+        items = [
+            ("decode_frame, back to back (device-bound)", b.get("decode_frame_ms")),
+            ("  talker (28 layers + codec head)", b.get("talker_ms")),
+            ("  predictor (15 passes + heads)", b.get("predictor_ms")),
+            ("  sampling + embedding glue", b.get("sampling_and_glue_ms")),
+            ("engine.step (adds the per-frame EOS read + bookkeeping)", b.get("engine_step_ms")),
+            ("  host overhead (engine.step - decode_frame)", b.get("host_overhead_ms")),
+            ("vocoder, 4-frame chunks, per frame", b.get("vocoder_ms_per_frame_chunk4")),
+            ("vocoder, one 1-frame call (first chunk)", b.get("vocoder_ms_per_call_chunk1")),
+        ]
+        if b.get("split"):
+            items.insert(1, (f"  talker / predictor split: {b['split']}", None))
+        for label, value in items:
+            if value is not None or label.startswith("  talker / predictor split"):
+                lines.append(f"| {name} | {label} | {_fmt(value, 2)} |")
+        if b.get("talker_ms") is not None:
+            lines.append(f"| {name} | (split measured with CUDA events on module forwards: "
+                         f"{_fmt(b.get('decode_frame_ms_instrumented'), 2)} ms per frame with the events) | |")
+    fb = _get(phases, "faster", "breakdown")
+    if fb:
+        for label, key in (("whole frame (instrumented run, vocoder excluded)", "frame_ms_instrumented"),
+                           ("  predictor graph", "predictor_graph_ms"), ("  talker graph", "talker_graph_ms"),
+                           ("  glue (sampling, embeddings, host)", "glue_ms")):
+            lines.append(f"| faster-qwen3-tts | {label} | {_fmt(fb.get(key), 2)} |")
+    ow = _get(phases, "official", "whole")
+    if ow:
+        lines.append(f"| official qwen_tts | whole frame (vocoder excluded) | {_fmt(ow.get('frame_ms_median'), 2)} |")
+        lines.append(f"| official qwen_tts |   predictor (`code_predictor.generate`) | "
+                     f"{_fmt(ow.get('predictor_ms_median'), 2)} |")
+    return "\n".join(lines)
+
+
+def floor_section(results: dict) -> str:
+    phases = results.get("phases", {})
+    lines = []
+    for backend in ("torch", "megakernel"):
+        fl = _get(phases, backend, "floor")
+        if not fl:
+            continue
+        gb = fl["total_bytes"] / 1e9
+        lines.append(
+            f"- ours ({backend}): a frame must read at least {gb:.2f} GB (talker {fl['talker_bytes'] / 1e9:.2f}, "
+            f"predictor 15 passes {fl['predictor_bytes'] / 1e9:.2f}, predictor heads "
+            f"{fl['predictor_heads_bytes'] / 1e9:.3f}, talker K/V at {fl['kv_positions']} positions "
+            f"{fl['talker_kv_bytes'] / 1e9:.3f}). At the {_fmt(fl.get('bandwidth_gbs'), 0)} GB/s copy bandwidth "
+            f"measured in this run that is a floor of {_fmt(fl.get('floor_ms_per_frame'), 3)} ms per frame "
+            f"(RTF {_fmt(fl.get('floor_rtf'), 4)})."
+        )
+        pct = fl.get("pct_of_roofline") or {}
+        if pct:
+            lines.append(
+                f"  Percent of roofline (floor / measured): decode_frame {_fmt(pct.get('decode_frame'))} %, "
+                f"engine.step {_fmt(pct.get('engine_step'))} %, streaming end to end "
+                f"{_fmt(pct.get('streaming_end_to_end'))} %."
+            )
+    return "\n".join(lines) or "n/a (no engine phase reported a floor)"
+
+
+def concurrency_table(results: dict) -> str:
+    phases = results.get("phases", {})
+    lines = [
+        "| backend | streams | completed | per-stream RTF p50 / max | TTFC p50 / p95 (ms) | starved streams | "
+        "worst underrun (ms) | aggregate frames/s | peak GPU memory (GiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for backend in ("torch", "megakernel"):
+        c = _get(phases, backend, "concurrency")
+        if not c:
+            continue
+        for key, lv in c.items():
+            if not isinstance(lv, dict):
+                continue
+            if "skipped" in lv or "error" in lv:
+                lines.append(f"| {backend} | {key} | {lv.get('skipped') or lv.get('error')} | | | | | | |")
+                continue
+            cut = " (cut by time budget)" if lv.get("cut_by_budget") else ""
+            lines.append(
+                f"| {backend} | {lv['streams']} | {lv['completed']}{cut} | "
+                f"{_fmt(_get(lv, 'rtf_per_stream', 'p50'), 3)} / {_fmt(_get(lv, 'rtf_per_stream', 'max'), 3)} | "
+                f"{_fmt(_get(lv, 'ttfc_ms', 'p50'))} / {_fmt(_get(lv, 'ttfc_ms', 'p95'))} | "
+                f"{lv['starved_streams']} | {_fmt(lv.get('worst_underrun_ms'))} | "
+                f"{_fmt(lv.get('aggregate_frames_per_s'))} | {_fmt(lv.get('peak_gpu_memory_gib'), 2)} |"
+            )
+    return "\n".join(lines)
+
+
+def ratios(results: dict) -> list[str]:
+    """Plain-language ratios of ours (best available backend) to each baseline."""
+    phases = results.get("phases", {})
+    ours_name = next((b for b in ("megakernel", "torch") if _get(phases, b, "streaming")), None)
+    if ours_name is None:
+        return ["n/a: no engine phase finished its streaming runs"]
+    ours = phases[ours_name]
+    o_ttfc = _get(ours, "ttfc_warm_ms", "p50")
+    o_rtf = _get(ours, "streaming", "rtf_median")
+    o_whole = _get(ours, "whole", "rtf_median")
+    out = []
+    f = phases.get("faster", {})
+    for chunk in (12, 1):
+        s = f.get(f"streaming_chunk{chunk}") or {}
+        out.append(
+            f"vs faster-qwen3-tts streaming chunk {chunk}: time to first audio {_ratio(_get(s, 'ttfc_warm_ms', 'p50'), o_ttfc)} "
+            f"shorter (warm p50), streaming RTF {_ratio(s.get('rtf_median'), o_rtf)} lower"
+        )
+    out.append(f"vs faster-qwen3-tts whole utterance: RTF {_ratio(_get(f, 'whole', 'rtf_median'), o_whole)} lower")
+    o = phases.get("official", {})
+    o_first = _median_wall(o.get("whole", {}))
+    ours_first = _median([r.get("ttfc_ms") for r in _get(ours, "streaming", "runs", default=[])])
+    out.append(
+        f"vs the official qwen_tts (non-streaming): whole-utterance RTF {_ratio(_get(o, 'whole', 'rtf_median'), o_whole)} "
+        f"lower; time to first audio on the 250-frame sentence {_ratio(o_first and 1e3 * o_first, ours_first)} shorter"
+    )
+    return [f"ours ({ours_name}) " + line for line in out]
+
+
+def render(results: dict) -> str:
+    ceil = _get(results, "phases", "ceilings") or {}
+    ck = results.get("checkpoint", {})
+    tx = results.get("texts", {})
+    head = [
+        f"# Benchmark: {ceil.get('gpu') or ceil.get('cpu') or 'unknown device'}, {results.get('date_utc')}",
+        "",
+        f"Commit `{results.get('commit')}`; torch {ceil.get('torch')}, CUDA {ceil.get('cuda')}, driver "
+        f"{ceil.get('driver')}. Checkpoint: random-weight {ck.get('size', '')} {ck.get('variant', '')} with its "
+        "codec-head EOS row zeroed, so no run stops early: every run is cut at a fixed frame count. "
+        f"RTF and per-frame figures: a {tx.get('rtf_text_words')}-word sentence, {tx.get('rtf_frames')} frames "
+        f"({_fmt((tx.get('rtf_frames') or 0) / 12.5)} s of audio), median of up to 3 runs after warm-up. TTFC: "
+        f"{tx.get('ttfc_utterances')} utterances of {tx.get('ttfc_words_range')} words "
+        f"({tx.get('frames_per_word')} frames per word). Every implementation runs the same checkpoint, in bf16 on "
+        "CUDA (fp32 on CPU)."
+        + (" QUICK MODE (smoke test, numbers meaningless)." if results.get("quick") else ""),
+        "",
+        f"Ceilings measured in this run: copy bandwidth {_fmt(ceil.get('copy_bandwidth_gbs'), 0)} GB/s (read + "
+        f"write), bf16 matmul {_fmt(ceil.get('bf16_matmul_tflops'), 0)} TFLOP/s, {ceil.get('sm_count')} SMs, "
+        f"L2 {ceil.get('l2_cache_mib')} MiB.",
+        "",
+        "## Single stream",
+        "",
+        main_table(results),
+        "",
+        "RTF = wall time / audio time (lower is faster; 1.0 is real time). TTFC = from the call with text to "
+        "the first 24 kHz PCM chunk in host memory. The official implementation has no streaming output: its "
+        "first audio is the whole utterance.",
+        "",
+        "## Ratios (baseline time / our time)",
+        "",
+        *[f"- {line}" for line in ratios(results)],
+        "",
+        "## Per-frame breakdown",
+        "",
+        breakdown_table(results),
+        "",
+        "## Bandwidth floor",
+        "",
+        floor_section(results),
+        "",
+        "## Concurrent streams (one GPU, one engine)",
+        "",
+        concurrency_table(results),
+        "",
+        "A stream starves when a player that started at its first chunk would run out of audio before the "
+        "next chunk arrives (worst underrun > 0).",
+        "",
+        "## Phases",
+        "",
+        *[f"- {name}: {p.get('phase_status')} ({p.get('phase_wall_s')} s)" for name, p in results.get("phases", {}).items()],
+    ]
+    return "\n".join(head) + "\n"
+
+
+def write_reports(results: dict, out_dir: Path) -> None:
+    (Path(out_dir) / "results.md").write_text(render(results))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m pipecat_qwen_fast.bench_report results.json", file=sys.stderr)
+        return 2
+    sys.stdout.write(render(json.loads(Path(argv[0]).read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

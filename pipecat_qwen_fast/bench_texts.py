@@ -1,0 +1,82 @@
+"""The texts every benchmark run speaks, and how many frames each one is run for.
+
+Random weights never say anything meaningful and stop at random, so every run is made on a
+checkpoint whose EOS row is zeroed and is cut at a frame count derived from its text: about what a
+real voice would need (2.5 words per second of speech = 5 frames of 80 ms per word). The same
+texts and frame counts go to our engine and to each baseline.
+"""
+
+from __future__ import annotations
+
+FRAME_RATE_HZ = 12.5
+SAMPLES_PER_FRAME = 1920
+FRAMES_PER_WORD = 5
+MIN_FRAMES = 12
+MAX_FRAMES = 300
+
+# 24 utterances of 3 to 60 words, as a voice agent would say them (TTFC percentiles).
+UTTERANCES = (
+    "Sure, one moment.",
+    "Hello, how are you today?",
+    "Your order has been confirmed.",
+    "I can help you with that right away.",
+    "Could you please repeat the last four digits of your card?",
+    "Thanks for waiting. I found two flights that leave tomorrow morning.",
+    "The pharmacy on Main Street closes at nine tonight, and it opens again at eight.",
+    "Let me check the weather for you. It looks like rain in the afternoon, so take an umbrella.",
+    "I have moved your appointment to Thursday at three thirty. You will get a text message to confirm it shortly.",
+    "Your balance is two hundred and fourteen dollars. The next payment is due on the fifth of next month, "
+    "and autopay is turned on.",
+    "Okay, sounds good.",
+    "Got it, thank you very much.",
+    "Before we continue, I need to verify your identity. Could you tell me your date of birth and the postal "
+    "code on your account?",
+    "The restaurant has a table for four at seven fifteen on Saturday. Would you like me to book it, or should "
+    "I look for something a little earlier in the evening?",
+    "I am sorry to hear that your package arrived damaged. I have started a replacement, and a prepaid return "
+    "label is on its way to your email address.",
+    "Here is a quick summary of your day. You have a team meeting at ten, lunch with Maria at noon, a dentist "
+    "appointment at four, and your sister's birthday dinner at seven thirty tonight.",
+    "To reset your router, unplug it from the wall, wait for about thirty seconds, and plug it back in. The "
+    "lights will blink for a minute or two. Once the internet light turns solid green, try connecting your "
+    "laptop again and let me know what happens.",
+    "Great question. The museum is open every day except Monday, from ten in the morning until six in the "
+    "evening. Tickets are twenty dollars for adults, twelve for students, and children under six get in for "
+    "free. The modern art wing is closed this week for renovation, but everything else is open.",
+    "No problem at all.",
+    "Your train is running about ten minutes late.",
+    "I found three recipes that use chicken, rice and spinach. The quickest one takes twenty minutes and only "
+    "needs one pan.",
+    "Thank you for calling. Our offices are closed for the holiday, but you can still pay your bill, check "
+    "your usage, or report an outage online at any time.",
+    "Let me read that back to you: a large pepperoni pizza, a garden salad with ranch dressing on the side, "
+    "and two cold bottles of sparkling water, delivered to apartment four B on the third floor. Is that all correct, or would you "
+    "like to change anything before I place the order for you this evening, or add a dessert?",
+    "Yes, that works.",
+)
+
+# One long sentence for RTF and per-frame figures, run for a fixed 250 frames (20 s of audio) by
+# every implementation, so the three are compared on exactly the same work.
+RTF_TEXT = (
+    "Thank you for calling the city library. Our main branch is open from nine in the morning until eight "
+    "in the evening on weekdays, and from ten until five on Saturdays. You can renew books online or ask a "
+    "librarian for help."
+)
+RTF_FRAMES = 250
+
+# Streams in the concurrency test say this and are cut at this many frames (4 s of audio).
+CONCURRENCY_TEXT = "Thanks for waiting. I found two flights that leave tomorrow morning."
+CONCURRENCY_FRAMES = 50
+
+
+def word_count(text: str) -> int:
+    return len(text.split())
+
+
+def frames_for(text: str) -> int:
+    """Frames a real voice would need for this text (5 per word), clamped to [12, 300]."""
+    return max(MIN_FRAMES, min(MAX_FRAMES, FRAMES_PER_WORD * word_count(text)))
+
+
+def audio_seconds(frames: int) -> float:
+    return frames / FRAME_RATE_HZ
