@@ -143,7 +143,13 @@ class SynthesisStream:
 
     @property
     def done(self) -> bool:
+        """True once the engine thread has closed this stream's session."""
         return self._closed.done()
+
+    @property
+    def buffered(self) -> int:
+        """Chunks decoded but not yet read (bounded by the service's max_buffered_chunks)."""
+        return len(self._items)
 
     # -- producer side (engine thread) -------------------------------------------------------
 
@@ -195,6 +201,7 @@ class EngineService:
         self._closing = False
         self._dead: BaseException | None = None
         self._ids = itertools.count(1)
+        self._opened = 0
         self._tick = 0
         self.history: collections.deque[StreamRecord] = collections.deque(maxlen=HISTORY_SIZE)
         self._on_exit: Callable[[EngineService], None] | None = None
@@ -255,6 +262,15 @@ class EngineService:
         return str(self._require_engine().model_type)
 
     @property
+    def streams_opened(self) -> int:
+        """Streams opened so far; stream ids are 1, 2, ... in opening order."""
+        return self._opened
+
+    def records_since(self, stream_id: int) -> list[StreamRecord]:
+        """Finished streams (in the bounded history) whose id is above ``stream_id``, by id."""
+        return sorted((r for r in list(self.history) if r.stream_id > stream_id), key=lambda r: r.stream_id)
+
+    @property
     def steps_run(self) -> int:
         """Frames decoded by this service across all streams (one engine.step each)."""
         return self._tick
@@ -286,7 +302,8 @@ class EngineService:
         Validation and prefill run on the engine thread, so an invalid request surfaces as an
         exception from the first iteration (InvalidInputError etc. from the engine).
         """
-        stream = SynthesisStream(self, request, next(self._ids))
+        self._opened = stream_id = next(self._ids)
+        stream = SynthesisStream(self, request, stream_id)
         with self._lock:
             if not self.alive:
                 raise self._closed_error()
