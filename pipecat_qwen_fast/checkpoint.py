@@ -51,18 +51,25 @@ def download_hint(repo_id: str) -> str:
     )
 
 
+def first_missing_file(path: Path) -> str | None:
+    for rel in REQUIRED_FILES:
+        if not (path / rel).is_file():
+            return rel
+    if not (path / "tokenizer.json").is_file() and not (path / "vocab.json").is_file():
+        return f"text tokenizer ({TOKENIZER_FILES_HINT})"
+    return None
+
+
 def check_model_dir(path: Path) -> Path:
     """Raise ModelLoadError naming the first required file the folder lacks."""
     if not path.is_dir():
         raise ModelLoadError(f"model folder {path} does not exist (or is not a folder)")
-    for rel in REQUIRED_FILES:
-        if not (path / rel).is_file():
-            raise ModelLoadError(
-                f"model folder {path} has no {rel}; a Qwen3-TTS checkpoint needs "
-                f"{', '.join(REQUIRED_FILES)} and the text-tokenizer files ({TOKENIZER_FILES_HINT})"
-            )
-    if not (path / "tokenizer.json").is_file() and not (path / "vocab.json").is_file():
-        raise ModelLoadError(f"model folder {path} has no text tokenizer ({TOKENIZER_FILES_HINT})")
+    missing = first_missing_file(path)
+    if missing is not None:
+        raise ModelLoadError(
+            f"model folder {path} has no {missing}; a Qwen3-TTS checkpoint needs "
+            f"{', '.join(REQUIRED_FILES)} and the text-tokenizer files ({TOKENIZER_FILES_HINT})"
+        )
     return path
 
 
@@ -85,7 +92,9 @@ def download_snapshot(repo_id: str) -> Path:
                              f"pass a local folder instead ({BUILD_HINT})") from e
     try:
         # A complete cached snapshot works offline; only go to the network when it is absent.
-        return Path(snapshot_download(repo_id, local_files_only=True))
+        cached = Path(snapshot_download(repo_id, local_files_only=True))
+        if first_missing_file(cached) is None:
+            return cached
     except Exception:  # noqa: BLE001 - any cache miss means "try the network"
         pass
     try:

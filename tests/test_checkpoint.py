@@ -235,6 +235,22 @@ def test_unreachable_hub_id_says_how_to_get_it(monkeypatch, tmp_path):
     assert "build_checkpoint" in msg
 
 
+def test_hub_id_found_in_the_local_cache(tiny_checkpoint, monkeypatch, tmp_path):
+    # The huggingface_hub cache layout: models--{owner}--{name}/refs/main -> snapshots/{commit}/.
+    import huggingface_hub.constants as hc
+
+    cache = tmp_path / "hub"
+    repo_dir = cache / "models--pipecat-qwen-fast-tests--cached-tiny"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(tiny_checkpoint(), repo_dir / "snapshots" / commit)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(cache), raising=False)
+    got = checkpoint.resolve_model_dir("pipecat-qwen-fast-tests/cached-tiny")
+    assert got == repo_dir / "snapshots" / commit
+    assert checkpoint.load_model_config(got).model_type == "custom_voice"
+
+
 def test_empty_model_string_is_rejected():
     with pytest.raises(ModelLoadError, match="empty"):
         checkpoint.resolve_model_dir("")
