@@ -1,0 +1,260 @@
+"""The engine on tiny random checkpoints (CPU): streaming, seeding, caps, bad input, CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import wave
+
+import numpy as np
+import pytest
+import torch
+
+from pipecat_qwen_fast import (
+    ConfigError,
+    InvalidInputError,
+    ModelLoadError,
+    QwenTTSEngine,
+    SynthesisRequest,
+    UnsupportedFeatureError,
+    VoiceClonePrompt,
+)
+from pipecat_qwen_fast.engine import MAX_SEGMENT_TOKENS, split_text
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    return QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def endless(tiny_checkpoint):
+    """EOS row zeroed: utterances run until a cap, so frame counts are predictable."""
+    return QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", zero_eos=True), device="cpu",
+                                         dtype="float32")
+
+
+def _assert_still_works(engine):
+    chunks = list(engine.stream("Still working.", voice="ryan", seed=1, max_frames=3))
+    assert sum(c.num_frames for c in chunks) >= 1
+
+
+def test_listings(engine):
+    assert engine.sample_rate == 24000
+    assert engine.model_type == "custom_voice"
+    assert engine.voices == sorted(["serena", "vivian", "uncle_fu", "ryan", "aiden", "ono_anna", "sohee", "eric", "dylan"])
+    assert engine.languages[0] == "auto"
+    assert "english" in engine.languages and "chinese" in engine.languages
+    assert not any("dialect" in lang for lang in engine.languages)
+
+
+def test_stream_chunks_and_equals_whole(endless):
+    kw = dict(voice="ryan", language="english", seed=7, max_frames=11)
+    chunks = list(endless.stream("Hello there, how are you?", first_chunk_frames=1, chunk_frames=4, **kw))
+    assert [c.num_frames for c in chunks] == [1, 4, 4, 2]
+    assert [c.frame_index for c in chunks] == [0, 1, 5, 9]
+    for c in chunks:
+        assert c.pcm.dtype == np.int16 and len(c.pcm) == 1920 * c.num_frames
+    streamed = np.concatenate([c.pcm for c in chunks])
+    whole = endless.synthesize("Hello there, how are you?", **kw)
+    assert whole.stop_reason == "frame_cap"
+    np.testing.assert_array_equal(np.concatenate([c.codes for c in chunks]), whole.codes)
+    # Exact streaming vocoder: chunking does not change the audio beyond int16 rounding.
+    assert np.abs(streamed.astype(np.int32) - whole.pcm.astype(np.int32)).max() <= 1
+    assert np.abs(streamed).max() > 0
+
+
+def test_seeded_sampling_repeats(endless):
+    a = endless.generate_codes("Seeded run.", voice="aiden", seed=123, max_frames=8)
+    b = endless.generate_codes("Seeded run.", voice="aiden", seed=123, max_frames=8)
+    c = endless.generate_codes("Seeded run.", voice="aiden", seed=124, max_frames=8)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    assert int(a[:, 0].max()) < 2048 and int(a[:, 1:].max()) < 2048
+
+
+def test_greedy_is_deterministic_without_seed(endless):
+    a = endless.generate_codes("Greedy.", voice="ryan", greedy=True, max_frames=6)
+    b = endless.generate_codes("Greedy.", voice="ryan", greedy=True, max_frames=6)
+    assert torch.equal(a, b)
+
+
+def test_text_length_frame_cap_stops_runaway(endless):
+    s = endless.open_session(SynthesisRequest("Hi.", voice="ryan", seed=0, vocode=False))
+    while not s.done:
+        endless.step(s)
+    assert s.stop_reason == "frame_cap"
+    assert s.frames_decoded == s.frame_cap
+    assert s.frame_cap < 200, "a 2-token text must not run for minutes"
+
+
+def test_eos_stops_generation(engine):
+    # Random weights emit EOS at random; over a few seeds at least one utterance ends by itself.
+    reasons = set()
+    for seed in range(12):
+        s = engine.open_session(SynthesisRequest("A short one.", voice="ryan", seed=seed, vocode=False))
+        while not s.done:
+            engine.step(s)
+        reasons.add(s.stop_reason)
+        if "eos" in reasons:
+            break
+    assert "eos" in reasons
+
+
+def test_cancel_frees_state(endless):
+    s = endless.open_session(SynthesisRequest("Cancel me soon.", voice="ryan", seed=0))
+    endless.step(s)
+    assert s.state is not None and s.vocoder_state is not None
+    endless.cancel(s)
+    assert s.done and s.stop_reason == "cancelled"
+    assert s.state is None and s.vocoder_state is None
+    assert endless.step(s) == []
+    _assert_still_works(endless)
+
+
+@pytest.mark.parametrize("text", ["", "   \n\t  "])
+def test_empty_text(engine, text):
+    with pytest.raises(InvalidInputError, match="empty"):
+        engine.open_session(SynthesisRequest(text, voice="ryan"))
+    _assert_still_works(engine)
+
+
+def test_unknown_voice_lists_valid(engine):
+    with pytest.raises(InvalidInputError) as e:
+        engine.open_session(SynthesisRequest("Hi.", voice="darth"))
+    assert "darth" in str(e.value) and "ryan" in str(e.value) and "serena" in str(e.value)
+    _assert_still_works(engine)
+
+
+def test_unknown_language_lists_valid(engine):
+    with pytest.raises(InvalidInputError) as e:
+        engine.open_session(SynthesisRequest("Hi.", voice="ryan", language="klingon"))
+    assert "klingon" in str(e.value) and "english" in str(e.value) and "auto" in str(e.value)
+    _assert_still_works(engine)
+
+
+def test_instruct_on_model_that_ignores_it(tiny_checkpoint):
+    small = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", size_tag="0b6"), device="cpu")
+    assert small.config.model_size == "0b6"
+    with pytest.raises(UnsupportedFeatureError, match="instruct"):
+        small.open_session(SynthesisRequest("Hi.", voice="ryan", instruct="whisper softly"))
+    _assert_still_works(small)
+
+
+def test_instruct_accepted_by_1b7_custom_voice(engine):
+    assert engine.config.model_size == "1b7"
+    codes = engine.generate_codes("Hi.", voice="ryan", instruct="whisper softly", seed=0, max_frames=2)
+    assert codes.shape[0] >= 1
+
+
+def test_voice_clone_on_custom_voice_rejected(engine):
+    vc = VoiceClonePrompt(x_vector=torch.zeros(engine.config.talker.hidden_size))
+    with pytest.raises(UnsupportedFeatureError):
+        engine.open_session(SynthesisRequest("Hi.", voice_clone=vc))
+
+
+def test_control_characters_and_emoji(engine):
+    chunks = list(engine.stream("Hello\x00 there\x07! 😀🎉 ok", voice="ryan", seed=3, max_frames=3))
+    assert chunks and all(c.pcm.dtype == np.int16 for c in chunks)
+
+
+def test_ten_thousand_characters_split_by_sentence(endless):
+    sentence = "This is a fairly ordinary sentence about the weather and the sea. "
+    text = (sentence * (10_000 // len(sentence) + 1))[:10_000]
+    segments = split_text(text, endless.tokenizer, MAX_SEGMENT_TOKENS)
+    assert len(segments) > 1
+    assert all(len(endless.tokenizer.encode(s)) <= MAX_SEGMENT_TOKENS for s in segments)
+    assert " ".join(segments).split() == text.split()
+    s = endless.open_session(SynthesisRequest(text, voice="ryan", seed=0, max_frames=4))
+    assert len(s.segments) == len(segments)
+    while not s.done:
+        endless.step(s)
+    assert s.frames_decoded == 4
+    _assert_still_works(endless)
+
+
+def test_long_text_continues_across_segments(endless, monkeypatch):
+    import pipecat_qwen_fast.engine as eng
+
+    # Small segments and a small per-segment cap: the session must run through all segments.
+    monkeypatch.setattr(eng, "MAX_SEGMENT_TOKENS", 8)
+    monkeypatch.setattr(eng, "FRAMES_PER_TOKEN_CAP", 1)
+    monkeypatch.setattr(eng, "FRAME_CAP_MARGIN", 2)
+    s = endless.open_session(SynthesisRequest("One two three. Four five six seven. Eight nine ten.", voice="ryan", seed=0))
+    assert len(s.segments) >= 2
+    chunks = []
+    while not s.done:
+        chunks += endless.step(s)
+    assert s.segment_index == len(s.segments) - 1
+    assert sum(c.num_frames for c in chunks) == s.frames_decoded
+    assert [c.frame_index for c in chunks] == sorted(c.frame_index for c in chunks)
+
+
+def test_missing_model_folder(tmp_path):
+    with pytest.raises(ModelLoadError, match="does-not-exist"):
+        QwenTTSEngine.from_pretrained(tmp_path / "does-not-exist", device="cpu")
+
+
+def test_config_missing_key(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("custom_voice")
+    dst = tmp_path / "broken"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    del cfg["talker_config"]["codec_eos_token_id"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="codec_eos_token_id"):
+        QwenTTSEngine.from_pretrained(dst, device="cpu")
+
+
+def test_bad_device_and_backend(tiny_checkpoint):
+    with pytest.raises(InvalidInputError, match="backend"):
+        QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cpu", backend="warp")
+    if not torch.cuda.is_available():
+        with pytest.raises(UnsupportedFeatureError, match="CUDA"):
+            QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cpu", backend="megakernel")
+
+
+def test_voice_design_and_base_variants(tiny_checkpoint):
+    vd = QwenTTSEngine.from_pretrained(tiny_checkpoint("voice_design"), device="cpu")
+    assert vd.voices == []
+    codes = vd.generate_codes("Hello.", instruct="A calm deep voice.", seed=0, max_frames=3)
+    assert codes.shape[1] == 16
+    with pytest.raises(UnsupportedFeatureError):
+        vd.open_session(SynthesisRequest("Hello.", voice="ryan"))
+
+    base = QwenTTSEngine.from_pretrained(tiny_checkpoint("base"), device="cpu")
+    d = base.config.talker.hidden_size
+    with pytest.raises(InvalidInputError, match="voice_clone"):
+        base.open_session(SynthesisRequest("Hello."))
+    vc = VoiceClonePrompt(x_vector=torch.randn(d), ref_codes=torch.randint(0, 2048, (5, 16)), ref_text="Reference words.")
+    chunks = list(base.stream("Hello.", voice_clone=vc, seed=0, max_frames=3))
+    assert sum(c.num_frames for c in chunks) >= 1
+    with pytest.raises(InvalidInputError, match="x_vector"):
+        base.open_session(SynthesisRequest("Hello.", voice_clone=VoiceClonePrompt(x_vector=torch.randn(d + 1))))
+
+
+def test_cli_writes_playable_wav(tiny_checkpoint, tmp_path):
+    out = tmp_path / "hello.wav"
+    ckpt = tiny_checkpoint("custom_voice", zero_eos=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipecat_qwen_fast.cli", "say", "Hello there.", "--model", str(ckpt),
+         "--voice", "ryan", "--max-frames", "5", "--seed", "0", "-o", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    with wave.open(str(out)) as w:
+        assert w.getframerate() == 24000 and w.getnchannels() == 1 and w.getsampwidth() == 2
+        frames = w.readframes(w.getnframes())
+    pcm = np.frombuffer(frames, dtype="<i2")
+    assert len(pcm) == 5 * 1920 and np.abs(pcm).max() > 0
+
+
+def test_cli_reports_bad_voice(tiny_checkpoint, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipecat_qwen_fast.cli", "say", "Hi.", "--model", str(tiny_checkpoint("custom_voice")),
+         "--voice", "nobody", "-o", str(tmp_path / "x.wav")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2 and "nobody" in proc.stderr and "ryan" in proc.stderr
