@@ -20,11 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipecat_qwen_fast.config import VocoderConfig, parse_vocoder_config, read_json
+from pipecat_qwen_fast.config import VocoderConfig, parse_vocoder_config
 from pipecat_qwen_fast.errors import InvalidInputError, ModelLoadError
+from pipecat_qwen_fast.tiny_configs import speech_tokenizer_config_dict
 from pipecat_qwen_fast.vocoder import Vocoder
-
-SPEC_CONFIG = Path("/work/shared/spec/configs/speech_tokenizer.config.json")
 OFFICIAL_NAMES = Path(__file__).parent / "data" / "official_vocoder_state_dict.json"
 SPF = 1920
 
@@ -134,7 +133,7 @@ def stream_decode(voc: Vocoder, codes: torch.Tensor, sizes) -> torch.Tensor:
 
 
 def full_config() -> VocoderConfig:
-    return parse_vocoder_config(read_json(SPEC_CONFIG))
+    return parse_vocoder_config(speech_tokenizer_config_dict("0.6b"))  # the released config
 
 
 def test_state_dict_names_and_shapes_match_official():
@@ -180,7 +179,7 @@ def test_from_pretrained_reads_speech_tokenizer_folder(voc, tmp_path):
 
     folder = tmp_path / "speech_tokenizer"
     folder.mkdir()
-    raw = json.loads(SPEC_CONFIG.read_text())
+    raw = speech_tokenizer_config_dict("0.6b")
     dc = raw["decoder_config"]
     for key, val in dict(codebook_size=64, codebook_dim=16, latent_dim=24, decoder_dim=32,
                          hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -195,6 +194,13 @@ def test_from_pretrained_reads_speech_tokenizer_folder(voc, tmp_path):
     codes = random_codes(5, seed=6)
     # Not bit-equal: kernels may pick another code path for the file's (mmap) tensor alignment.
     assert (loaded.decode(codes) - voc.decode(codes)).abs().max() <= EXACT
+
+
+def test_loads_a_built_checkpoint(tiny_checkpoint):
+    # A checkpoint folder as the builder writes it: bf16 tensors, encoder.* beside decoder.*.
+    v = Vocoder.from_pretrained(tiny_checkpoint(), dtype=torch.float32)
+    wav = v.decode(torch.randint(0, v.cfg.codebook_size, (1, v.cfg.num_quantizers, 6)))
+    assert wav.shape == (1, 1, 6 * SPF) and torch.isfinite(wav).all() and wav.abs().max() > 0
 
 
 # -- output properties ----------------------------------------------------------------------------
