@@ -372,7 +372,7 @@ async def run_checks(args: argparse.Namespace) -> dict:
         text = "The quick brown fox."
         report["webrtc"] = await webrtc_turn(base, text, compose_reply(text), args.timeout)
         if args.screenshot:
-            text = "Hello there"
+            text = "Hi from the browser"
             report["browser"] = await browser_turn(
                 base, text, compose_reply(text), Path(args.screenshot), args.timeout
             )
@@ -386,7 +386,7 @@ def main() -> int:
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--out", required=True, help="JSON report path")
     parser.add_argument("--screenshot", default=None, help="PNG path; omit to skip the browser")
-    parser.add_argument("--max-frames", type=int, default=12)
+    parser.add_argument("--max-frames", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args()
     setup_network()

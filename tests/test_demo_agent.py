@@ -63,20 +63,29 @@ def test_last_user_text_reads_string_and_part_lists():
 # -- CLI -----------------------------------------------------------------------------------------
 
 
-def test_cli_rejects_bad_voice_and_language_with_the_valid_choices(tiny_checkpoint, capsys):
-    from pipecat_qwen_fast.service import close_shared_services
+@pytest.fixture(scope="module")
+def cpu_service(tiny_checkpoint):
+    """The process-wide engine for the tiny checkpoint, loaded once for this module's tests.
+
+    The demo looks engines up in the same registry, so its own load finds this one ready.
+    """
+    from pipecat_qwen_fast.service import close_shared_services, shared_service
 
     model = str(tiny_checkpoint("custom_voice"))
+    service = shared_service(model, **CPU).wait_ready_blocking(TURN_TIMEOUT)
+    yield model, service
+    asyncio.run(close_shared_services())
+
+
+def test_cli_rejects_bad_voice_and_language_with_the_valid_choices(cpu_service, capsys):
+    model, _ = cpu_service
     cpu = ["--device", "cpu", "--dtype", "float32", "--backend", "torch"]
-    try:
-        assert demo_main(["pipecat", "--model", model, *cpu, "--voice", "nobody"]) == 2
-        err = capsys.readouterr().err
-        assert "unknown voice 'nobody'" in err and "valid voices:" in err
-        assert demo_main(["pipecat", "--model", model, *cpu, "--language", "klingon"]) == 2
-        err = capsys.readouterr().err
-        assert "unknown language 'klingon'" in err and "english" in err
-    finally:
-        asyncio.run(close_shared_services())
+    assert demo_main(["pipecat", "--model", model, *cpu, "--voice", "nobody"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown voice 'nobody'" in err and "valid voices:" in err and "ryan" in err
+    assert demo_main(["pipecat", "--model", model, *cpu, "--language", "klingon"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown language 'klingon'" in err and "english" in err
     with pytest.raises(SystemExit):
         demo_main(["pipecat", "--model", model, "console"])
 
@@ -84,17 +93,14 @@ def test_cli_rejects_bad_voice_and_language_with_the_valid_choices(tiny_checkpoi
 # -- LiveKit -------------------------------------------------------------------------------------
 
 
-async def test_livekit_agent_answers_a_typed_turn_with_our_audio(tiny_checkpoint, monkeypatch):
+async def test_livekit_agent_answers_a_typed_turn_with_our_audio(cpu_service, monkeypatch):
     pytest.importorskip("livekit.agents")
     from helpers_frameworks import livekit_helpers
 
     from demo_agent.livekit_agent import DemoAgent, create_session
-    from pipecat_qwen_fast.service import close_shared_services, get_shared_service
-
     _, CaptureAudioOutput = livekit_helpers()
-    model = str(tiny_checkpoint("custom_voice"))
-    options = TTSOptions(model=model, seed=1, max_frames=12, **CPU)
-    service = await asyncio.wait_for(get_shared_service(model, **CPU), TURN_TIMEOUT)
+    model, service = cpu_service
+    options = TTSOptions(model=model, seed=1, max_frames=10, **CPU)
     monkeypatch.delenv("DEEPGRAM_API_KEY", raising=False)
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     session = create_session(options, service)
@@ -118,7 +124,6 @@ async def test_livekit_agent_answers_a_typed_turn_with_our_audio(tiny_checkpoint
         assert service.history and service.history[-1].stop_reason in ("eos", "frame_cap")
     finally:
         await session.aclose()
-        await close_shared_services()
 
 
 # -- Pipecat over WebRTC, and the browser page ----------------------------------------------------
