@@ -1,0 +1,1 @@
+"""Oracle harness: the official qwen-tts package run in its own venv (see harness.py)."""
