@@ -350,6 +350,32 @@ def weight_bytes_per_frame(engine: QwenTTSEngine, positions: int) -> dict:
     }
 
 
+def prompt_positions(engine: QwenTTSEngine, text: str) -> int | None:
+    """Prompt length of `text` in talker positions (torch backend state; None if not exposed)."""
+    session = engine.open_session(request(engine, text, 4, seed=10, vocode=False))
+    try:
+        return getattr(getattr(session.state, "talker_cache", None), "length", None)
+    finally:
+        engine.cancel(session)
+
+
+def measure_floor(engine: QwenTTSEngine, bandwidth_gbs: float | None, frames: int, streams: list[dict],
+                  breakdown: dict | None) -> dict:
+    prompt = (breakdown or {}).get("prompt_positions") or prompt_positions(engine, texts.RTF_TEXT) or 0
+    floor = weight_bytes_per_frame(engine, prompt + frames // 2)
+    if not bandwidth_gbs:
+        return floor
+    floor_ms = 1e3 * floor["total_bytes"] / (bandwidth_gbs * 1e9)
+    stream_ms = 1e3 * float(np.median([s["wall_s"] / s["frames"] for s in streams]))
+    floor.update(bandwidth_gbs=bandwidth_gbs, floor_ms_per_frame=floor_ms, floor_rtf=floor_ms / 80.0)
+    pct = {"streaming_end_to_end": 100 * floor_ms / stream_ms}
+    if breakdown:
+        pct["decode_frame"] = 100 * floor_ms / breakdown["decode_frame_ms"]
+        pct["engine_step"] = 100 * floor_ms / breakdown["engine_step_ms"]
+    floor["pct_of_roofline"] = pct
+    return floor
+
+
 # ---------------------------------------------------------------------------------- concurrency
 
 
@@ -402,6 +428,7 @@ async def _run_level(service, engine: QwenTTSEngine, n: int, frames: int, timeou
         "frames_per_stream": frames,
         "wall_s": cut,
         "completed": sum(s["complete"] for s in per_stream),
+        "streams_without_audio": sum(1 for s in per_stream if s["ttfc_s"] is None),
         "cut_by_budget": bool(pending),
         "errors": errors[:3],
         "ttfc_ms": {k: (None if v is None else (1e3 * v if k != "n" else v)) for k, v in summarize(ttfcs).items()},
@@ -476,38 +503,39 @@ def run_phase(args: argparse.Namespace, report: Report) -> None:
     values = [t["ms"] for t in ttfc]
     report.put("ttfc_warm_ms", {**summarize(values), "per_utterance": ttfc})
 
-    streams = []
-    for r in range(runs):
-        if r and budget.left() < 2 * streams[-1]["wall_s"] + 60:
-            break
-        streams.append(measure_stream(engine, texts.RTF_TEXT, rtf_frames, 200 + r))
+    # What is left after each stage is kept for the stages after it: the breakdown needs about
+    # 4 x n frames, and concurrency is given at least a third of the phase.
+    keep_for_concurrency = args.budget / 3
+    streams = [measure_stream(engine, texts.RTF_TEXT, rtf_frames, 200)]
+    frame_s = streams[0]["wall_s"] / streams[0]["frames"]
+    n_breakdown = 12 if quick else 100
+
+    def fits(seconds: float) -> bool:
+        return budget.left() - seconds > keep_for_concurrency + 4 * n_breakdown * frame_s + 5
+
+    def put_streaming() -> None:
         report.put("streaming", {"text_words": texts.word_count(texts.RTF_TEXT), "runs": streams,
                                  "rtf_median": float(np.median([s["rtf"] for s in streams]))})
 
-    wholes = []
-    for r in range(runs):
-        if budget.left() < (wholes[-1]["wall_s"] if wholes else streams[-1]["wall_s"]) + 50:
-            break
-        wholes.append(measure_whole(engine, texts.RTF_TEXT, rtf_frames, 300 + r))
+    put_streaming()
+    wholes: list[dict] = []
+    for r in range(1, runs):
+        if fits(streams[-1]["wall_s"]):
+            streams.append(measure_stream(engine, texts.RTF_TEXT, rtf_frames, 200 + r))
+            put_streaming()
+        if fits(streams[-1]["wall_s"]) or not wholes:
+            wholes.append(measure_whole(engine, texts.RTF_TEXT, rtf_frames, 300 + r))
+            report.put("whole", {"runs": wholes, "rtf_median": float(np.median([w["rtf"] for w in wholes]))})
+    if not wholes:
+        wholes.append(measure_whole(engine, texts.RTF_TEXT, rtf_frames, 300))
         report.put("whole", {"runs": wholes, "rtf_median": float(np.median([w["rtf"] for w in wholes]))})
 
-    if budget.left() > 40:
-        breakdown = measure_breakdown(engine, 12 if quick else 100)
+    n_breakdown = max(10, min(n_breakdown, int((budget.left() - keep_for_concurrency) / (5 * frame_s))))
+    breakdown = None
+    if budget.left() > 5 * n_breakdown * frame_s + 10:
+        breakdown = measure_breakdown(engine, n_breakdown)
         report.put("breakdown", breakdown)
-        positions = (breakdown.get("prompt_positions") or 0) + rtf_frames // 2
-        floor = weight_bytes_per_frame(engine, positions)
-        if args.bandwidth_gbs:
-            floor["bandwidth_gbs"] = args.bandwidth_gbs
-            floor_ms = 1e3 * floor["total_bytes"] / (args.bandwidth_gbs * 1e9)
-            floor["floor_ms_per_frame"] = floor_ms
-            floor["floor_rtf"] = floor_ms / 80.0
-            stream_ms = 1e3 * float(np.median([s["wall_s"] / s["frames"] for s in streams]))
-            floor["pct_of_roofline"] = {
-                "decode_frame": 100 * floor_ms / breakdown["decode_frame_ms"],
-                "engine_step": 100 * floor_ms / breakdown["engine_step_ms"],
-                "streaming_end_to_end": 100 * floor_ms / stream_ms,
-            }
-        report.put("floor", floor)
+    report.put("floor", measure_floor(engine, args.bandwidth_gbs, rtf_frames, streams, breakdown))
 
     if device.type == "cuda":
         report.put("peak_gpu_memory_single_stream_gib", torch.cuda.max_memory_allocated(device) / 2**30)

@@ -31,10 +31,43 @@ def _fmt(x, digits: int = 1, unit: str = "") -> str:
     return str(x)
 
 
-def _ratio(baseline, ours) -> str:
-    if baseline is None or ours is None or ours <= 0:
+def _compare(baseline, ours, digits: int = 1) -> str:
+    """'3.2x faster (a vs b)' where smaller is better for both numbers."""
+    if baseline is None or ours is None or ours <= 0 or baseline <= 0:
         return "n/a"
-    return f"{baseline / ours:.1f}x"
+    r = baseline / ours
+    verdict = f"{r:.1f}x faster" if r >= 1 else f"{1 / r:.1f}x slower"
+    return f"{verdict} (ours {_fmt(ours, digits)} vs {_fmt(baseline, digits)})"
+
+
+# Figures of ../shared/spec/prior-art.md section 6 (same H200 model, same kind of checkpoint,
+# 42-word sentence, 250 frames): each run should reproduce them within noise.
+PRIOR_ART = [
+    ("official: ms per frame (vocoder excluded)", 152.9, ("official", "whole", "frame_ms_median")),
+    ("official: predictor ms per frame", 113.4, ("official", "whole", "predictor_ms_median")),
+    ("official: RTF", 1.91, ("official", "whole", "rtf_median")),
+    ("faster-qwen3-tts: whole-utterance RTF", 0.250, ("faster", "whole", "rtf_median")),
+    ("faster-qwen3-tts: ms per frame", 19.3, ("faster", "breakdown", "frame_ms_instrumented")),
+    ("faster-qwen3-tts: predictor graph ms per frame", 13.1, ("faster", "breakdown", "predictor_graph_ms")),
+    ("faster-qwen3-tts: talker graph ms per frame", 5.4, ("faster", "breakdown", "talker_graph_ms")),
+    ("faster-qwen3-tts chunk 12: TTFC on the long sentence (ms)", 327, ("faster", "streaming_chunk12", "runs")),
+    ("faster-qwen3-tts chunk 12: streaming RTF", 0.277, ("faster", "streaming_chunk12", "rtf_median")),
+    ("faster-qwen3-tts chunk 1: TTFC on the long sentence (ms)", 78, ("faster", "streaming_chunk1", "runs")),
+    ("faster-qwen3-tts chunk 1: streaming RTF", 0.441, ("faster", "streaming_chunk1", "rtf_median")),
+    ("device-to-device copy GB/s", 4285, ("ceilings", "copy_bandwidth_gbs")),
+]
+
+
+def prior_art_table(results: dict) -> str:
+    phases = results.get("phases", {})
+    lines = ["| figure | prior-art §6 | this run | this / prior |", "|---|---|---|---|"]
+    for label, prior, path in PRIOR_ART:
+        value = _get(phases, *path)
+        if path[-1] == "runs":  # TTFC of the 250-frame runs
+            value = _median([r.get("ttfc_ms") for r in value or []])
+        ratio = f"{value / prior:.2f}" if isinstance(value, (int, float)) else "n/a"
+        lines.append(f"| {label} | {prior} | {_fmt(value, 3 if prior < 10 else 1)} | {ratio} |")
+    return "\n".join(lines)
 
 
 def implementation_rows(results: dict) -> list[dict]:
@@ -196,9 +229,9 @@ def floor_section(results: dict) -> str:
 def concurrency_table(results: dict) -> str:
     phases = results.get("phases", {})
     lines = [
-        "| backend | streams | completed | per-stream RTF p50 / max | TTFC p50 / p95 (ms) | starved streams | "
-        "worst underrun (ms) | aggregate frames/s | peak GPU memory (GiB) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| backend | streams | completed | per-stream RTF p50 / max | TTFC p50 / p95 (ms) | streams with no audio | "
+        "starved streams | worst underrun (ms) | aggregate frames/s | peak GPU memory (GiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for backend in ("torch", "megakernel"):
         c = _get(phases, backend, "concurrency")
@@ -208,14 +241,14 @@ def concurrency_table(results: dict) -> str:
             if not isinstance(lv, dict):
                 continue
             if "skipped" in lv or "error" in lv:
-                lines.append(f"| {backend} | {key} | {lv.get('skipped') or lv.get('error')} | | | | | | |")
+                lines.append(f"| {backend} | {key} | {lv.get('skipped') or lv.get('error')} | | | | | | | |")
                 continue
             cut = " (cut by time budget)" if lv.get("cut_by_budget") else ""
             lines.append(
                 f"| {backend} | {lv['streams']} | {lv['completed']}{cut} | "
                 f"{_fmt(_get(lv, 'rtf_per_stream', 'p50'), 3)} / {_fmt(_get(lv, 'rtf_per_stream', 'max'), 3)} | "
                 f"{_fmt(_get(lv, 'ttfc_ms', 'p50'))} / {_fmt(_get(lv, 'ttfc_ms', 'p95'))} | "
-                f"{lv['starved_streams']} | {_fmt(lv.get('worst_underrun_ms'))} | "
+                f"{lv.get('streams_without_audio', 'n/a')} | {lv['starved_streams']} | {_fmt(lv.get('worst_underrun_ms'))} | "
                 f"{_fmt(lv.get('aggregate_frames_per_s'))} | {_fmt(lv.get('peak_gpu_memory_gib'), 2)} |"
             )
     return "\n".join(lines)
@@ -231,21 +264,23 @@ def ratios(results: dict) -> list[str]:
     o_ttfc = _get(ours, "ttfc_warm_ms", "p50")
     o_rtf = _get(ours, "streaming", "rtf_median")
     o_whole = _get(ours, "whole", "rtf_median")
+    ours_long_ttfc = _median([r.get("ttfc_ms") for r in _get(ours, "streaming", "runs", default=[])])
     out = []
     f = phases.get("faster", {})
     for chunk in (12, 1):
         s = f.get(f"streaming_chunk{chunk}") or {}
         out.append(
-            f"vs faster-qwen3-tts streaming chunk {chunk}: time to first audio {_ratio(_get(s, 'ttfc_warm_ms', 'p50'), o_ttfc)} "
-            f"shorter (warm p50), streaming RTF {_ratio(s.get('rtf_median'), o_rtf)} lower"
+            f"vs faster-qwen3-tts streaming, chunk {chunk}: time to first audio (warm p50 over the utterances) "
+            f"{_compare(_get(s, 'ttfc_warm_ms', 'p50'), o_ttfc)} ms; streaming RTF "
+            f"{_compare(s.get('rtf_median'), o_rtf, 3)}"
         )
-    out.append(f"vs faster-qwen3-tts whole utterance: RTF {_ratio(_get(f, 'whole', 'rtf_median'), o_whole)} lower")
+    out.append(f"vs faster-qwen3-tts whole utterance: RTF {_compare(_get(f, 'whole', 'rtf_median'), o_whole, 3)}")
     o = phases.get("official", {})
     o_first = _median_wall(o.get("whole", {}))
-    ours_first = _median([r.get("ttfc_ms") for r in _get(ours, "streaming", "runs", default=[])])
     out.append(
-        f"vs the official qwen_tts (non-streaming): whole-utterance RTF {_ratio(_get(o, 'whole', 'rtf_median'), o_whole)} "
-        f"lower; time to first audio on the 250-frame sentence {_ratio(o_first and 1e3 * o_first, ours_first)} shorter"
+        f"vs the official qwen_tts (non-streaming): whole-utterance RTF "
+        f"{_compare(_get(o, 'whole', 'rtf_median'), o_whole, 3)}; time to first audio on the long sentence "
+        f"{_compare(o_first and 1e3 * o_first, ours_long_ttfc, 0)} ms"
     )
     return [f"ours ({ours_name}) " + line for line in out]
 
@@ -279,9 +314,13 @@ def render(results: dict) -> str:
         "the first 24 kHz PCM chunk in host memory. The official implementation has no streaming output: its "
         "first audio is the whole utterance.",
         "",
-        "## Ratios (baseline time / our time)",
+        "## Ours against the baselines (same run, same checkpoint)",
         "",
         *[f"- {line}" for line in ratios(results)],
+        "",
+        "## Baselines against the figures of prior-art §6",
+        "",
+        prior_art_table(results),
         "",
         "## Per-frame breakdown",
         "",
