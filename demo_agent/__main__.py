@@ -32,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="Pipecat bot with the prebuilt browser UI (SmallWebRTC)",
         allow_abbrev=False,
     )
-    pipecat.add_argument("--host", default="localhost", help="address to serve on (default localhost)")
+    pipecat.add_argument(
+        "--host", default="localhost", help="address to serve on (default localhost)"
+    )
     pipecat.add_argument("--port", type=int, default=7860, help="HTTP port (default 7860)")
     pipecat.add_argument(
         "--greeting",
@@ -56,14 +58,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def configure_logging(level: str, *, own_handler: bool) -> None:
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    if not own_handler:
+        logging.basicConfig(level=level, format=fmt)
+        return
+    # LiveKit's CLI installs its own root handler later; ours would print every line twice.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(fmt))
+    for name in ("demo_agent", "pipecat_qwen_fast"):
+        named = logging.getLogger(name)
+        named.addHandler(handler)
+        named.setLevel(level)
+        named.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.framework == "pipecat" and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level.upper(), own_handler=args.framework == "livekit")
     options = tts_options_from_args(args)
 
     from pipecat_qwen_fast.errors import QwenTTSError

@@ -49,4 +49,6 @@ class OfflineLLM(llm.LLM):
         conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS,
         **_: Any,
     ) -> llm.LLMStream:
-        return OfflineLLMStream(self, chat_ctx=chat_ctx, tools=tools or [], conn_options=conn_options)
+        return OfflineLLMStream(
+            self, chat_ctx=chat_ctx, tools=tools or [], conn_options=conn_options
+        )

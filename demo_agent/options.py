@@ -32,7 +32,7 @@ def add_tts_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"Hugging Face id or local folder of a Qwen3-TTS checkpoint (default: {DEFAULT_MODEL})",
+        help=f"hub id or local folder of a Qwen3-TTS checkpoint (default: {DEFAULT_MODEL})",
     )
     group.add_argument(
         "--voice", default=None, help="CustomVoice speaker, e.g. ryan (default: the model's first)"

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from fastapi import BackgroundTasks, FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from loguru import logger as pipecat_logger
 from pipecat.frames.frames import TTSSpeakFrame
@@ -61,6 +61,7 @@ logger = logging.getLogger("demo_agent.pipecat")
 
 TRANSPORTS = ("webrtc",)
 
+
 @dataclass(frozen=True)
 class BotConfig:
     """Everything a session needs; built once per process."""
@@ -91,7 +92,7 @@ def create_stt_and_llm(deepgram_key: str | None, openai_key: str | None) -> tupl
             from pipecat.services.deepgram.stt import DeepgramSTTService
         except ImportError as e:
             raise RuntimeError(
-                'DEEPGRAM_API_KEY is set but Deepgram support is missing: '
+                "DEEPGRAM_API_KEY is set but Deepgram support is missing: "
                 'pip install "pipecat-ai[deepgram]" (or unset the key to type instead of talk)'
             ) from e
         stt = DeepgramSTTService(api_key=deepgram_key)
@@ -100,7 +101,7 @@ def create_stt_and_llm(deepgram_key: str | None, openai_key: str | None) -> tupl
             from pipecat.services.openai.llm import OpenAILLMService
         except ImportError as e:
             raise RuntimeError(
-                'OPENAI_API_KEY is set but OpenAI support is missing: '
+                "OPENAI_API_KEY is set but OpenAI support is missing: "
                 'pip install "pipecat-ai[openai]" (or unset the key for the offline echo LLM)'
             ) from e
         llm = OpenAILLMService(api_key=openai_key)
@@ -190,7 +191,9 @@ def create_app(config: BotConfig, *, ready_message: str | None = None) -> FastAP
     try:
         from pipecat_ai_prebuilt.frontend import PipecatPrebuiltUI
     except ImportError:
-        logger.warning('prebuilt UI missing: pip install "pipecat-ai[runner]"; serving the API only')
+        logger.warning(
+            'prebuilt UI missing: pip install "pipecat-ai[runner]"; serving the API only'
+        )
     else:
         app.mount("/client", PipecatPrebuiltUI)
 
@@ -249,7 +252,7 @@ def create_app(config: BotConfig, *, ready_message: str | None = None) -> FastAP
         return {"status": "success"}
 
     @app.api_route("/sessions/{session_id}/api/offer", methods=["POST", "PATCH"])
-    async def session_offer(session_id: str, request: Request, _tasks: BackgroundTasks):
+    async def session_offer(session_id: str, request: Request):
         if session_id not in sessions:
             raise HTTPException(status_code=404, detail="unknown session; POST /start first")
         data = await request.json()
@@ -263,7 +266,9 @@ def create_app(config: BotConfig, *, ready_message: str | None = None) -> FastAP
                 )
             )
         candidates = [IceCandidate(**c) for c in data.get("candidates", [])]
-        return await ice_candidates(SmallWebRTCPatchRequest(pc_id=data["pc_id"], candidates=candidates))
+        return await ice_candidates(
+            SmallWebRTCPatchRequest(pc_id=data["pc_id"], candidates=candidates)
+        )
 
     return app
 

@@ -120,6 +120,11 @@ def stop_bot(proc: subprocess.Popen, timeout: float) -> dict:
     return {"returncode": rc, "stop_seconds": round(time.monotonic() - start, 2)}
 
 
+def _get_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
 def _post_json(url: str, body: dict) -> dict:
     request = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
@@ -206,7 +211,9 @@ async def webrtc_turn(base: str, text: str, expect: str, timeout: float) -> dict
         await pc.setRemoteDescription(RTCSessionDescription(sdp=answer["sdp"], type=answer["type"]))
         await asyncio.wait_for(opened.wait(), timeout)
         result["connect_seconds"] = round(loop.time() - started, 3)
-        channel.send(rtvi("client-ready", "ready-1", {"version": "1.0.0", "about": {"library": "aiortc"}}))
+        channel.send(
+            rtvi("client-ready", "ready-1", {"version": "1.0.0", "about": {"library": "aiortc"}})
+        )
         await asyncio.wait_for(bot_ready.wait(), timeout)
         # Anything heard before the typed turn would not be our reply (the greeting is off).
         await asyncio.sleep(1.0)
@@ -317,7 +324,9 @@ async def browser_turn(base: str, text: str, expect: str, screenshot: Path, time
                 result["connected"] = await tools.wait_for(
                     "document.getElementById('status').textContent === 'CONNECTED'", timeout
                 )
-                result["status"] = await tools.evaluate("document.getElementById('status').textContent")
+                result["status"] = await tools.evaluate(
+                    "document.getElementById('status').textContent"
+                )
                 if result["connected"]:
                     result["peak_before_send"] = await tools.evaluate("window.demoState.peak")
                     # Typed the way a person types: focus, text, Enter.
@@ -366,9 +375,10 @@ async def run_checks(args: argparse.Namespace) -> dict:
     report: dict = {"bot_log": str(log_path)}
     proc = start_bot(args.checkpoint, port, log_path, args.max_frames)
     try:
-        report["startup_seconds"] = round(wait_http(f"{base}/status", proc, args.timeout), 2)
-        index = urllib.request.urlopen(f"{base}/", timeout=10).read().decode()
-        report["ui_served"] = "<div id=\"root\">" in index
+        waited = await asyncio.to_thread(wait_http, f"{base}/status", proc, args.timeout)
+        report["startup_seconds"] = round(waited, 2)
+        index = await asyncio.to_thread(_get_text, f"{base}/")
+        report["ui_served"] = '<div id="root">' in index
         text = "The quick brown fox."
         report["webrtc"] = await webrtc_turn(base, text, compose_reply(text), args.timeout)
         if args.screenshot:

@@ -98,6 +98,7 @@ async def test_livekit_agent_answers_a_typed_turn_with_our_audio(cpu_service, mo
     from helpers_frameworks import livekit_helpers
 
     from demo_agent.livekit_agent import DemoAgent, create_session
+
     _, CaptureAudioOutput = livekit_helpers()
     model, service = cpu_service
     options = TTSOptions(model=model, seed=1, max_frames=10, **CPU)
@@ -136,7 +137,7 @@ def _namespace_problem() -> str | None:
         if shutil.which(tool) is None:
             return f"needs `{tool}` (util-linux / iproute2)"
     probe = subprocess.run(
-        ["unshare", "-n", "ip", "link", "add", "probe-a", "type", "veth", "peer", "name", "probe-b"],
+        "unshare -n ip link add probe-a type veth peer name probe-b".split(),
         capture_output=True,
         text=True,
     )
