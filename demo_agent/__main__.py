@@ -91,12 +91,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.framework == "pipecat":
         from .pipecat_bot import BotConfig, serve
-        from .prompts import GREETING
 
         config = BotConfig(
             tts=options,
             service=service,
-            greeting=GREETING if args.greeting is None else args.greeting,
+            greeting=args.greeting,
             idle_timeout_s=args.idle_timeout,
         )
         serve(config, host=args.host, port=args.port)

@@ -19,7 +19,7 @@ from typing import Any
 from livekit.agents import Agent, AgentServer, AgentSession, JobContext, JobExecutorType, cli
 
 from .options import TTSOptions, cloud_keys
-from .prompts import GREETING, SYSTEM_PROMPT
+from .prompts import SYSTEM_PROMPT, default_greeting
 
 logger = logging.getLogger("demo_agent.livekit")
 
@@ -27,9 +27,10 @@ logger = logging.getLogger("demo_agent.livekit")
 class DemoAgent(Agent):
     """Greets on entry (when given a greeting), then leaves every turn to the session's LLM."""
 
-    def __init__(self, *, greeting: str = GREETING) -> None:
+    def __init__(self, *, greeting: str | None = None) -> None:
         super().__init__(instructions=SYSTEM_PROMPT)
-        self._greeting = greeting
+        listening = cloud_keys()[0] is not None
+        self._greeting = default_greeting(listening) if greeting is None else greeting
 
     async def on_enter(self) -> None:
         if self._greeting:

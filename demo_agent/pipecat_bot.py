@@ -54,7 +54,7 @@ from pipecat_qwen_fast.tts import QwenFastTTSService
 
 from .options import TTSOptions, cloud_keys
 from .pipecat_llm import OfflineLLM
-from .prompts import GREETING, SYSTEM_PROMPT
+from .prompts import SYSTEM_PROMPT, default_greeting
 from .text_page import PAGE
 
 logger = logging.getLogger("demo_agent.pipecat")
@@ -68,7 +68,7 @@ class BotConfig:
 
     tts: TTSOptions
     service: EngineService
-    greeting: str = GREETING
+    greeting: str | None = None  # None: the greeting for the input mode; "" for none
     idle_timeout_s: float = 300.0
 
 
@@ -151,11 +151,13 @@ async def run_bot(make_transport: Callable[[bool], Any], config: BotConfig) -> N
         idle_timeout_secs=config.idle_timeout_s,
     )
 
+    greeting = default_greeting(listening) if config.greeting is None else config.greeting
+
     @transport.event_handler("on_client_connected")
     async def on_client_connected(_transport, _client):
         logger.info("client connected (%s mode)", "voice" if listening else "text")
-        if config.greeting:
-            await worker.queue_frames([TTSSpeakFrame(config.greeting)])
+        if greeting:
+            await worker.queue_frames([TTSSpeakFrame(greeting)])
 
     @transport.event_handler("on_client_disconnected")
     async def on_client_disconnected(_transport, _client):

@@ -7,3 +7,9 @@ SYSTEM_PROMPT = (
 )
 
 GREETING = "Hello! I am a demo voice agent. Type a message and I will say it back."
+# With speech recognition (DEEPGRAM_API_KEY) the user talks rather than types.
+VOICE_GREETING = "Hello! I am a demo voice agent. Say something and I will answer."
+
+
+def default_greeting(listening: bool) -> str:
+    return VOICE_GREETING if listening else GREETING

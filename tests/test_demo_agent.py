@@ -69,12 +69,11 @@ def cpu_service(tiny_checkpoint):
 
     The demo looks engines up in the same registry, so its own load finds this one ready.
     """
-    from pipecat_qwen_fast.service import close_shared_services, shared_service
+    from pipecat_qwen_fast.service import shared_service
 
     model = str(tiny_checkpoint("custom_voice"))
-    service = shared_service(model, **CPU).wait_ready_blocking(TURN_TIMEOUT)
-    yield model, service
-    asyncio.run(close_shared_services())
+    # Left open: other modules may share this registry entry; its thread is a daemon.
+    return model, shared_service(model, **CPU).wait_ready_blocking(TURN_TIMEOUT)
 
 
 def test_cli_rejects_bad_voice_and_language_with_the_valid_choices(cpu_service, capsys):
@@ -88,6 +87,22 @@ def test_cli_rejects_bad_voice_and_language_with_the_valid_choices(cpu_service, 
     assert "unknown language 'klingon'" in err and "english" in err
     with pytest.raises(SystemExit):
         demo_main(["pipecat", "--model", model, "console"])
+
+
+def test_keys_choose_cloud_services_and_no_keys_the_offline_llm():
+    pytest.importorskip("pipecat")
+    from demo_agent.pipecat_bot import create_stt_and_llm
+    from demo_agent.pipecat_llm import OfflineLLM
+
+    stt, llm = create_stt_and_llm(None, None)
+    assert stt is None and isinstance(llm, OfflineLLM)
+    try:
+        stt, llm = create_stt_and_llm("test-deepgram-key", "test-openai-key")
+    except RuntimeError as e:  # the cloud extras are optional: the error must say what to install
+        assert "pip install" in str(e)
+    else:
+        assert type(stt).__name__ == "DeepgramSTTService"
+        assert type(llm).__name__ == "OpenAILLMService"
 
 
 # -- LiveKit -------------------------------------------------------------------------------------
