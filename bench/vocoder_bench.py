@@ -55,6 +55,20 @@ def stream_all(voc: Vocoder, codes: torch.Tensor, n: int) -> torch.Tensor:
                       for t in range(0, codes.shape[-1], n)], dim=-1)
 
 
+def count_kernels(voc: Vocoder, chunk: torch.Tensor, device: str) -> int | None:
+    """Device kernels launched by one decode_stream call (what a CUDA graph would replay)."""
+    if device != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    st = voc.new_stream()
+    voc.decode_stream(chunk, st, check_values=False)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        voc.decode_stream(chunk, st, check_values=False)
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", type=Path, help="speech_tokenizer config.json (default: released)")
@@ -63,11 +77,16 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 12])
     ap.add_argument("--check-frames", type=int, default=400)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--no-tf32", action="store_true", help="disable TF32 convolutions (cuDNN)")
     args = ap.parse_args()
     dev = args.device
+    if args.no_tf32:
+        torch.backends.cudnn.allow_tf32 = False
     base = build(args.config, dev)
     spf = base.samples_per_frame
-    results = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "runs": []}
+    results = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+               "cudnn_tf32": torch.backends.cudnn.allow_tf32, "runs": []}
+    print(json.dumps({k: v for k, v in results.items() if k != "runs"}))
     # float64 only checks exactness (stream == whole up to rounding); it is not timed.
     for dtype in (torch.float64, torch.float32, torch.bfloat16):
         voc = base.to(dtype)
@@ -89,6 +108,7 @@ def main() -> None:
             for t in args.frames:
                 ms = 1e3 * time_call(lambda: voc.decode(codes[..., :t], check_values=False), dev, 3)
                 run["whole_ms"][t] = round(ms, 2)
+            run["kernels_per_call"] = count_kernels(voc, codes[..., :1], dev)
             for n in args.chunks:
                 st = voc.new_stream()
                 chunk = codes[..., :n]

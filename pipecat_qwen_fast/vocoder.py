@@ -161,15 +161,21 @@ class Vocoder(nn.Module):
             return torch.stack([cb.vectors() for cb in self._codebook_modules()])
 
     def refresh_derived(self) -> None:
-        """Recompute the non-saved tensors from the parameters (after loading or moving)."""
+        """Recompute the non-saved tensors from the parameters.
+
+        Loading and moving do this by themselves; call it after editing parameters in place.
+        """
         self.codebooks = self._derive_codebooks()
+        for m in self.modules():
+            if isinstance(m, SnakeBeta):
+                m.refresh()
         pt = self.pre_transformer
         pt.inv_freq = pt.compute_inv_freq(pt.norm.weight.device)
 
     def _apply(self, fn, recurse=True):
         # Keep inv_freq in fp32 whatever dtype the module is moved to (RoPE angles in bf16 would
-        # be off by whole radians at a few hundred frames), and the codebook table in step with
-        # the parameters.
+        # be off by whole radians at a few hundred frames), and the codebook table and SnakeBeta
+        # factors in step with the parameters (computed in their dtype, as the reference does).
         super()._apply(fn, recurse)
         if self.pre_transformer.norm.weight.device.type != "meta":
             self.refresh_derived()

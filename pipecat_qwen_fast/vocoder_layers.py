@@ -80,17 +80,28 @@ class CausalTransConv(nn.Module):
 
 
 class SnakeBeta(nn.Module):
-    """``x + sin(x * e^alpha)^2 / (e^beta + 1e-9)`` per channel; alpha and beta are log-scale."""
+    """``x + sin(x * e^alpha)^2 / (e^beta + 1e-9)`` per channel; alpha and beta are log-scale.
+
+    The per-channel factors are computed once by ``refresh`` (the Vocoder calls it after loading
+    or moving), in the parameters' dtype as the reference does on every call: four fewer kernel
+    launches per activation, 26 activations per decoded chunk.
+    """
 
     def __init__(self, channels: int):
         super().__init__()
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
+        self.register_buffer("freq", torch.ones(1, channels, 1), persistent=False)
+        self.register_buffer("inv_mag", torch.ones(1, channels, 1), persistent=False)
+        self.refresh()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        self.freq = torch.exp(self.alpha)[None, :, None]
+        self.inv_mag = 1.0 / (torch.exp(self.beta)[None, :, None] + 1e-9)
 
     def forward(self, x: Tensor) -> Tensor:
-        freq = torch.exp(self.alpha)[None, :, None]
-        inv_mag = 1.0 / (torch.exp(self.beta)[None, :, None] + 1e-9)
-        return x + inv_mag * torch.sin(x * freq).pow(2)
+        return x + self.inv_mag * torch.sin(x * self.freq).pow(2)
 
     def step(self, x: Tensor, stream: VocoderStream) -> Tensor:
         return self.forward(x)

@@ -308,9 +308,15 @@ def test_stream_equals_whole_on_cuda(voc):
     whole = vc.decode(codes)
     assert whole.is_cuda and whole.dtype == torch.float64
     assert (stream_decode(vc, codes, [1, 4]) - whole).abs().max() <= EXACT
-    assert (whole.cpu() - voc.decode(codes.cpu())).abs().max() <= 1e-8
+    # RoPE tables are fp32 by design; CPU and CUDA cos/sin differ in the last bit.
+    assert (whole.cpu() - voc.decode(codes.cpu())).abs().max() <= 1e-4
     v32 = Vocoder.from_state_dict(TINY, voc.state_dict(), device="cuda", dtype=torch.float32)
-    assert (stream_decode(v32, codes, [1, 4]) - v32.decode(codes)).abs().max() <= 1e-4
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False  # TF32 convs (the default) round to ~1e-3
+    try:
+        assert (stream_decode(v32, codes, [1, 4]) - v32.decode(codes)).abs().max() <= 1e-4
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
 
 
 # -- reference chunking ---------------------------------------------------------------------------
