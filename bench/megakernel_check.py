@@ -98,6 +98,40 @@ def summary(ms: list[float]) -> dict[str, float]:
             "min_ms": ms[0]}
 
 
+PHASES = ["qkv", "attention", "o_proj", "mlp_in", "down", "head", "proj", "sample_sync", "start"]
+
+
+def phase_profile(mb, st, f) -> dict:
+    """One traced launch: block 0's clock at every grid barrier, summed per (stack, phase).
+
+    A phase's time runs from the previous barrier to the end of its own; the sampling after a head
+    has no barrier, so it lands in the next phase (predictor qkv / proj)."""
+    trace = torch.zeros(3 * mk.TRACE_MAX, dtype=torch.int64, device="cuda")
+    f.trace = trace.data_ptr()
+    mb.launch(st, f)
+    torch.cuda.synchronize()
+    f.trace = 0
+    t = trace.view(-1, 3).cpu()
+    rows = t[: int((t[:, 0] != 0).sum())]
+    # SM clock from the same launch: cycles over the global nanosecond timer.
+    total_cyc = int(rows[-1, 0] - rows[0, 0])
+    total_ns = int(rows[-1, 1] - rows[0, 1])
+    clock_hz = total_cyc / (total_ns * 1e-9)
+    out: dict[str, dict[str, float]] = {}
+    for i in range(1, rows.shape[0]):
+        ph = int(rows[i, 2])
+        stack = "predictor" if ph >= 16 else "talker"
+        name = f"{stack}.{PHASES[ph % 16]}"
+        cyc = int(rows[i, 0] - rows[i - 1, 0])
+        e = out.setdefault(name, {"count": 0, "total_us": 0.0})
+        e["count"] += 1
+        e["total_us"] += cyc / clock_hz * 1e6
+    for e in out.values():
+        e["mean_us"] = e["total_us"] / e["count"]
+    return {"phases": out, "barriers": rows.shape[0] - 1, "total_us_clock": total_cyc / clock_hz * 1e6,
+            "total_us_globaltimer": total_ns / 1e3, "sm_clock_mhz": clock_hz / 1e6}
+
+
 def time_size(size: str, bw: float, iters: int, positions: list[int]) -> dict:
     ref = load_reference()
     talker, cfg = ref.random_talker(size, "cuda", seed=0)
@@ -127,6 +161,9 @@ def time_size(size: str, bw: float, iters: int, positions: list[int]) -> dict:
             for name, f in rows.items():
                 time_launches(mb, st, f, 20)
                 out["modes"][f"{name}_{tag}_pos{pos}"] = summary(time_launches(mb, st, f, iters))
+        if not sampling:
+            out[f"profile_greedy_pos{positions[0]}"] = phase_profile(
+                mb, st, mb.frame_args(st, run_talker=True, pos=positions[0])[0])
         f = mb.frame_args(st, run_talker=False)[0]
         time_launches(mb, st, f, 20)
         out["modes"][f"predictor_only_{tag}"] = summary(time_launches(mb, st, f, iters))
@@ -213,6 +250,9 @@ def main() -> int:
         try:
             result["sizes"][size] = time_size(size, bw, args.iters, args.positions)
         except Exception as e:  # keep the other sizes' numbers
+            import traceback
+
+            traceback.print_exc()
             result["sizes"][size] = {"error": repr(e)}
             print(f"{size}: {e!r}", flush=True)
         (out_dir / "megakernel_results.json").write_text(json.dumps(result, indent=2))
@@ -225,6 +265,12 @@ def main() -> int:
             print(size, "floors", {k: round(v, 4) for k, v in r["floor_at_copy_bw"].items()})
             print(size, "% of floor", {k: round(v, 1) for k, v in r["percent_of_floor"].items()})
             print(size, "torch backend frame ms", round(r["torch_backend_frame_ms"], 2))
+        for key, prof in r.items():
+            if key.startswith("profile_"):
+                print(size, key, "barriers", prof["barriers"], "total us", round(prof["total_us_globaltimer"], 1),
+                      "SM MHz", round(prof["sm_clock_mhz"]))
+                for name, e in sorted(prof["phases"].items()):
+                    print(f"   {name:26} n={e['count']:4d} mean {e['mean_us']:7.2f} us  total {e['total_us']:8.1f} us")
     (out_dir / "megakernel_results.json").write_text(json.dumps(result, indent=2))
     return 0 if result.get("tests", {"rc": 0})["rc"] == 0 else 1
 

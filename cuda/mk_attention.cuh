@@ -16,7 +16,7 @@ struct AttnArgs {
     bf16* vc;
     const bf16* q_norm;
     const bf16* k_norm;
-    const float* inv_freq;
+    const bf16* rope;  // [max_pos][2][64]
     float* part;
     unsigned* count;
     int pos, num_heads, num_kv_heads, max_pos;
@@ -37,7 +37,7 @@ __device__ __forceinline__ int attn_items(int pos, int kv_heads) {
 }
 
 // Smem use: 4*128 + 2*QMK_MAX_CHUNK + 512 + 32 floats.
-__device__ void attention_item(const AttnArgs& a, int g, int c, int chunk, int nchunk, float* sm) {
+__device__ __noinline__ void attention_item(const AttnArgs& a, int g, int c, int chunk, int nchunk, float* sm) {
     float* nrm = sm;                       // [3][128] normalised q0, q1, k
     float* qf = nrm + 3 * QMK_HD;          // [2][128] roped q
     float* s = qf + 2 * QMK_HD;            // [2][QMK_MAX_CHUNK] scores then probabilities
@@ -66,13 +66,10 @@ __device__ void attention_item(const AttnArgs& a, int g, int c, int chunk, int n
     }
     __syncthreads();
     if (vi < 3) {
-        // cos/sin of pos * inv_freq in fp32, cast to bf16, then x*cos + rotate_half(x)*sin with
-        // a rounding after each op, as the torch reference does in bf16.
-        const float ang = (float)a.pos * a.inv_freq[d & 63];
-        float sn, cs;
-        sincosf(ang, &sn, &cs);
-        cs = bf16_round(cs);
-        sn = bf16_round(sn);
+        // x*cos + rotate_half(x)*sin with a rounding after each op, as the torch reference does
+        // in bf16; the cos/sin table holds torch's own bf16 values.
+        const float cs = ld_weight1(a.rope + (size_t)a.pos * QMK_HD + (d & 63));
+        const float sn = ld_weight1(a.rope + (size_t)a.pos * QMK_HD + 64 + (d & 63));
         const float x = nrm[vi * QMK_HD + d];
         const float rot = d < 64 ? -nrm[vi * QMK_HD + d + 64] : nrm[vi * QMK_HD + d - 64];
         const float y = bf16_round(bf16_round(x * cs) + bf16_round(rot * sn));
@@ -174,7 +171,7 @@ __device__ void attention_item(const AttnArgs& a, int g, int c, int chunk, int n
     if (t == 0) a.count[g] = 0u;
 }
 
-__device__ void attention_phase(const AttnArgs& a, float* sm) {
+__device__ __forceinline__ void attention_phase(const AttnArgs& a, float* sm) {
     const int npos = a.pos + 1;
     const int chunk = attn_chunk(npos, a.num_kv_heads);
     const int nchunk = (npos + chunk - 1) / chunk;

@@ -111,20 +111,33 @@ struct BlockReducer {
     }
 };
 
-// Qwen3 RMSNorm of a bf16 vector into shared memory as fp32 holding bf16 values:
-// w * bf16(x * rsqrt(mean(x^2) + eps)), rounded to bf16 like the torch module.
+// Qwen3 RMSNorm of a bf16 vector (n <= 4 * QMK_THREADS) into shared memory as fp32 holding bf16
+// values: w * bf16(x * rsqrt(mean(x^2) + eps)), rounded like the torch module. x and w are
+// loaded together so their latencies overlap.
 __device__ __forceinline__ void rms_norm_to_smem(const bf16* x, const bf16* w, int n, float eps, float* xs,
                                                  BlockReducer& red) {
     __syncthreads();
+    float xv[4], wv[4];
     float ss = 0.f;
-    for (int i = threadIdx.x; i < n; i += QMK_THREADS) {
-        const float v = ld_act(x + i);
-        xs[i] = v;
-        ss += v * v;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int i = threadIdx.x + e * QMK_THREADS;
+        xv[e] = 0.f;
+        wv[e] = 0.f;
+        if (i < n) {
+            xv[e] = ld_act(x + i);
+            wv[e] = ld_weight1(w + i);
+        }
     }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ss += xv[e] * xv[e];
     ss = red.sum(ss);
     const float r = rsqrtf(ss / (float)n + eps);
-    for (int i = threadIdx.x; i < n; i += QMK_THREADS) xs[i] = bf16_round(bf16_round(xs[i] * r) * ld_weight1(w + i));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int i = threadIdx.x + e * QMK_THREADS;
+        if (i < n) xs[i] = bf16_round(bf16_round(xv[e] * r) * wv[e]);
+    }
     __syncthreads();
 }
 

@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#define QMK_ABI_VERSION 1
+#define QMK_ABI_VERSION 2
 #define QMK_MAX_GROUPS 16
 #define QMK_HEAD_DIM 128
 
@@ -32,7 +32,7 @@ typedef struct {
     int32_t reserved;
     uint64_t layers;     /* qmk_layer[num_layers] in device memory */
     uint64_t final_norm; /* bf16 [hidden] */
-    uint64_t inv_freq;   /* fp32 [head_dim / 2] RoPE inverse frequencies */
+    uint64_t rope;       /* bf16 [max_pos][2][64]: cos then sin per position, as torch rounds them */
     uint64_t k_cache;    /* bf16 [num_layers][num_kv_heads][max_pos][head_dim] */
     uint64_t v_cache;
 } qmk_stack;
@@ -84,7 +84,10 @@ typedef struct {
     uint64_t trailing;    /* bf16 [Dt] text vector added to the next talker input */
     uint64_t force_codes; /* int64 [16] teacher forcing (feedback uses these) or 0 */
     uint64_t codes_out;   /* int64 [16] */
+    uint64_t trace;       /* int64 [3 * QMK_TRACE_MAX] (clock64, globaltimer, phase id) per barrier, or 0 */
 } qmk_frame;
+
+#define QMK_TRACE_MAX 2048
 
 int qmk_abi_version(void);
 /* sizeof of qmk_layer, qmk_stack, qmk_model, qmk_frame into out[0..3]. */

@@ -25,12 +25,17 @@ def bf16(x: Tensor) -> Tensor:
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    r = torch.rsqrt(x.pow(2).mean() + eps)
+    """Over the last dim (one vector, or one row per head)."""
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return bf16(bf16(x * r) * w.float())
 
 
 def matvec(w: Tensor, x: Tensor) -> Tensor:
     return w.float() @ x
+
+
+def inv_freq(theta: float, device, head_dim: int = 128) -> Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
 
 
 def rope(x: Tensor, pos: int, inv_freq: Tensor) -> Tensor:
@@ -56,8 +61,7 @@ def layer_step(layer, x_in: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int, 
     v = bf16(matvec(a.v_proj.weight, n)).view(KV, HD)
     if stop_after == "qkv":
         return torch.cat([q.flatten(), k.flatten(), v.flatten()])
-    qn = torch.stack([rms_norm(q[h], a.q_norm.weight, eps) for h in range(H)])
-    kn = torch.stack([rms_norm(k[h], a.k_norm.weight, eps) for h in range(KV)])
+    qn, kn = rms_norm(q, a.q_norm.weight, eps), rms_norm(k, a.k_norm.weight, eps)
     q, k = rope(qn, pos, inv_freq), rope(kn, pos, inv_freq)
     k_cache[:, pos] = k.to(k_cache.dtype)
     v_cache[:, pos] = v.to(v_cache.dtype)
@@ -90,6 +94,78 @@ def stack_step(stack, x: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int, inv
     return x, rms_norm(x, stack.norm.weight, eps)
 
 
+class ReplicaDecoder:
+    """Greedy frames through the replica: talker step, codec head, spec §6 processing, 15
+    predictor passes (run as 16 single positions, like the kernel), next input. Starts from a
+    torch prefill (KV cache + post-norm hidden), as the megakernel backend does."""
+
+    def __init__(self, talker, k_cache: Tensor, v_cache: Tensor, length: int, hidden: Tensor, trailing: Tensor,
+                 pad_vec: Tensor, min_new_tokens: int = 2, repetition_penalty: float = 1.05):
+        self.t = talker
+        self.k, self.v = k_cache.clone(), v_cache.clone()
+        self.length = length
+        self.hidden = hidden.float()
+        self.trailing, self.pad_vec = trailing, pad_vec
+        cp = talker.code_predictor
+        ps = cp.cfg.stack
+        shape = (ps.num_layers, ps.num_kv_heads, cp.cfg.num_code_groups, ps.head_dim)
+        self.pk = torch.zeros(shape, device=k_cache.device, dtype=torch.bfloat16)
+        self.pv = torch.zeros_like(self.pk)
+        self.freq_t = inv_freq(talker.cfg.stack.rope_theta, k_cache.device)
+        self.freq_p = inv_freq(ps.rope_theta, k_cache.device)
+        self.seen = torch.zeros(talker.cfg.vocab_size, dtype=torch.bool, device=k_cache.device)
+        self.frame = 0
+        self.pending: Tensor | None = None
+        self.min_new, self.penalty = min_new_tokens, repetition_penalty
+        self.pred_hidden = torch.zeros((cp.cfg.num_code_groups, ps.hidden_size), device=k_cache.device)
+
+    def project(self, x: Tensor) -> Tensor:
+        proj = self.t.code_predictor.small_to_mtp_projection
+        if isinstance(proj, torch.nn.Identity):
+            return x
+        return bf16(matvec(proj.weight, x) + proj.bias.float())
+
+    @torch.no_grad()
+    def decode_frame(self, force: Tensor | None = None) -> Tensor:
+        t, cfg = self.t, self.t.cfg
+        if self.frame > 0:
+            _, self.hidden = stack_step(t.model, self.pending, self.k, self.v, self.length, self.freq_t)
+            self.length += 1
+        logits = bf16(matvec(t.codec_head.weight, self.hidden))
+        logits = torch.where(self.seen, torch.where(logits < 0, logits * self.penalty, logits / self.penalty), logits)
+        if self.frame < self.min_new:
+            logits[cfg.codec_eos_id] = float("-inf")
+        logits[cfg.vocab_size - 1024:] = torch.where(
+            torch.arange(cfg.vocab_size - 1024, cfg.vocab_size, device=logits.device) == cfg.codec_eos_id,
+            logits[cfg.vocab_size - 1024:], torch.full_like(logits[cfg.vocab_size - 1024:], float("-inf")))
+        codes = [int(torch.argmax(logits))]
+        fed = [int(force[0]) if force is not None else codes[0]]
+        self.seen[fed[0]] = True
+        cp = t.code_predictor
+        G = cfg.num_code_groups
+        for p in range(G):
+            if p == 0:
+                src = self.hidden
+            elif p == 1:
+                src = t.model.codec_embedding.weight[fed[0]].float()
+            else:
+                src = cp.model.codec_embedding[p - 2].weight[fed[p - 1]].float()
+            _, h = stack_step(cp.model, self.project(src), self.pk, self.pv, p, self.freq_p)
+            if p == 0:
+                continue
+            self.pred_hidden[p] = h
+            c = int(torch.argmax(bf16(matvec(cp.lm_head[p - 1].weight, h))))
+            codes.append(c)
+            fed.append(int(force[p]) if force is not None else c)
+        total = t.model.codec_embedding.weight[fed[0]].float()
+        for g in range(1, G):
+            total = bf16(total + cp.model.codec_embedding[g - 1].weight[fed[g]].float())
+        text = self.trailing[self.frame] if self.frame < self.trailing.shape[0] else self.pad_vec
+        self.pending = bf16(total + text.float())
+        self.frame += 1
+        return torch.tensor(codes, device=self.hidden.device)
+
+
 # ---------------------------------------------------------------------------------------------
 # Random full-size checkpoints (speed does not depend on values; zeros would hide bugs)
 
@@ -103,7 +179,8 @@ def model_config(size: str = "0.6b"):
 
 
 @torch.no_grad()
-def random_talker(size: str = "0.6b", device: str | torch.device = "cuda", seed: int = 0, zero_eos: bool = True):
+def random_talker(size: str = "0.6b", device: str | torch.device = "cuda", seed: int = 0, zero_eos: bool = True,
+                  scaled_residual: bool = True):
     """A `Talker` with N(0, 0.02) matrices, N(0, 1)-ish embeddings scaled like real ones, and norm
     weights in [0.5, 1.5]. zero_eos zeroes the EOS row of the codec head so greedy runs never stop."""
     from pipecat_qwen_fast.talker import Talker
@@ -116,8 +193,12 @@ def random_talker(size: str = "0.6b", device: str | torch.device = "cuda", seed:
     for name, p in talker.named_parameters():
         if "norm" in name and p.dim() == 1:
             p.copy_(torch.rand(p.shape, generator=gen, device=device) + 0.5)
-        elif name.endswith("bias"):
-            p.copy_(torch.randn(p.shape, generator=gen, device=device) * 0.02)
+        elif scaled_residual and name.endswith(("o_proj.weight", "down_proj.weight")):
+            # GPT-2 style 1/sqrt(2 * layers) on the residual branches keeps the random stack from
+            # being chaotic: with plain N(0, 0.02) every layer overwrites the residual stream and
+            # one-ulp rounding differences grow ~10x over 28 layers.
+            layers = cfg.talker.stack.num_layers if name.startswith("model.") else cfg.predictor.stack.num_layers
+            p.copy_(torch.randn(p.shape, generator=gen, device=device) * (0.02 / (2 * layers) ** 0.5))
         else:
             p.copy_(torch.randn(p.shape, generator=gen, device=device) * 0.02)
     if zero_eos:

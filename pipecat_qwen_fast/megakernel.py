@@ -23,13 +23,14 @@ import torch
 from torch import Tensor
 
 from .errors import UnsupportedFeatureError
-from .layers import KVCache
+from .layers import KVCache, rotary_cos_sin
 from .sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 SOURCE_FILES = ("qwen_mk.h", "mk_util.cuh", "mk_matvec.cuh", "mk_attention.cuh", "mk_sample.cuh", "qwen_mk.cu")
-ABI_VERSION = 1
+ABI_VERSION = 2
+TRACE_MAX = 2048
 MAX_GROUPS = 16
 HEAD_DIM = 128
 NVCC_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "-Xcompiler", "-fPIC")
@@ -117,7 +118,7 @@ class QmkStack(ctypes.Structure):
         ("hidden", ctypes.c_int32), ("inter", ctypes.c_int32), ("num_layers", ctypes.c_int32),
         ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32), ("max_pos", ctypes.c_int32),
         ("eps", ctypes.c_float), ("reserved", ctypes.c_int32),
-        ("layers", ctypes.c_uint64), ("final_norm", ctypes.c_uint64), ("inv_freq", ctypes.c_uint64),
+        ("layers", ctypes.c_uint64), ("final_norm", ctypes.c_uint64), ("rope", ctypes.c_uint64),
         ("k_cache", ctypes.c_uint64), ("v_cache", ctypes.c_uint64),
     ]
 
@@ -150,7 +151,7 @@ class QmkFrame(ctypes.Structure):
         ("rep_penalty", ctypes.c_float), ("reserved", ctypes.c_int32),
         ("talker_s", QmkSampler), ("pred_s", QmkSampler),
         ("seed", ctypes.c_uint64), ("trailing", ctypes.c_uint64), ("force_codes", ctypes.c_uint64),
-        ("codes_out", ctypes.c_uint64),
+        ("codes_out", ctypes.c_uint64), ("trace", ctypes.c_uint64),
     ]
 
 
@@ -239,9 +240,11 @@ def shape_unsupported_reason(talker) -> str | None:
 # Backend
 
 
-def inv_freq(head_dim: int, theta: float, device: torch.device) -> Tensor:
-    # Same expression as layers.rotary_cos_sin, so both paths use bit-identical frequencies.
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+def rope_table(positions: int, theta: float, device: torch.device) -> Tensor:
+    """bf16 [positions, 2, 64]: cos then sin, the very values the torch layers compute."""
+    cos, sin = rotary_cos_sin(torch.arange(positions, device=device), HEAD_DIM, theta, torch.bfloat16)
+    half = HEAD_DIM // 2
+    return torch.stack([cos[:, :half], sin[:, :half]], dim=1).contiguous()
 
 
 def ptr(t: Tensor | None) -> int:
@@ -284,8 +287,7 @@ class MegakernelBackend:
         self._keep: list[Tensor] = []
         self.talker_layers = self._layer_table(talker.model)
         self.pred_layers = self._layer_table(talker.code_predictor.model)
-        self.talker_freq = inv_freq(HEAD_DIM, self.tcfg.stack.rope_theta, device)
-        self.pred_freq = inv_freq(HEAD_DIM, self.pcfg.stack.rope_theta, device)
+        self.pred_rope = rope_table(self.num_groups, self.pcfg.stack.rope_theta, device)
         if warmup:
             self.warmup()
 
@@ -305,11 +307,11 @@ class MegakernelBackend:
                 mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)])
         return torch.tensor(rows, dtype=torch.int64).to(self.device)
 
-    def _stack(self, cfg, table: Tensor, final_norm: Tensor, freq: Tensor, k: Tensor, v: Tensor, max_pos: int) -> QmkStack:
+    def _stack(self, cfg, table: Tensor, final_norm: Tensor, rope: Tensor, k: Tensor, v: Tensor, max_pos: int) -> QmkStack:
         return QmkStack(
             hidden=cfg.hidden_size, inter=cfg.intermediate_size, num_layers=cfg.num_layers,
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, max_pos=max_pos, eps=cfg.rms_norm_eps,
-            reserved=0, layers=ptr(table), final_norm=self._w(final_norm), inv_freq=ptr(freq),
+            reserved=0, layers=ptr(table), final_norm=self._w(final_norm), rope=ptr(rope),
             k_cache=ptr(k), v_cache=ptr(v),
         )
 
@@ -341,14 +343,15 @@ class MegakernelBackend:
             "attn_count": torch.zeros(max(ts.num_kv_heads, ps.num_kv_heads), device=dev, dtype=torch.int32),
             "trailing": trailing.to(dev, bf).contiguous(),
             "pad_vec": pad_vec.to(dev, bf).contiguous(),
+            "rope": rope_table(max_positions, ts.rope_theta, dev),
         }
         cp = self.talker.code_predictor
         proj = cp.small_to_mtp_projection
         has_proj = isinstance(proj, torch.nn.Linear)
         m = QmkModel(
-            talker=self._stack(ts, self.talker_layers, self.talker.model.norm.weight, self.talker_freq,
+            talker=self._stack(ts, self.talker_layers, self.talker.model.norm.weight, buf["rope"],
                                talker_cache.k, talker_cache.v, max_positions),
-            pred=self._stack(ps, self.pred_layers, cp.model.norm.weight, self.pred_freq, pk, pv, G),
+            pred=self._stack(ps, self.pred_layers, cp.model.norm.weight, self.pred_rope, pk, pv, G),
             vocab=self.tcfg.vocab_size, pred_vocab=self.pcfg.vocab_size, eos_id=self.eos_id, num_groups=G,
             codec_head=self._w(self.talker.codec_head.weight),
             talker_emb=self._w(self.talker.model.codec_embedding.weight),
@@ -373,7 +376,8 @@ class MegakernelBackend:
         state.buffers["hidden"].copy_(hidden[-1])
 
     def frame_args(self, state: MegakernelState, *, run_talker: bool, run_predictor: bool = True, pos: int | None = None,
-                   force: Tensor | None = None, out: Tensor | None = None) -> tuple[QmkFrame, Tensor]:
+                   force: Tensor | None = None, out: Tensor | None = None,
+                   trace: Tensor | None = None) -> tuple[QmkFrame, Tensor]:
         p = state.params
         t = state.frame
         trailing = state.trailing[t] if t < state.trailing.shape[0] else state.pad_vec
@@ -386,7 +390,7 @@ class MegakernelBackend:
             rep_penalty=p.repetition_penalty, reserved=0,
             talker_s=QmkSampler(int(p.do_sample), p.top_k, p.temperature, p.top_p),
             pred_s=QmkSampler(int(p.subtalker_do_sample), p.subtalker_top_k, p.subtalker_temperature, p.subtalker_top_p),
-            seed=state.seed, trailing=ptr(trailing), force_codes=ptr(force), codes_out=ptr(out),
+            seed=state.seed, trailing=ptr(trailing), force_codes=ptr(force), codes_out=ptr(out), trace=ptr(trace),
         )
         return f, out
 
