@@ -9,13 +9,14 @@ Official ``non_streaming_mode=True`` is our ``text_mode="prefill"``, ``False`` i
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from oracle.harness import official_outputs
+from oracle.harness import ROOT, official_outputs
 
 pytestmark = pytest.mark.oracle
 
@@ -23,6 +24,9 @@ pytestmark = pytest.mark.oracle
 MAX_NEW_TOKENS = 45
 MAX_FRAMES = MAX_NEW_TOKENS - 1
 WAV_TOL = 1e-4
+QK_GAIN = 8.0  # sharpened attention, see oracle/checkpoints.py
+EOS_PICK_FRAME = 15  # EOS is made to fire where this frame's code would appear
+DERIVED_CACHE = ROOT / ".cache" / "oracle-ckpt"
 PCM_STEP = 1 / 32767  # synthesize() returns int16 audio; rounding adds up to half a step
 SAMPLES_PER_FRAME = 1920
 
@@ -113,39 +117,63 @@ GENERATE_CASES = [
 VARIANTS = ("custom_voice", "voice_design", "base")
 
 
+@dataclass
+class Oracle:
+    built: Path  # the builder's checkpoint
+    ckpt: Path  # the derived checkpoint both sides run (see oracle/checkpoints.py)
+    results: dict  # case id -> official result
+
+
+def load_engine(ckpt: Path):
+    from pipecat_qwen_fast.engine import QwenTTSEngine
+
+    return QwenTTSEngine.from_pretrained(ckpt, device="cpu", dtype="float32", backend="torch", progress=False)
+
+
+def pick_eos_code(ckpt: Path, first_case: dict) -> int | None:
+    """The code 0 our engine emits at EOS_PICK_FRAME of the first case (None: it stopped earlier).
+
+    This only decides where EOS will fire in the derived checkpoint; whether both sides then
+    stop at the same frame is judged against the official run.
+    """
+    codes = load_engine(ckpt).generate_codes(first_case["text"], **our_request(first_case))
+    return int(codes[EOS_PICK_FRAME, 0]) if len(codes) > EOS_PICK_FRAME else None
+
+
 @pytest.fixture(scope="module")
 def oracle(tiny_checkpoint):
-    """variant -> (checkpoint dir, {case id: official result}), one official run per variant."""
-    results: dict[str, tuple[Path, dict]] = {}
+    """variant -> Oracle, one official run per variant (cached across test runs)."""
+    from oracle.checkpoints import derive_checkpoint
 
-    def get(variant: str) -> tuple[Path, dict]:
-        if variant not in results:
-            ckpt = tiny_checkpoint(variant)
-            results[variant] = (ckpt, official_outputs(ckpt, cases_for(variant, ckpt)))
-        return results[variant]
+    made: dict[str, Oracle] = {}
+
+    def get(variant: str) -> Oracle:
+        if variant not in made:
+            built = tiny_checkpoint(variant)
+            cases = cases_for(variant, built)
+            sharp = derive_checkpoint(built, DERIVED_CACHE, qk_gain=QK_GAIN)
+            code = pick_eos_code(sharp, next(c for c in cases if c["op"] == "generate"))
+            ckpt = derive_checkpoint(built, DERIVED_CACHE, qk_gain=QK_GAIN, eos_code=code)
+            made[variant] = Oracle(built, ckpt, official_outputs(ckpt, cases))
+        return made[variant]
 
     return get
 
 
 @pytest.fixture(scope="module")
 def engine(oracle):
-    from pipecat_qwen_fast.engine import QwenTTSEngine
-
     engines = {}
 
     def get(variant: str):
         if variant not in engines:
-            ckpt, _ = oracle(variant)
-            engines[variant] = QwenTTSEngine.from_pretrained(
-                ckpt, device="cpu", dtype="float32", backend="torch", progress=False
-            )
+            engines[variant] = load_engine(oracle(variant).ckpt)
         return engines[variant]
 
     return get
 
 
-def find_case(variant: str, ckpt: Path, case_id: str) -> dict:
-    return next(c for c in cases_for(variant, ckpt) if c["id"] == case_id)
+def find_case(o: Oracle, variant: str, case_id: str) -> dict:
+    return next(c for c in cases_for(variant, o.built) if c["id"] == case_id)
 
 
 def our_request(c: dict) -> dict:
@@ -196,9 +224,9 @@ def assert_close(ours: np.ndarray, official: np.ndarray, tol: float, what: str) 
 
 @pytest.mark.parametrize(("variant", "case_id"), GENERATE_CASES)
 def test_codes_and_waveform_match_official(oracle, engine, variant, case_id):
-    ckpt, results = oracle(variant)
-    off = results[case_id]
-    c = find_case(variant, ckpt, case_id)
+    o = oracle(variant)
+    off = o.results[case_id]
+    c = find_case(o, variant, case_id)
     eng = engine(variant)
 
     ours = eng.generate_codes(c["text"], **our_request(c)).cpu().numpy()
@@ -220,9 +248,9 @@ def test_codes_and_waveform_match_official(oracle, engine, variant, case_id):
     ("base", "icl_dual"),
 ])
 def test_synthesize_streams_the_official_audio(oracle, engine, variant, case_id):
-    ckpt, results = oracle(variant)
-    off = results[case_id]
-    c = find_case(variant, ckpt, case_id)
+    o = oracle(variant)
+    off = o.results[case_id]
+    c = find_case(o, variant, case_id)
 
     res = engine(variant).synthesize(c["text"], first_chunk_frames=1, chunk_frames=4, **our_request(c))
     assert_same_codes(np.asarray(res.codes, dtype=np.int64), off["codes"])
@@ -242,9 +270,9 @@ def test_synthesize_streams_the_official_audio(oracle, engine, variant, case_id)
     ("base", "icl_dual"),
 ])
 def test_text_ids_match_official(oracle, engine, variant, case_id):
-    ckpt, results = oracle(variant)
-    off = results[case_id]
-    c = find_case(variant, ckpt, case_id)
+    o = oracle(variant)
+    off = o.results[case_id]
+    c = find_case(o, variant, case_id)
     tok = engine(variant).tokenizer
 
     texts = {"text_ids": f"<|im_start|>assistant\n{c['text']}<|im_end|>\n<|im_start|>assistant\n"}
@@ -258,20 +286,30 @@ def test_text_ids_match_official(oracle, engine, variant, case_id):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_eos_fires_in_the_derived_checkpoint(oracle, variant):
+    """The stop-frame comparison is only meaningful if some cases stop at EOS, not at the cap."""
+    o = oracle(variant)
+    first = next(c for c in cases_for(variant, o.built) if c["op"] == "generate")
+    off = o.results[first["id"]]
+    assert bool(off["eos"]) and len(off["codes"]) <= EOS_PICK_FRAME, describe_stop(off["codes"])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_official_package_loads_our_checkpoint_exactly(oracle, engine, variant):
     from safetensors import safe_open
 
-    ckpt, results = oracle(variant)
-    info = results["inspect"]
+    o = oracle(variant)
+    # The official run loads the derived copy: same tensor names and shapes, other values.
+    info = o.results["inspect"]
     reports = {r["class"]: r for r in info["loading"]}
     assert set(reports) == {"Qwen3TTSForConditionalGeneration", "Qwen3TTSTokenizerV2Model"}
     for cls, r in reports.items():
         assert (r["missing"], r["unexpected"], r["mismatched"]) == ([], [], []), f"{cls}: {r}"
 
-    # Every tensor in our files is one the official model holds, with the same shape.
+    # Every tensor the builder writes is one the official model holds, with the same shape.
     for rel, official in (("model.safetensors", info["state_dict"]["model"]),
                           ("speech_tokenizer/model.safetensors", info["state_dict"]["speech_tokenizer"])):
-        with safe_open(str(ckpt / rel), framework="pt") as f:
+        with safe_open(str(o.built / rel), framework="pt") as f:
             ours = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
         diff = {k: (v, official.get(k)) for k, v in ours.items() if official.get(k) != v}
         assert not diff, f"{rel}: tensors the official model lacks or shapes it differs on: {diff}"
@@ -286,13 +324,13 @@ def test_official_package_loads_our_checkpoint_exactly(oracle, engine, variant):
 def test_vocoder_decode_matches_official(oracle, case_id):
     from pipecat_qwen_fast.vocoder import Vocoder
 
-    ckpt, results = oracle("custom_voice")
-    c = find_case("custom_voice", ckpt, case_id)
+    o = oracle("custom_voice")
+    c = find_case(o, "custom_voice", case_id)
     codes = torch.tensor(c["codes"], dtype=torch.long).T[None]  # [1, 16, T]
-    voc = Vocoder.from_pretrained(ckpt, device="cpu", dtype=torch.float32)
+    voc = Vocoder.from_pretrained(o.built, device="cpu", dtype=torch.float32)
     with torch.no_grad():
         if codes.shape[-1] > 300:
             wav = voc.decode_reference_chunked(codes)
         else:
             wav = voc.decode(codes)
-    assert_close(wav[0, 0].numpy(), results[case_id]["wav"], WAV_TOL, "vocoder decode")
+    assert_close(wav[0, 0].numpy(), o.results[case_id]["wav"], WAV_TOL, "vocoder decode")
