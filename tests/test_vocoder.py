@@ -234,7 +234,8 @@ def test_later_frame_changes_nothing_before_it(voc, long_codes, long_wav):
 # -- exact streaming ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sizes", [[1], [3], [10], [1, 5, 2, 17, 4, 80]], ids=str)
+# [300] also runs a chunk longer than one attention query block (256) through the stream.
+@pytest.mark.parametrize("sizes", [[1], [3], [10], [1, 5, 2, 17, 4, 80], [300]], ids=str)
 def test_stream_chunks_equal_whole_decode(voc, long_codes, long_wav, sizes):
     wav = stream_decode(voc, long_codes, sizes)
     assert wav.shape == long_wav.shape
