@@ -35,7 +35,9 @@ def add_tts_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"hub id or local folder of a Qwen3-TTS checkpoint (default: {DEFAULT_MODEL})",
     )
     group.add_argument(
-        "--voice", default=None, help="CustomVoice speaker, e.g. ryan (default: the model's first)"
+        "--voice",
+        default=None,
+        help="CustomVoice speaker, e.g. ryan (default: the model's default)",
     )
     group.add_argument(
         "--language", default="auto", help="language name, e.g. english, or auto (default)"
@@ -58,7 +60,7 @@ def tts_options_from_args(args: argparse.Namespace) -> TTSOptions:
     return TTSOptions(
         model=args.model,
         voice=args.voice,
-        language=args.language,
+        language=args.language.lower(),
         device=args.device,
         dtype=args.dtype,
         backend=args.backend,

@@ -142,6 +142,70 @@ async def test_livekit_agent_answers_a_typed_turn_with_our_audio(cpu_service, mo
         await session.aclose()
 
 
+def _read_pty_until(fd: int, buffer: bytearray, text: str, timeout: float) -> bool:
+    """Wait for ``text`` on a terminal, ignoring colours, cursor moves and line wrapping."""
+    import re
+    import select
+    import time
+
+    wanted = "".join(text.split()).encode()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
+            try:
+                buffer += os.read(fd, 65536)
+            except OSError:  # the child closed the terminal
+                return False
+        plain = re.sub(rb"\x1b\[[0-9;?]*[A-Za-z]", b"", bytes(buffer))
+        if wanted in b"".join(plain.split()):
+            return True
+    return False
+
+
+def test_livekit_console_text_mode_answers_a_typed_turn(cpu_service):
+    """``python -m demo_agent livekit console --text`` in a terminal: greeting, typed turn, reply.
+
+    LiveKit's text console shows text only (its audio output is off), so this checks the entry
+    point and the CLI wiring; the audio path is the AgentSession test above.
+    """
+    import pty
+    import signal
+
+    try:
+        import sounddevice  # noqa: F401 - LiveKit's console imports it even in text mode
+    except OSError as e:
+        pytest.skip(f"needs PortAudio ({e}); .ci/install_system_deps.sh installs libportaudio2")
+    model, _ = cpu_service
+    master, slave = pty.openpty()
+    path = os.pathsep.join(
+        filter(None, [str(REPO / "livekit_plugin"), os.environ.get("PYTHONPATH")])
+    )
+    env = {**os.environ, "PYTHONPATH": path, "DEEPGRAM_API_KEY": "", "OPENAI_API_KEY": ""}
+    env.update(COLUMNS="120", LINES="40", TERM="xterm")
+    cmd = [
+        sys.executable, "-m", "demo_agent", "livekit", "--model", model,
+        "--device", "cpu", "--dtype", "float32", "--backend", "torch", "--max-frames", "8",
+        "console", "--text",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=REPO, start_new_session=True
+    )
+    os.close(slave)
+    screen = bytearray()
+    try:
+        assert _read_pty_until(master, screen, GREETING, TURN_TIMEOUT), screen[-2000:]
+        os.write(master, b"The quick brown fox\r")
+        assert _read_pty_until(master, screen, "You said: The quick brown fox", 60), screen[-2000:]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+
+
 # -- Pipecat over WebRTC, and the browser page ----------------------------------------------------
 
 
