@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -202,7 +203,9 @@ def main() -> int:
         raise ValueError(f"duplicate case ids in {args.request}")
 
     reports = install_loading_recorder()
+    start = time.perf_counter()
     tts = load_official(args.ckpt)
+    print(f"[oracle] loaded {args.ckpt} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
     ops = {
         "generate": lambda c: generate_case(tts, c),
@@ -212,8 +215,10 @@ def main() -> int:
     for case in cases:
         if case["op"] not in ops:
             raise ValueError(f"case {case['id']}: op {case['op']!r}; valid: {sorted(ops)}")
+        start = time.perf_counter()
         with torch.no_grad():
             result = ops[case["op"]](case)
+        print(f"[oracle] {case['id']}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
         np.savez(args.out / f"{case['id']}.npz", **result)
     (args.out / "done.json").write_text(json.dumps({"cases": ids}))
     return 0
