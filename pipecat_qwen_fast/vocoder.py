@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipecat_qwen_fast.config import VocoderConfig, parse_vocoder_config, read_json
-from pipecat_qwen_fast.errors import InvalidInputError, ModelLoadError
+from pipecat_qwen_fast.errors import ConfigError, InvalidInputError, ModelLoadError
 from pipecat_qwen_fast.vocoder_layers import (
     CausalConv,
     CausalTransConv,
@@ -133,16 +133,16 @@ class Vocoder(nn.Module):
     @staticmethod
     def _check_config(cfg: VocoderConfig) -> None:
         if cfg.decoder_dim % (2 ** len(cfg.upsample_rates)):
-            raise InvalidInputError(
+            raise ConfigError(
                 f"decoder_dim {cfg.decoder_dim} must be divisible by 2**{len(cfg.upsample_rates)}"
             )
         if not 0 < cfg.num_semantic_quantizers < cfg.num_quantizers:
-            raise InvalidInputError(
+            raise ConfigError(
                 f"num_semantic_quantizers {cfg.num_semantic_quantizers} must be in "
                 f"[1, num_quantizers={cfg.num_quantizers})"
             )
         if cfg.sliding_window < 1:
-            raise InvalidInputError(f"sliding_window {cfg.sliding_window} must be >= 1")
+            raise ConfigError(f"sliding_window {cfg.sliding_window} must be >= 1")
 
     def _assign_history_slots(self) -> list[tuple[int, int]]:
         specs = []

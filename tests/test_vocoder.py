@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pipecat_qwen_fast.config import VocoderConfig, parse_vocoder_config
-from pipecat_qwen_fast.errors import InvalidInputError, ModelLoadError
+from pipecat_qwen_fast.errors import ConfigError, InvalidInputError, ModelLoadError
 from pipecat_qwen_fast.tiny_configs import speech_tokenizer_config_dict
 from pipecat_qwen_fast.vocoder import Vocoder
 OFFICIAL_NAMES = Path(__file__).parent / "data" / "official_vocoder_state_dict.json"
@@ -352,5 +352,5 @@ def test_bad_codes_are_rejected(voc):
 
 
 def test_config_needs_divisible_decoder_dim():
-    with pytest.raises(InvalidInputError, match="decoder_dim"):
+    with pytest.raises(ConfigError, match="decoder_dim"):
         Vocoder(dataclasses.replace(TINY, decoder_dim=40))
