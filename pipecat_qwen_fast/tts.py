@@ -272,7 +272,11 @@ class QwenFastTTSService(TTSService):
             self._streams.setdefault(context_id, set()).add(stream)
             await self.start_tts_usage_metrics(text)
             in_rate = service.sample_rate
-            resampler = create_stream_resampler() if in_rate != self.sample_rate else None
+            resampler = (
+                # One resampler per utterance, flushed at its end; never cleared mid-way
+                # (a slow first chunk must not drop the samples the filter holds).
+                create_stream_resampler(clear_after_secs=None) if in_rate != self.sample_rate else None
+            )
             async for chunk in stream:
                 audio = chunk.pcm.tobytes()
                 if resampler is not None:
