@@ -72,8 +72,9 @@ def cpu_service(tiny_checkpoint):
     from pipecat_qwen_fast.service import shared_service
 
     model = str(tiny_checkpoint("custom_voice"))
-    # Left open: other modules may share this registry entry; its thread is a daemon.
-    return model, shared_service(model, **CPU).wait_ready_blocking(TURN_TIMEOUT)
+    service = shared_service(model, **CPU).wait_ready_blocking(TURN_TIMEOUT)
+    yield model, service
+    service.close()  # the registry forgets it; a later user of this model loads afresh
 
 
 def test_cli_rejects_bad_voice_and_language_with_the_valid_choices(cpu_service, capsys):
