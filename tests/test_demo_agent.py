@@ -2,11 +2,13 @@
 
 * Pipecat: ``python -m demo_agent pipecat`` runs for real; an aiortc WebRTC client connects the way
   the prebuilt UI does, types a turn over the data channel and must hear our TTS; then headless
-  Chromium loads the page, clicks Connect, types, and a screenshot is taken. WebRTC will not use
-  loopback addresses, so this part runs in a private network namespace (``unshare -n``) with a
-  veth pair that exists only there (see ``tests/demo_agent_e2e.py``).
+  Chromium checks that the prebuilt UI renders and, on the offline page ``/text/`` (the prebuilt
+  UI cannot connect without Daily's CDN), clicks Connect, types, must see the reply and receive
+  its audio, and a screenshot is taken. WebRTC will not use loopback addresses, so this part runs
+  in a private network namespace (``unshare -n``) with a veth pair that exists only there (see
+  ``tests/demo_agent_e2e.py``).
 * LiveKit: the demo's own AgentSession (offline LLM + our plugin) answers a typed turn with audio,
-  captured without a room.
+  captured without a room; and ``python -m demo_agent livekit console --text`` answers in a pty.
 
 Set DEMO_AGENT_SCREENSHOT=docs/img/demo.png to refresh the README screenshot.
 """
@@ -310,8 +312,12 @@ def test_browser_loads_the_demo_page_and_connects(e2e_report):
     browser = e2e_report.get("browser", {})
     if "skipped" in browser:
         pytest.skip(browser["skipped"] + "; .ci/install_system_deps.sh installs it")
+    assert browser["prebuilt_rendered"], "Pipecat's prebuilt UI did not render at /"
     assert browser["page_loaded"], browser.get("page_text")
-    assert browser["connected"], browser.get("status_text")
+    assert browser["connected"], browser.get("status")
+    # WebRTC audio level (0..1) on the browser's received track: quiet before, sound after.
+    assert browser["peak_before_send"] < 0.01, browser
     assert browser["reply_shown"], browser.get("page_text")
+    assert browser["audio_heard"], browser
     shot = Path(browser["screenshot"])
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
