@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -205,9 +205,7 @@ class EngineService:
         self._tick = 0
         self.history: collections.deque[StreamRecord] = collections.deque(maxlen=HISTORY_SIZE)
         self._on_exit: Callable[[EngineService], None] | None = None
-        self._thread = threading.Thread(
-            target=self._run, name=f"qwen-fast-{name}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name=f"qwen-fast-{name}", daemon=True)
         self._thread.start()
 
     @classmethod
@@ -268,7 +266,9 @@ class EngineService:
 
     def records_since(self, stream_id: int) -> list[StreamRecord]:
         """Finished streams (in the bounded history) whose id is above ``stream_id``, by id."""
-        return sorted((r for r in list(self.history) if r.stream_id > stream_id), key=lambda r: r.stream_id)
+        return sorted(
+            (r for r in list(self.history) if r.stream_id > stream_id), key=lambda r: r.stream_id
+        )
 
     @property
     def steps_run(self) -> int:
@@ -288,7 +288,7 @@ class EngineService:
         self._wake.set()
         await asyncio.to_thread(self._thread.join, timeout)
 
-    async def __aenter__(self) -> EngineService:
+    async def __aenter__(self) -> Self:
         return await self.wait_ready()
 
     async def __aexit__(self, *exc: object) -> None:
@@ -394,7 +394,7 @@ class EngineService:
             return
         try:
             stream.session = self._engine.open_session(stream.request)
-        except Exception as exc:  # noqa: BLE001 - delivered to the caller
+        except Exception as exc:
             if _is_fatal(exc):
                 raise
             self._end(stream, exc)
@@ -406,7 +406,7 @@ class EngineService:
         session = stream.session
         try:
             chunks = self._engine.step(session)
-        except Exception as exc:  # noqa: BLE001 - delivered to the caller
+        except Exception as exc:
             if _is_fatal(exc):
                 raise
             self._finish(stream, exc)
@@ -422,7 +422,9 @@ class EngineService:
         if session.done:
             self._finish(stream, None, reason=session.stop_reason)
 
-    def _finish(self, stream: SynthesisStream, error: BaseException | None, *, reason: Any = None) -> None:
+    def _finish(
+        self, stream: SynthesisStream, error: BaseException | None, *, reason: Any = None
+    ) -> None:
         self._active.remove(stream)
         session = stream.session
         if session is not None:
@@ -431,13 +433,15 @@ class EngineService:
                 reason = session.stop_reason
             try:
                 self._engine.close_session(session)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 if _is_fatal(exc):
                     raise
                 logger.warning("close_session failed: %s: %s", type(exc).__name__, exc)
         self._end(stream, error, reason=reason)
 
-    def _end(self, stream: SynthesisStream, error: BaseException | None, *, reason: Any = None) -> None:
+    def _end(
+        self, stream: SynthesisStream, error: BaseException | None, *, reason: Any = None
+    ) -> None:
         record = stream.record
         record.stop_reason = "cancelled" if stream.cancel_requested else reason
         if error is not None and record.stop_reason is None:
@@ -460,8 +464,8 @@ class EngineService:
             if stream.session is not None and fault is None:
                 try:
                     self._engine.close_session(stream.session)
-                except Exception:  # noqa: BLE001 - shutting down anyway
-                    pass
+                except Exception as exc:  # noqa: BLE001 - shutting down anyway
+                    logger.warning("close_session failed: %s: %s", type(exc).__name__, exc)
             self._end(stream, error)
         self._active = []
         if self._owns_engine and self._engine is not None and fault is None:
@@ -490,7 +494,9 @@ _registry: dict[tuple[str, str, str, str], EngineService] = {}
 _registry_lock = threading.Lock()
 
 
-def registry_key(model: str | os.PathLike[str], device: str, dtype: str, backend: str) -> tuple[str, str, str, str]:
+def registry_key(
+    model: str | os.PathLike[str], device: str, dtype: str, backend: str
+) -> tuple[str, str, str, str]:
     """Local folders are keyed by their real path, so './m' and '/abs/m' share one engine."""
     name = os.fspath(model)
     expanded = os.path.expanduser(name)
@@ -521,7 +527,9 @@ def shared_service(
         def load() -> Any:
             from .engine import QwenTTSEngine
 
-            return QwenTTSEngine.from_pretrained(key[0], device=device, dtype=dtype, backend=backend)
+            return QwenTTSEngine.from_pretrained(
+                key[0], device=device, dtype=dtype, backend=backend
+            )
 
         service = EngineService(load, name=os.path.basename(key[0].rstrip("/")) or "engine")
         service._on_exit = _forget

@@ -231,7 +231,7 @@ class QwenFastTTSService(TTSService):
         service = self._acquire_service()
         try:
             return await service.wait_ready()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any load failure leaves the service unusable
             await self.push_error(
                 f"{self}: could not load the Qwen3-TTS model: {e}",
                 exception=e,
@@ -275,7 +275,9 @@ class QwenFastTTSService(TTSService):
             resampler = (
                 # One resampler per utterance, flushed at its end; never cleared mid-way
                 # (a slow first chunk must not drop the samples the filter holds).
-                create_stream_resampler(clear_after_secs=None) if in_rate != self.sample_rate else None
+                create_stream_resampler(clear_after_secs=None)
+                if in_rate != self.sample_rate
+                else None
             )
             async for chunk in stream:
                 audio = chunk.pcm.tobytes()
@@ -298,7 +300,7 @@ class QwenFastTTSService(TTSService):
             )
         except QwenTTSError as e:
             yield ErrorFrame(error=f"{self}: {e}")
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - an engine fault becomes an error frame
             logger.error(f"{self}: synthesis failed: {type(e).__name__}: {e}")
             yield ErrorFrame(error=f"{self}: synthesis failed: {type(e).__name__}: {e}")
         finally:

@@ -76,15 +76,15 @@ def livekit_helpers() -> tuple[type, type]:
             conn_options: Any = DEFAULT_API_CONNECT_OPTIONS,
             **_: Any,
         ) -> llm.LLMStream:
-            return ScriptedLLMStream(self, chat_ctx=chat_ctx, tools=tools, conn_options=conn_options)
+            return ScriptedLLMStream(
+                self, chat_ctx=chat_ctx, tools=tools, conn_options=conn_options
+            )
 
     class CaptureAudioOutput(io.AudioOutput):
         """Collects every frame and reports playout as finished at once (no real-time clock)."""
 
         def __init__(self) -> None:
-            super().__init__(
-                label="capture", capabilities=io.AudioOutputCapabilities(pause=False)
-            )
+            super().__init__(label="capture", capabilities=io.AudioOutputCapabilities(pause=False))
             self.frames: list[rtc.AudioFrame] = []
             self._segment_duration = 0.0
             self._capturing = False

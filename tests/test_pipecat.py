@@ -8,7 +8,12 @@ import pytest
 
 pytest.importorskip("pipecat")
 
-from pipecat.frames.frames import (  # noqa: E402
+from helpers_frameworks import (
+    PipecatAudioWatch,
+    PipecatInterruptGate,
+    PipecatScriptedLLM,
+)
+from pipecat.frames.frames import (
     ErrorFrame,
     InterruptionFrame,
     LLMMessagesAppendFrame,
@@ -19,23 +24,17 @@ from pipecat.frames.frames import (  # noqa: E402
     TTSStoppedFrame,
     TTSUpdateSettingsFrame,
 )
-from pipecat.metrics.metrics import TTFBMetricsData, TTSUsageMetricsData  # noqa: E402
-from pipecat.pipeline.pipeline import Pipeline  # noqa: E402
-from pipecat.pipeline.worker import PipelineParams  # noqa: E402
-from pipecat.processors.aggregators.llm_context import LLMContext  # noqa: E402
-from pipecat.processors.aggregators.llm_response_universal import (  # noqa: E402
+from pipecat.metrics.metrics import TTFBMetricsData, TTSUsageMetricsData
+from pipecat.pipeline.pipeline import Pipeline
+from pipecat.pipeline.worker import PipelineParams
+from pipecat.processors.aggregators.llm_context import LLMContext
+from pipecat.processors.aggregators.llm_response_universal import (
     LLMContextAggregatorPair,
 )
-from pipecat.tests.utils import SleepFrame, run_test  # noqa: E402
+from pipecat.tests.utils import SleepFrame, run_test
 
-from pipecat_qwen_fast import QwenFastTTSService  # noqa: E402
-from pipecat_qwen_fast.service import get_shared_service  # noqa: E402
-
-from helpers_frameworks import (  # noqa: E402
-    PipecatAudioWatch,
-    PipecatInterruptGate,
-    PipecatScriptedLLM,
-)
+from pipecat_qwen_fast import QwenFastTTSService
+from pipecat_qwen_fast.service import get_shared_service
 
 CPU = {"device": "cpu", "dtype": "float32", "backend": "torch"}
 TIMEOUT = 120
@@ -60,7 +59,9 @@ async def make_tts(model, **kw) -> QwenFastTTSService:
 
 
 async def run(tts, frames, **kw):
-    return await asyncio.wait_for(run_test(tts, frames_to_send=frames, start_timeout=30, **kw), TIMEOUT)
+    return await asyncio.wait_for(
+        run_test(tts, frames_to_send=frames, start_timeout=30, **kw), TIMEOUT
+    )
 
 
 def audio_frames(frames):
@@ -75,7 +76,9 @@ def assert_one_utterance_shape(down):
     audio = [i for i, k in enumerate(kinds) if k is TTSAudioRawFrame]
     assert audio and start < audio[0] and audio[-1] < stop
     between = {k.__name__ for k in kinds[start + 1 : stop]}
-    assert between <= {"TTSAudioRawFrame", "TTSTextFrame", "LLMAssistantPushAggregationFrame"}, between
+    assert between <= {"TTSAudioRawFrame", "TTSTextFrame", "LLMAssistantPushAggregationFrame"}, (
+        between
+    )
 
 
 async def test_speak_frame_order_and_24k_int16_audio(endless_model):

@@ -48,7 +48,9 @@ async def test_eight_concurrent_streams_interleave_and_match_solo_runs(endless_m
     frames = [3] * 8
 
     # Opened back to back, so the engine thread finds all eight waiting in (nearly) one round.
-    streams = [service.open_stream(request(t, 100 + i, n)) for i, (t, n) in enumerate(zip(texts, frames))]
+    streams = [
+        service.open_stream(request(t, 100 + i, n)) for i, (t, n) in enumerate(zip(texts, frames))
+    ]
 
     async def collect(stream) -> np.ndarray:
         return np.concatenate([chunk.pcm async for chunk in stream])

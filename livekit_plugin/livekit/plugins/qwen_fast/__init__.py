@@ -3,9 +3,9 @@
 
 """Qwen3-TTS for LiveKit Agents, self-hosted on the pipecat-qwen-fast engine.
 
-    from livekit.plugins import qwen_fast
+from livekit.plugins import qwen_fast
 
-    session = AgentSession(tts=qwen_fast.TTS(voice="ryan", language="english"), ...)
+session = AgentSession(tts=qwen_fast.TTS(voice="ryan", language="english"), ...)
 """
 
 from livekit.agents import Plugin

@@ -14,7 +14,6 @@ import asyncio
 import os
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any
 
 from livekit.agents import (
     APIConnectionError,
@@ -128,7 +127,9 @@ class TTS(tts.TTS):
         self._explicit_service = engine_service
         self._service: EngineService | None = engine_service
         self._sentence_tokenizer = (
-            sentence_tokenizer if is_given(sentence_tokenizer) else tokenize.blingfire.SentenceTokenizer()
+            sentence_tokenizer
+            if is_given(sentence_tokenizer)
+            else tokenize.blingfire.SentenceTokenizer()
         )
         self._streams: weakref.WeakSet[ChunkedStream | SynthesizeStream] = weakref.WeakSet()
 
@@ -202,10 +203,12 @@ class TTS(tts.TTS):
         service = self._acquire_service()
         try:
             return await service.wait_ready()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - every load failure becomes an APIError
             # A missing folder, a bad config or an unknown hub id stays broken on retry.
             detail = str(e) if isinstance(e, QwenTTSError) else f"{type(e).__name__}: {e}"
-            raise APIError(f"could not load the Qwen3-TTS model: {detail}", retryable=False) from None
+            raise APIError(
+                f"could not load the Qwen3-TTS model: {detail}", retryable=False
+            ) from None
 
 
 async def _speak(tts_: TTS, opts: _TTSOptions, text: str, emitter: tts.AudioEmitter) -> None:
@@ -226,7 +229,7 @@ async def _speak(tts_: TTS, opts: _TTSOptions, text: str, emitter: tts.AudioEmit
         raise APIError(str(e), retryable=False) from None
     except (asyncio.CancelledError, APIError):
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - an engine fault must reach LiveKit as APIError
         logger.error("synthesis failed: %s: %s", type(e).__name__, e)
         raise APIError(f"synthesis failed: {type(e).__name__}: {e}", retryable=True) from None
     finally:
