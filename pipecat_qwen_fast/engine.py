@@ -46,7 +46,7 @@ from .vocoder import Vocoder
 logger = logging.getLogger("pipecat_qwen_fast")
 
 SAMPLE_RATE = 24000
-BACKENDS = ("auto", "torch", "megakernel")
+BACKENDS = ("auto", "megakernel", "torch", "eager")
 
 # Frame cap from text length: real speech runs at roughly 3-5 frames per text token; 15 per token
 # plus 8 s is far above anything the model ends by itself, and stops the rare runaway generation
@@ -56,7 +56,7 @@ FRAME_CAP_MARGIN = 100
 # Longer texts are split at sentence boundaries into segments synthesised back to back into one
 # continuous stream (one vocoder state), so a 10,000-character input neither hits the cap nor
 # builds an unbounded KV cache.
-MAX_SEGMENT_TOKENS = 300
+MAX_SEGMENT_TOKENS = 200
 
 
 @dataclass
@@ -169,7 +169,9 @@ class QwenTTSEngine:
         """Load a checkpoint from a local folder (Hugging Face layout) or a hub id.
 
         device "auto" picks CUDA when available; dtype "auto" is bfloat16 on CUDA, float32 on CPU;
-        backend "auto" picks the megakernel where it is supported and logs why when it falls back.
+        backend "auto" picks the megakernel where it is supported and logs why when it falls back;
+        "torch" is the PyTorch path (one CUDA graph per frame on a GPU); "eager" is the plain
+        PyTorch reference without graphs.
         warmup (default: on for CUDA) runs every run-time path once so the first request is fast.
         """
         dev = _resolve_device(device)
@@ -211,6 +213,10 @@ class QwenTTSEngine:
 
     def warmup(self) -> None:
         """Run greedy and sampled sessions through both chunk sizes (kernels, allocator, graphs)."""
+        capture = getattr(self.backend, "capture_all", None)
+        if capture is not None:
+            defaults = SamplingParams.from_defaults(self.generation)
+            capture([defaults, replace(defaults, do_sample=False, subtalker_do_sample=False)])
         voice = self.voices[0] if self.voices else None
         vc = None
         if self.config.model_type == "base":
@@ -314,6 +320,11 @@ class QwenTTSEngine:
         # The official loop emits at most max_new_tokens - 1 frames; ours never runs past that either.
         s.frame_cap = min(self.generation.max_new_tokens - 1, FRAMES_PER_TOKEN_CAP * prompt.num_text_tokens + FRAME_CAP_MARGIN)
         s.segment_frames = 0
+        capacity = getattr(self.backend, "max_positions", None)
+        if capacity is not None:
+            # A backend with a fixed KV capacity (CUDA graphs, megakernel) bounds the segment too;
+            # 200-token segments leave room for far more speech than their text can take.
+            s.frame_cap = max(1, min(s.frame_cap, capacity - prompt.embeds.shape[0] - 1))
         budget = s.frame_cap
         if req.max_frames is not None:
             budget = min(budget, req.max_frames - s.frames_decoded)
@@ -544,9 +555,19 @@ def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtyp
     return _DTYPES[dtype]
 
 
+def _torch_backend(net: Qwen3TTSModel, device: torch.device, dtype: torch.dtype) -> DecodeBackend:
+    if device.type == "cuda":
+        from .graph_backend import GraphBackend
+
+        return GraphBackend.for_device(net.talker, device, dtype)
+    return TorchBackend(net.talker, device, dtype)
+
+
 def _select_backend(name: str, net: Qwen3TTSModel, device: torch.device, dtype: torch.dtype) -> DecodeBackend:
-    if name == "torch":
+    if name == "eager":
         return TorchBackend(net.talker, device, dtype)
+    if name == "torch":
+        return _torch_backend(net, device, dtype)
     reason = None
     if device.type != "cuda":
         reason = "the megakernel needs a CUDA device"
@@ -565,4 +586,4 @@ def _select_backend(name: str, net: Qwen3TTSModel, device: torch.device, dtype: 
         logger.warning("falling back to the torch backend: %s", reason)
     else:
         logger.info("using the torch backend: %s", reason)
-    return TorchBackend(net.talker, device, dtype)
+    return _torch_backend(net, device, dtype)
