@@ -278,6 +278,10 @@ class Vocoder(nn.Module):
         the first with ``left_context`` earlier frames whose audio is dropped. Equal to ``decode``
         for T <= chunk; an approximation of it beyond.
         """
+        if chunk < 1 or left_context < 0:
+            raise InvalidInputError(
+                f"chunk must be >= 1 and left_context >= 0; got chunk={chunk}, left_context={left_context}"
+            )
         codes = self._check_codes(codes, True)
         total = codes.shape[-1]
         pieces, start = [], 0

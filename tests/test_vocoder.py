@@ -346,6 +346,8 @@ def test_bad_codes_are_rejected(voc):
         voc.decode(torch.full((1, 16, 4), 64))
     with pytest.raises(InvalidInputError, match="integer"):
         voc.decode(torch.zeros(1, 16, 4))
+    with pytest.raises(InvalidInputError, match="chunk"):
+        voc.decode_reference_chunked(random_codes(3), chunk=0)
     st = voc.new_stream(batch=2)
     with pytest.raises(InvalidInputError, match="batch"):
         voc.decode_stream(random_codes(3), st)
