@@ -33,6 +33,12 @@ key=$(
         echo "$torch_version"
     } | sha256sum | cut -d' ' -f1
 )
+# Concurrent test runs share the venv: one builds, the others wait and then find the stamp.
+mkdir -p "$(dirname "$venv")"
+if command -v flock >/dev/null 2>&1; then
+    exec 9>"$venv.lock"
+    flock 9
+fi
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$key" ]]; then
     echo "oracle venv up to date: $venv"
     exit 0
@@ -40,9 +46,22 @@ fi
 
 echo "creating oracle venv at $venv (torch $torch_version from the base Python)"
 rm -rf "$venv"
-mkdir -p "$(dirname "$venv")"
 "$base_python" -m venv --system-site-packages "$venv"
 vpy="$venv/bin/python"
+site=$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+
+# A venv made from a venv Python inherits the *base* interpreter's site-packages, not the outer
+# venv's, where torch may live; list the outer venv's package dirs after our own (same precedence
+# as --system-site-packages) so its torch is reused there too.
+"$base_python" - >"$site/_oracle_base_env.pth" <<'PY'
+import sys
+import sysconfig
+
+if sys.prefix != sys.base_prefix:
+    paths = sysconfig.get_paths()
+    for path in dict.fromkeys((paths["purelib"], paths["platlib"])):
+        print(path)
+PY
 
 # '==X' without a local label also matches the installed '+cpu' build.
 constraints="$venv/oracle-constraints.txt"
@@ -55,7 +74,6 @@ pip_install -r "$here/requirements.txt"
 # --no-deps: its metadata also asks for gradio (web demo only) and a real torchaudio.
 pip_install --no-deps "qwen-tts==0.1.1"
 
-site=$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 cp -r "$here/standin/torchaudio" "$site/"
 
 # Check the result: the right versions win over the system site-packages and the package imports.
