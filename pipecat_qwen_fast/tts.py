@@ -212,10 +212,15 @@ class QwenFastTTSService(TTSService):
         await super().cleanup()
 
     async def _update_settings(self, delta: Settings) -> dict[str, Any]:
+        """Voice, language and instruct apply from the next sentence; a new model is loaded
+        (or found already loaded) on the engine thread without blocking."""
         changed = await super()._update_settings(delta)
-        if "model" in changed and self._explicit_service is None:
-            self._service = None
-            self._acquire_service()
+        if "model" in changed:
+            if self._explicit_service is None:
+                self._service = None
+                self._acquire_service()
+            else:
+                self._warn_unhandled_updated_settings({"model": changed["model"]})
         return changed
 
     def _acquire_service(self) -> EngineService:

@@ -32,8 +32,22 @@ def endless_model(tiny_checkpoint):
     return tiny_checkpoint("custom_voice", zero_eos=True)
 
 
-async def shared(path) -> EngineService:
-    return await asyncio.wait_for(get_shared_service(path, **CPU), TIMEOUT)
+# The same checks on a GPU (torch backend, bf16) when one is present.
+DEVICES = [
+    pytest.param(CPU, id="cpu"),
+    pytest.param(
+        {"device": "cuda", "dtype": "bfloat16", "backend": "torch"},
+        id="cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
+]
+
+
+async def shared(path, placement=CPU) -> EngineService:
+    return await asyncio.wait_for(get_shared_service(path, **placement), TIMEOUT)
 
 
 def request(text: str, seed: int, frames: int, **kw) -> SynthesisRequest:
@@ -42,8 +56,9 @@ def request(text: str, seed: int, frames: int, **kw) -> SynthesisRequest:
     return SynthesisRequest(text, seed=seed, max_frames=frames, **kw)
 
 
-async def test_eight_concurrent_streams_interleave_and_match_solo_runs(endless_model):
-    service = await shared(endless_model)
+@pytest.mark.parametrize("placement", DEVICES)
+async def test_eight_concurrent_streams_interleave_and_match_solo_runs(endless_model, placement):
+    service = await shared(endless_model, placement)
     texts = [f"Sentence number {i} is here." for i in range(8)]
     frames = [3] * 8
 
@@ -74,8 +89,9 @@ async def test_eight_concurrent_streams_interleave_and_match_solo_runs(endless_m
         np.testing.assert_array_equal(together[i], alone)
 
 
-async def test_cancel_stops_gpu_work_within_one_frame_and_frees_session(endless_model):
-    service = await shared(endless_model)
+@pytest.mark.parametrize("placement", DEVICES)
+async def test_cancel_stops_gpu_work_within_one_frame_and_frees_session(endless_model, placement):
+    service = await shared(endless_model, placement)
     stream = service.open_stream(request("Keep talking for a long while.", 1, 400))
     session = None
     async for _ in stream:
