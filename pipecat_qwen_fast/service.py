@@ -109,9 +109,13 @@ class SynthesisStream:
                 if self._items:
                     break
                 await self._ready.wait()
+                if self._finished:  # cancelled by someone else while we waited
+                    raise StopAsyncIteration
         except asyncio.CancelledError:
             self.cancel()
             raise
+        if self._finished and not isinstance(self._items[0], _End):
+            raise StopAsyncIteration
         item = self._items.popleft()
         self._service._wake.set()  # a paused (backpressured) session may run again
         if isinstance(item, _End):
@@ -131,6 +135,10 @@ class SynthesisStream:
             self.cancel_requested = True
         self._finished = True
         self._service._wake.set()
+        try:
+            self._loop.call_soon_threadsafe(self._ready.set)  # end a pending __anext__
+        except RuntimeError:
+            pass  # the consumer's loop is closed: nobody is waiting
 
     async def aclose(self) -> StreamRecord:
         """Cancel if still running and wait until the engine thread has freed the session."""

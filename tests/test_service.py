@@ -132,6 +132,28 @@ async def test_task_cancellation_stops_the_session(endless_model):
     assert record.frames_decoded - record.frames_at_cancel <= 1
 
 
+async def test_cancel_from_elsewhere_ends_a_waiting_consumer(endless_model):
+    # How Pipecat's on_audio_context_interrupted stops a stream another task is reading.
+    service = await shared(endless_model)
+    stream = service.open_stream(request("Stopped from outside.", 4, 400, chunk_frames=50))
+    got = []
+
+    async def consume() -> None:
+        async for chunk in stream:
+            got.append(chunk)
+
+    task = asyncio.create_task(consume())
+    deadline = time.monotonic() + TIMEOUT
+    while not got and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert len(got) == 1  # the next chunk is 50 frames away: the consumer is waiting
+    stream.cancel()
+    await asyncio.wait_for(task, 5)
+    record = await asyncio.wait_for(stream.wait_closed(), TIMEOUT)
+    assert record.stop_reason == "cancelled"
+    assert record.frames_decoded - record.frames_at_cancel <= 1
+
+
 async def test_bad_requests_raise_clear_errors_and_service_keeps_working(endless_model):
     service = await shared(endless_model)
     with pytest.raises(InvalidInputError, match="(?i)empty"):
