@@ -11,7 +11,6 @@ setup command, unless ``QWEN_ORACLE_REQUIRED=1`` (set by CI), which turns that i
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -50,9 +49,27 @@ def log_tail(text: str, lines: int = 40) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-@functools.lru_cache(maxsize=1)
+_setup_outcome: dict[str, str | OracleUnavailable] = {}
+
+
 def ensure_venv() -> str:
-    """Create or validate the venv (instant when its stamp is current); returns the stamp."""
+    """Create or validate the venv (instant when its stamp is current); returns the stamp.
+
+    The outcome, failure included, is kept for the process: a failing setup (no network, say)
+    must not be retried, with pip's long timeouts, by every test.
+    """
+    if "result" not in _setup_outcome:
+        try:
+            _setup_outcome["result"] = run_setup()
+        except OracleUnavailable as e:
+            _setup_outcome["result"] = e
+    result = _setup_outcome["result"]
+    if isinstance(result, OracleUnavailable):
+        raise result
+    return result
+
+
+def run_setup() -> str:
     env = dict(os.environ, QWEN_ORACLE_VENV=str(VENV), PYTHON=os.environ.get("PYTHON", sys.executable))
     try:
         proc = subprocess.run(["bash", str(SETUP_SCRIPT)], env=env, capture_output=True, text=True,
@@ -72,9 +89,9 @@ def require_oracle() -> str:
         return ensure_venv()
     except OracleUnavailable as e:
         message = f"official qwen-tts oracle venv unavailable; create it with `{SETUP_COMMAND}`.\n{e}"
-        if os.environ.get("QWEN_ORACLE_REQUIRED") == "1":
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
+    if os.environ.get("QWEN_ORACLE_REQUIRED") == "1":
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
 
 
 def hash_checkpoint(ckpt_dir: Path, h) -> None:
