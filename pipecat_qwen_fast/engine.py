@@ -42,6 +42,7 @@ from .prompt import (
 from .sampling import SamplingParams
 from .talker import Qwen3TTSModel
 from .vocoder import Vocoder
+from .vocoder_graphs import GraphedVocoder
 
 logger = logging.getLogger("pipecat_qwen_fast")
 
@@ -152,6 +153,8 @@ class QwenTTSEngine:
         self.backend = backend
         self.model_dir = model_dir
         self.closed = False
+        # On a GPU the streaming vocoder step replays one CUDA graph per chunk size.
+        self.vocoder_graphs = GraphedVocoder(vocoder, device, dtype) if device.type == "cuda" else None
 
     # ------------------------------------------------------------------ loading
 
@@ -217,6 +220,9 @@ class QwenTTSEngine:
         if capture is not None:
             defaults = SamplingParams.from_defaults(self.generation)
             capture([defaults, replace(defaults, do_sample=False, subtalker_do_sample=False)])
+        if self.vocoder_graphs is not None:
+            # First chunk, the default later chunk, the tails a 4-frame stream ends on, synthesize().
+            self.vocoder_graphs.capture([1, 2, 3, 4, 25])
         voice = self.voices[0] if self.voices else None
         vc = None
         if self.config.model_type == "base":
@@ -387,7 +393,10 @@ class QwenTTSEngine:
         if not s.request.vocode:
             return [AudioChunk(np.zeros(0, np.int16), start, n, host_codes)]
         with torch.no_grad():
-            wav = self.vocoder.decode_stream(codes_dev.T[None], s.vocoder_state, check_values=False)[0, 0]
+            if self.vocoder_graphs is not None:
+                wav = self.vocoder_graphs.decode_stream(codes_dev.T[None], s.vocoder_state)[0, 0]
+            else:
+                wav = self.vocoder.decode_stream(codes_dev.T[None], s.vocoder_state, check_values=False)[0, 0]
         pcm = (wav.float().clamp(-1, 1) * 32767).round().to(torch.int16).cpu().numpy()
         return [AudioChunk(pcm, start, n, host_codes)]
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import QwenTTSError
-from .layers import KVCache, apply_rotary, rotary_cos_sin
+from .layers import KVCache, apply_rotary, fuse_projections, rotary_cos_sin
 from .sampling import SamplingParams, process_talker_logits, talker_suppress_mask, warp_logits
 from .talker import Talker
 
@@ -100,6 +100,8 @@ class GraphBackend:
         self.capacity = capacity
         self.max_sessions = max_sessions
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
+        if device.type == "cuda":
+            fuse_projections(talker)
         shape = (stack.num_layers, max_sessions, stack.num_kv_heads, capacity, stack.head_dim)
         self.pool_k = torch.zeros(shape, device=device, dtype=dtype)
         self.pool_v = torch.zeros(shape, device=device, dtype=dtype)
@@ -111,6 +113,10 @@ class GraphBackend:
         pred = talker.code_predictor.cfg
         self.pred_cache = KVCache(pred.stack, pred.num_code_groups, device, dtype)
         self.static = _Static(talker, device, dtype)
+        # Constants made before any capture: a capture may not copy host values to the device.
+        self.eos_frame = torch.zeros(self.num_groups, dtype=torch.long, device=device)
+        self.eos_frame[0] = self.eos_id
+        self.is_eos = torch.arange(talker.cfg.vocab_size, device=device) == self.eos_id
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
@@ -268,18 +274,13 @@ class GraphBackend:
             c0 = torch.argmax(logits).view(1)
         st.seen.index_fill_(0, c0, True)
         codes = self._predict(h, c0, params)
-        st.codes.copy_(torch.where(c0 == self.eos_id, self._eos_frame(codes), codes))
+        st.codes.copy_(torch.where(c0 == self.eos_id, self.eos_frame, codes))
         st.x_next.copy_(talker.embed_frames(codes[None])[0] + st.text_vec)
-
-    def _eos_frame(self, codes: Tensor) -> Tensor:
-        out = torch.zeros_like(codes)
-        out[0] = self.eos_id
-        return out
 
     def _process_code0_logits(self, logits: Tensor, params: SamplingParams) -> Tensor:
         st = self.static
         # min_new_tokens from the device frame counter: a graph cannot branch on a host int.
-        eos_blocked = (st.frame < params.min_new_tokens) & (torch.arange(logits.shape[0], device=logits.device) == self.eos_id)
+        eos_blocked = (st.frame < params.min_new_tokens) & self.is_eos
         logits = process_talker_logits(logits, st.seen, self.suppress, params.min_new_tokens, self.eos_id, params)
         return logits.masked_fill(eos_blocked, float("-inf"))
 
@@ -295,9 +296,7 @@ class GraphBackend:
         for i, layer in enumerate(model.layers):
             attn = layer.self_attn
             hn = layer.input_layernorm(x)
-            q = attn.q_proj(hn).view(1, cfg.num_heads, cfg.head_dim)
-            k = attn.k_proj(hn).view(1, cfg.num_kv_heads, cfg.head_dim)
-            v = attn.v_proj(hn).view(1, cfg.num_kv_heads, cfg.head_dim)
+            q, k, v = attn.project_qkv(hn)
             q = apply_rotary(attn.q_norm(q).transpose(0, 1), cos, sin)  # [H, 1, hd]
             k = apply_rotary(attn.k_norm(k).transpose(0, 1), cos, sin)  # [KVH, 1, hd]
             heads = self.kv_heads
