@@ -124,7 +124,8 @@ async def test_llm_turn_is_spoken_and_committed_to_context(finite_model):
 
 
 async def test_interruption_stops_engine_within_one_frame_and_next_utterance_works(endless_model):
-    cap = 6
+    # Long enough that the barge-in (a few frames of pipeline latency) lands before the cap.
+    cap = 30
     tts = await make_tts(endless_model, max_frames=cap, chunk_frames=1)
     service = await get_shared_service(endless_model, **CPU)
     audio_seen = asyncio.Event()
