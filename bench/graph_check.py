@@ -75,6 +75,15 @@ def main() -> int:
     res["sampled_max_code"] = int(sampled.max())
     res["sampled_repeat_exact"] = bool(torch.equal(sampled, graph.generate_codes(TEXT, voice="ryan", seed=1, max_frames=60)))
 
+    pre = []
+    for i in range(10):
+        sync()
+        t = time.perf_counter()
+        s = graph.open_session(SynthesisRequest(TEXT, voice="ryan", seed=i, max_frames=2))
+        sync()
+        pre.append((time.perf_counter() - t) * 1000)
+        graph.close_session(s)
+    res["open_session_prefill_ms_p50"] = statistics.median(pre)
     res["eager_ms_per_frame_greedy"] = time_frames(eager, 20, True)
     res["graph_ms_per_frame_greedy"] = time_frames(graph, 200, True)
     res["graph_ms_per_frame_sampled"] = time_frames(graph, 200, False)

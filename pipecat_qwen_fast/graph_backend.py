@@ -34,6 +34,7 @@ from .talker import Talker
 logger = logging.getLogger("pipecat_qwen_fast")
 
 BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths served by a captured prefill
 
 
 class NoFreeSlotError(QwenTTSError, RuntimeError):
@@ -118,6 +119,7 @@ class GraphBackend:
         self.eos_frame[0] = self.eos_id
         self.is_eos = torch.arange(talker.cfg.vocab_size, device=device) == self.eos_id
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.prefills: dict[int, dict] = {}
         self.pool = None
 
     @classmethod
@@ -163,6 +165,11 @@ class GraphBackend:
 
     @torch.no_grad()
     def prefill(self, state: GraphState, embeds: Tensor) -> None:
+        n = embeds.shape[0]
+        bucket = next((b for b in PREFILL_BUCKETS if n <= b and b <= self.capacity), None)
+        if bucket is not None and bucket in self.prefills:
+            self._prefill_graphed(state, embeds, bucket)
+            return
         # The eager stack writes straight into this session's slot of the pool through a view.
         cache = KVCache.__new__(KVCache)
         cache.k = self.pool_k[:, state.slot]
@@ -202,6 +209,67 @@ class GraphBackend:
             state.position += 1
         state.frame += 1
         return st.codes.clone()
+
+    def _prefill_graphed(self, state: GraphState, embeds: Tensor, bucket: int) -> None:
+        entry = self.prefills[bucket]
+        n = embeds.shape[0]
+        # Right padding is harmless: causal attention keeps positions < n independent of it, and
+        # each later decode step overwrites its own K/V row before attending up to it.
+        entry["embeds"][:n].copy_(embeds)
+        entry["embeds"][n:].zero_()
+        entry["last"].fill_(n - 1)
+        entry["slot"].fill_(state.slot)
+        if entry["graph"] is not None:
+            entry["graph"].replay()
+        else:  # CPU: the same body, run eagerly (tests)
+            self._prefill_body(entry)
+        state.hidden.copy_(entry["hidden"])
+        state.position = n
+
+    def _prefill_body(self, e: dict) -> None:
+        bucket = e["embeds"].shape[0]
+        cache = KVCache.__new__(KVCache)
+        cache.k, cache.v = e["k"], e["v"]
+        cache.max_len, cache.length = bucket, 0
+        hidden = self.talker.model(e["embeds"], cache)
+        e["hidden"].copy_(hidden.index_select(0, e["last"])[0])
+        self.pool_k[:, :, :, :bucket].index_copy_(1, e["slot"], e["k"][:, None])
+        self.pool_v[:, :, :, :bucket].index_copy_(1, e["slot"], e["v"][:, None])
+
+    def make_prefill_entry(self, bucket: int) -> dict:
+        """Static buffers of the prefill for prompts of up to `bucket` positions (no graph yet)."""
+        stack = self.cfg.stack
+        d = self.cfg.hidden_size
+        kv_shape = (stack.num_layers, stack.num_kv_heads, bucket, stack.head_dim)
+        e = {
+            "embeds": torch.zeros(bucket, d, device=self.device, dtype=self.dtype),
+            "last": torch.zeros(1, device=self.device, dtype=torch.long),
+            "slot": torch.full((1,), self.max_sessions - 1, device=self.device, dtype=torch.long),
+            "hidden": torch.zeros(d, device=self.device, dtype=self.dtype),
+            "k": torch.zeros(kv_shape, device=self.device, dtype=self.dtype),
+            "v": torch.zeros(kv_shape, device=self.device, dtype=self.dtype),
+            "graph": None,
+        }
+        self.prefills[bucket] = e
+        return e
+
+    def _capture_prefill(self, bucket: int) -> dict:
+        """Only at load (capture_all): the warm-up run writes into the last slot's K/V."""
+        e = self.make_prefill_entry(bucket)
+        # Warm-up writes zeros-derived K/V into the last slot; a session in that slot prefills
+        # (overwriting it) before it decodes, so nothing reads them.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._prefill_body(e)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._prefill_body(e)
+        e["graph"] = graph
+        return e
 
     def release(self, state: GraphState) -> None:
         if state.released:
@@ -253,6 +321,9 @@ class GraphBackend:
         """Capture every bucket for the given sampling settings (load-time warm-up)."""
         if not self.use_graphs:
             return
+        for bucket in PREFILL_BUCKETS:
+            if bucket <= self.capacity and bucket not in self.prefills:
+                self._capture_prefill(bucket)
         for params in params_list:
             for bucket in (0, *sorted({self._bucket(b) for b in BUCKETS})):
                 if (bucket, params) not in self.graphs:
