@@ -125,7 +125,7 @@ class QwenFastTTSService(TTSService):
             model: Shorthand for ``settings.model`` (a hub id or local checkpoint folder).
             device: "auto", "cuda", "cuda:N" or "cpu".
             dtype: "auto", "bfloat16", "float16" or "float32".
-            backend: "auto", "megakernel" or "torch".
+            backend: "auto", "megakernel", "torch" (CUDA graphs on a GPU) or "eager".
             seed: Sampling seed for every utterance (reproducible audio); None for fresh
                 randomness.
             greedy: Decode greedily instead of sampling.

@@ -36,6 +36,6 @@ TTSLanguages = Literal[
     "sichuan_dialect",
 ]
 
-TTSBackends = Literal["auto", "megakernel", "torch"]
+TTSBackends = Literal["auto", "megakernel", "torch", "eager"]
 
 DEFAULT_MODEL: TTSModels = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"

@@ -93,7 +93,7 @@ class TTS(tts.TTS):
             instruct: Style instruction (VoiceDesign and 1.7B CustomVoice models).
             device: "auto", "cuda", "cuda:N" or "cpu".
             dtype: "auto", "bfloat16", "float16" or "float32".
-            backend: "auto", "megakernel" or "torch".
+            backend: "auto", "megakernel", "torch" (CUDA graphs on a GPU) or "eager".
             seed: Sampling seed for every utterance (reproducible audio); None for fresh
                 randomness.
             greedy: Decode greedily instead of sampling.
