@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from .engine import AudioChunk, QwenTTSEngine, Session, SynthesisRequest, SynthesisResult
     from .prompt import VoiceClonePrompt
     from .sampling import SamplingParams
-    from .tts import QwenFastTTSService
+    from .service import EngineService, close_shared_services, get_shared_service, shared_service
+    from .tts import QwenFastTTSService, QwenFastTTSSettings
 
 __version__ = "0.1.0"
 
@@ -29,9 +30,11 @@ __all__ = [
     "AudioChunk",
     "ConfigError",
     "EngineClosedError",
+    "EngineService",
     "InvalidInputError",
     "ModelLoadError",
     "QwenFastTTSService",
+    "QwenFastTTSSettings",
     "QwenTTSEngine",
     "QwenTTSError",
     "SamplingParams",
@@ -41,6 +44,9 @@ __all__ = [
     "UnsupportedFeatureError",
     "VoiceClonePrompt",
     "__version__",
+    "close_shared_services",
+    "get_shared_service",
+    "shared_service",
 ]
 
 # Lazy exports: importing the package (e.g. for its errors) loads neither torch nor pipecat.
@@ -53,6 +59,11 @@ _LAZY = {
     "VoiceClonePrompt": ".prompt",
     "SamplingParams": ".sampling",
     "QwenFastTTSService": ".tts",
+    "QwenFastTTSSettings": ".tts",
+    "EngineService": ".service",
+    "close_shared_services": ".service",
+    "get_shared_service": ".service",
+    "shared_service": ".service",
 }
 
 
