@@ -199,7 +199,7 @@ class ModuleTimer:
             h.remove()
 
 
-def decode_frames_back_to_back(engine: QwenTTSEngine, n: int) -> tuple[float, object]:
+def decode_frames_back_to_back(engine: QwenTTSEngine, n: int) -> float:
     """Seconds per frame of `backend.decode_frame` with no host read in between (device-bound)."""
     session = engine.open_session(request(engine, texts.RTF_TEXT, n + 4, seed=7, vocode=False))
     try:
@@ -210,11 +210,9 @@ def decode_frames_back_to_back(engine: QwenTTSEngine, n: int) -> tuple[float, ob
         for _ in range(n):
             engine.backend.decode_frame(session.state)
         sync(engine)
-        per_frame = (time.perf_counter() - t0) / n
-        prompt_len = getattr(getattr(session.state, "talker_cache", None), "length", None)
+        return (time.perf_counter() - t0) / n
     finally:
         engine.cancel(session)
-    return per_frame, prompt_len
 
 
 def step_wall_per_frame(engine: QwenTTSEngine, n: int) -> float:
@@ -285,7 +283,8 @@ def instrumented_split(engine: QwenTTSEngine, n: int) -> dict | None:
     predictor_ms = totals["predictor"] / n
     if talker_ms == 0 and predictor_ms == 0:
         # The backend does not run our torch modules (a fused kernel): no split to report.
-        return {"decode_frame_ms_instrumented": frame_ms, "split": "not visible (fused backend)"}
+        return {"decode_frame_ms_instrumented": frame_ms,
+                "split": "not visible (the frame runs as a CUDA graph or one kernel, not module by module)"}
     return {
         "decode_frame_ms_instrumented": frame_ms,
         "talker_ms": talker_ms,
@@ -295,7 +294,7 @@ def instrumented_split(engine: QwenTTSEngine, n: int) -> dict | None:
 
 
 def measure_breakdown(engine: QwenTTSEngine, n: int) -> dict:
-    device_s, prompt_len = decode_frames_back_to_back(engine, n)
+    device_s = decode_frames_back_to_back(engine, n)
     step_s = step_wall_per_frame(engine, n)
     voc4 = vocoder_ms_per_call(engine, 4, max(4, n // 8))
     voc1 = vocoder_ms_per_call(engine, 1, max(4, n // 8))
@@ -308,7 +307,6 @@ def measure_breakdown(engine: QwenTTSEngine, n: int) -> dict:
         "vocoder_ms_per_call_chunk4": voc4,
         "vocoder_ms_per_call_chunk1": voc1,
         "streaming_frame_ms_estimate": 1e3 * step_s + voc4 / 4,
-        "prompt_positions": prompt_len,
     }
     split = instrumented_split(engine, n)
     if split is not None:
@@ -350,19 +348,26 @@ def weight_bytes_per_frame(engine: QwenTTSEngine, positions: int) -> dict:
     }
 
 
-def prompt_positions(engine: QwenTTSEngine, text: str) -> int | None:
-    """Prompt length of `text` in talker positions (torch backend state; None if not exposed)."""
+def prompt_positions(engine: QwenTTSEngine, text: str) -> tuple[int, str]:
+    """Prompt length of `text` in talker positions, read from the backend state right after the
+    prefill where it is exposed, else estimated from the token count."""
     session = engine.open_session(request(engine, text, 4, seed=10, vocode=False))
     try:
-        return getattr(getattr(session.state, "talker_cache", None), "length", None)
+        state = session.state
+        for value in (getattr(state, "position", None), getattr(getattr(state, "talker_cache", None), "length", None)):
+            if isinstance(value, int) and value > 0:
+                return value, "measured"
     finally:
         engine.cancel(session)
+    # Template and speaker/language codes add about ten positions to the text tokens.
+    return len(engine.tokenizer.encode(text)) + 10, "estimated from the token count"
 
 
 def measure_floor(engine: QwenTTSEngine, bandwidth_gbs: float | None, frames: int, streams: list[dict],
                   breakdown: dict | None) -> dict:
-    prompt = (breakdown or {}).get("prompt_positions") or prompt_positions(engine, texts.RTF_TEXT) or 0
+    prompt, how = prompt_positions(engine, texts.RTF_TEXT)
     floor = weight_bytes_per_frame(engine, prompt + frames // 2)
+    floor["prompt_positions"] = f"{prompt} ({how})"
     if not bandwidth_gbs:
         return floor
     floor_ms = 1e3 * floor["total_bytes"] / (bandwidth_gbs * 1e9)
@@ -554,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--backend", default="torch", choices=["torch", "megakernel"])
+    p.add_argument("--backend", default="torch", choices=["torch", "megakernel", "eager"])
     p.add_argument("--budget", type=float, default=180.0, help="seconds this phase may use")
     p.add_argument("--bandwidth-gbs", type=float, default=None, help="copy bandwidth measured in this run")
     p.add_argument("--quick", action="store_true")

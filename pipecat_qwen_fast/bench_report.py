@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 FRAME_MS = 80.0
+BACKENDS = ("megakernel", "torch", "eager")  # ours, fastest expected first
 
 
 def _get(d: dict | None, *path, default=None):
@@ -74,7 +75,7 @@ def implementation_rows(results: dict) -> list[dict]:
     """One row per implementation and mode, with the same columns for all."""
     phases = results.get("phases", {})
     rows = []
-    for backend in ("torch", "megakernel"):
+    for backend in BACKENDS:
         p = phases.get(backend)
         if p is None:
             continue
@@ -163,7 +164,7 @@ def main_table(results: dict) -> str:
 def breakdown_table(results: dict) -> str:
     phases = results.get("phases", {})
     lines = ["| implementation | component | ms per frame |", "|---|---|---|"]
-    for backend in ("torch", "megakernel"):
+    for backend in BACKENDS:
         b = _get(phases, backend, "breakdown")
         if not b:
             continue
@@ -203,7 +204,7 @@ def breakdown_table(results: dict) -> str:
 def floor_section(results: dict) -> str:
     phases = results.get("phases", {})
     lines = []
-    for backend in ("torch", "megakernel"):
+    for backend in BACKENDS:
         fl = _get(phases, backend, "floor")
         if not fl:
             continue
@@ -233,7 +234,7 @@ def concurrency_table(results: dict) -> str:
         "starved streams | worst underrun (ms) | aggregate frames/s | peak GPU memory (GiB) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for backend in ("torch", "megakernel"):
+    for backend in BACKENDS:
         c = _get(phases, backend, "concurrency")
         if not c:
             continue
@@ -257,7 +258,8 @@ def concurrency_table(results: dict) -> str:
 def ratios(results: dict) -> list[str]:
     """Plain-language ratios of ours (best available backend) to each baseline."""
     phases = results.get("phases", {})
-    ours_name = next((b for b in ("megakernel", "torch") if _get(phases, b, "streaming")), None)
+    ours_name = min((b for b in BACKENDS if _get(phases, b, "streaming", "rtf_median")),
+                    key=lambda b: phases[b]["streaming"]["rtf_median"], default=None)
     if ours_name is None:
         return ["n/a: no engine phase finished its streaming runs"]
     ours = phases[ours_name]

@@ -102,7 +102,8 @@ def test_breakdown_and_floor(engine):
     for key in ("decode_frame_ms", "engine_step_ms", "vocoder_ms_per_frame_chunk4", "vocoder_ms_per_call_chunk1"):
         assert b[key] > 0, key
     assert b["host_overhead_ms"] == pytest.approx(b["engine_step_ms"] - b["decode_frame_ms"])
-    assert b["prompt_positions"] > 10
+    positions, how = bench_engine.prompt_positions(engine, texts.RTF_TEXT)
+    assert how == "measured" and positions > len(engine.tokenizer.encode(texts.RTF_TEXT))
     runs = [{"wall_s": 1.0, "frames": 10}]
     floor = bench_engine.measure_floor(engine, 100.0, 10, runs, b)
     assert floor["floor_ms_per_frame"] == pytest.approx(1e3 * floor["total_bytes"] / 100e9)
