@@ -337,3 +337,39 @@ def test_vocoder_decode_matches_official(oracle, case_id):
         else:
             wav = voc.decode(codes)
     assert_close(wav[0, 0].numpy(), o.results[case_id]["wav"], WAV_TOL, "vocoder decode")
+
+
+FULL_SIZE_CASES = [
+    case("full_en_ryan_prefill", EN_TEXT, "english", True, speaker="ryan"),
+    case("full_zh_dylan_dual", ZH_TEXT, "chinese", False, speaker="dylan"),
+]
+FULL_SIZE_MAX_NEW_TOKENS = 13
+
+
+@pytest.mark.slow
+def test_full_size_0_6b_custom_voice_matches_official():
+    """Released 0.6B shapes: head_dim 128, M-RoPE [24,20,20], 28 layers, and the identity
+    small_to_mtp_projection (talker and predictor both 1024 wide), which no tiny checkpoint has.
+
+    Opt-in (QWEN_ORACLE_FULL=1): a 1.8 GB build and two fp32 copies of the model in memory.
+    """
+    import os
+
+    if os.environ.get("QWEN_ORACLE_FULL") != "1":
+        pytest.skip("full-size oracle check is opt-in: set QWEN_ORACLE_FULL=1 (builds 1.8 GB, ~8 GB RAM)")
+    require_oracle()
+    from pipecat_qwen_fast.build_checkpoint import build_checkpoint
+
+    ckpt = ROOT / ".cache" / "oracle-full" / "0.6b-custom_voice"
+    if not (ckpt / "speech_tokenizer" / "model.safetensors").is_file():
+        build_checkpoint(ckpt, "0.6b", "custom_voice", seed=0, dtype="bfloat16")
+    cases = [dict(c, max_new_tokens=FULL_SIZE_MAX_NEW_TOKENS) for c in FULL_SIZE_CASES]
+    results = official_outputs(ckpt, cases)
+    eng = load_engine(ckpt)
+    for c in cases:
+        off = results[c["id"]]
+        request = dict(our_request(c), max_frames=FULL_SIZE_MAX_NEW_TOKENS - 1)
+        ours = eng.generate_codes(c["text"], **request).cpu().numpy()
+        assert ours.shape == off["codes"].shape, f"{c['id']}: {ours.shape} vs official {off['codes'].shape}"
+        assert np.array_equal(ours, off["codes"]), c["id"]
+        assert_close(eng.decode_codes(torch.from_numpy(ours)), off["wav"], WAV_TOL, f"{c['id']} waveform")
