@@ -28,7 +28,7 @@ EOS_ROW = "talker.codec_head.weight"
 
 def read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, (f.metadata() or {})
+        return {k: f.get_tensor(k) for k in f.keys()}, (f.metadata() or {})  # noqa: SIM118
 
 
 def sharpen(tensors: dict[str, torch.Tensor], qk_gain: float) -> None:

@@ -73,7 +73,7 @@ def run_setup() -> str:
     env = dict(os.environ, QWEN_ORACLE_VENV=str(VENV), PYTHON=os.environ.get("PYTHON", sys.executable))
     try:
         proc = subprocess.run(["bash", str(SETUP_SCRIPT)], env=env, capture_output=True, text=True,
-                              timeout=SETUP_TIMEOUT_S)
+                              timeout=SETUP_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired as e:
         raise OracleUnavailable(f"{SETUP_COMMAND} timed out after {e.timeout} s") from None
     if proc.returncode != 0:
@@ -123,7 +123,8 @@ def run_runner(ckpt_dir: Path, cases: list[dict], out_dir: Path) -> None:
     cmd = [str(venv_python()), str(RUNNER), "--ckpt", str(ckpt_dir), "--request", str(request),
            "--out", str(tmp), "--threads", str(RUNNER_THREADS)]
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                              check=False)
     except subprocess.TimeoutExpired:
         shutil.rmtree(tmp, ignore_errors=True)
         raise RuntimeError(f"official runner timed out after {RUN_TIMEOUT_S} s on {ckpt_dir}") from None

@@ -112,7 +112,9 @@ def build_clone_prompt(tts, spec: dict):
 def generate_case(tts, case: dict) -> dict:
     unknown = set(case) - GENERATE_KEYS
     if unknown:
-        raise ValueError(f"case {case['id']}: unknown keys {sorted(unknown)}; valid: {sorted(GENERATE_KEYS)}")
+        raise ValueError(
+            f"case {case['id']}: unknown keys {sorted(unknown)}; valid: {sorted(GENERATE_KEYS)}"
+        )
 
     tokenized: list = []
     generated: list = []
@@ -121,12 +123,12 @@ def generate_case(tts, case: dict) -> dict:
     record_calls(tts.model, "generate", generated)
     record_calls(tts.model.talker, "generate", talker_runs)
     try:
-        greedy = dict(
-            do_sample=False,
-            subtalker_dosample=False,
-            max_new_tokens=int(case["max_new_tokens"]),
-            non_streaming_mode=bool(case["non_streaming_mode"]),
-        )
+        greedy = {
+            "do_sample": False,
+            "subtalker_dosample": False,
+            "max_new_tokens": int(case["max_new_tokens"]),
+            "non_streaming_mode": bool(case["non_streaming_mode"]),
+        }
         model_type = tts.model.tts_model_type
         if model_type == "custom_voice":
             wavs, sr = tts.generate_custom_voice(
@@ -145,8 +147,9 @@ def generate_case(tts, case: dict) -> dict:
         else:
             raise ValueError(f"unknown tts_model_type {model_type!r}")
     finally:
-        for obj, name in ((tts, "_tokenize_texts"), (tts.model, "generate"), (tts.model.talker, "generate")):
-            del obj.__dict__[name]
+        for obj in (tts, tts.model, tts.model.talker):  # drop the recorders, back to the class methods
+            for name in ("_tokenize_texts", "generate"):
+                obj.__dict__.pop(name, None)
 
     (codes_list, _), = [g[2] for g in generated]
     sequences = talker_runs[0][2].sequences
