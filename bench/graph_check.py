@@ -108,18 +108,28 @@ def main() -> int:
     sync()
     res["stream_rtf"] = (time.perf_counter() - t) / (pcm / 24000)
 
-    for n in (1, 8, 32):
-        sessions = [graph.open_session(SynthesisRequest(TEXT, voice="ryan", seed=i, max_frames=40)) for i in range(n)]
+    for n in (1, 4, 16, 64):
+        if n > graph.backend.max_sessions:
+            break
+        sessions = [graph.open_session(SynthesisRequest(TEXT, voice="ryan", seed=i, max_frames=60)) for i in range(n)]
         sync()
         t = time.perf_counter()
         audio = 0
+        first_chunk = {}
         while not all(s.done for s in sessions):
-            for s in sessions:
-                for c in graph.step(s):
-                    audio += len(c.pcm)
+            for i, r in enumerate(graph.step_many(sessions)):
+                assert not isinstance(r, Exception), r
+                if r and i not in first_chunk:
+                    first_chunk[i] = time.perf_counter() - t
+                audio += sum(len(c.pcm) for c in r)
         sync()
         wall = time.perf_counter() - t
-        res[f"concurrency_{n}"] = {"aggregate_rtf": wall / (audio / 24000), "per_stream_rtf": wall / (audio / 24000 / n)}
+        res[f"batched_{n}"] = {
+            "aggregate_rtf": wall / (audio / 24000),
+            "per_stream_rtf": wall / (audio / 24000 / n),
+            "ms_per_batch_frame": wall / 60 * 1000,
+            "first_chunk_max_ms": max(first_chunk.values()) * 1000,
+        }
     res["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
 
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -349,24 +349,68 @@ class QwenTTSEngine:
         try:
             codes = self.backend.decode_frame(s.state)
             host = codes.cpu().numpy()  # the one host read per frame (EOS check)
-            if int(host[0]) == self.config.talker.codec_eos_id:
-                return self._end_segment(s, "eos")
-            s.pending.append(codes)
-            s.codes.append(host)
-            s.frames_decoded += 1
-            s.segment_frames += 1
-            if s.request.max_frames is not None and s.frames_decoded >= s.request.max_frames:
-                return self._finish(s, "frame_cap")
-            if s.segment_frames >= s.frame_cap:
-                return self._end_segment(s, "frame_cap")
-            target = s.request.first_chunk_frames if s.chunk_start == 0 else s.request.chunk_frames
-            if len(s.pending) >= target:
-                return self._flush(s)
-            return []
+            return self._after_frame(s, codes, host)
         except BaseException:
             s.stop_reason = s.stop_reason or "error"
             self.close_session(s)
             raise
+
+    def step_many(self, sessions: list[Session]) -> list[list[AudioChunk] | Exception]:
+        """One frame for each session; batched on backends that can (one weight read per batch).
+
+        Returns, per session, its completed chunks or the exception that ended it (that session is
+        closed; the others go on).
+        """
+        results: list[list[AudioChunk] | Exception] = [[] for _ in sessions]
+        batched = getattr(self.backend, "decode_frames", None)
+        limit = getattr(self.backend, "max_batch", 1)
+        groups: dict[SamplingParams, list[int]] = {}
+        for i, s in enumerate(sessions):
+            if not s.done:
+                groups.setdefault(s.params, []).append(i)
+        for idxs in groups.values():
+            for start in range(0, len(idxs), limit):
+                part = idxs[start : start + limit]
+                if batched is None or len(part) == 1:
+                    for i in part:
+                        try:
+                            results[i] = self.step(sessions[i])
+                        except Exception as e:  # noqa: BLE001 - reported to that session's caller
+                            results[i] = e
+                    continue
+                try:
+                    codes = batched([sessions[i].state for i in part])
+                    host = codes.cpu().numpy()
+                except Exception as e:  # noqa: BLE001 - the batch failed: each of its sessions ends
+                    for i in part:
+                        sessions[i].stop_reason = "error"
+                        self.close_session(sessions[i])
+                        results[i] = e
+                    continue
+                for j, i in enumerate(part):
+                    try:
+                        results[i] = self._after_frame(sessions[i], codes[j], host[j])
+                    except Exception as e:  # noqa: BLE001
+                        sessions[i].stop_reason = "error"
+                        self.close_session(sessions[i])
+                        results[i] = e
+        return results
+
+    def _after_frame(self, s: Session, codes: Tensor, host: np.ndarray) -> list[AudioChunk]:
+        if int(host[0]) == self.config.talker.codec_eos_id:
+            return self._end_segment(s, "eos")
+        s.pending.append(codes)
+        s.codes.append(host)
+        s.frames_decoded += 1
+        s.segment_frames += 1
+        if s.request.max_frames is not None and s.frames_decoded >= s.request.max_frames:
+            return self._finish(s, "frame_cap")
+        if s.segment_frames >= s.frame_cap:
+            return self._end_segment(s, "frame_cap")
+        target = s.request.first_chunk_frames if s.chunk_start == 0 else s.request.chunk_frames
+        if len(s.pending) >= target:
+            return self._flush(s)
+        return []
 
     def _end_segment(self, s: Session, reason: str) -> list[AudioChunk]:
         if s.segment_index + 1 < len(s.segments):

@@ -32,3 +32,10 @@ class ModelLoadError(QwenTTSError, OSError):
 
 class EngineClosedError(QwenTTSError, RuntimeError):
     """The engine or its service was closed, or died after a fault; no new work is accepted."""
+
+
+class NoFreeSlotError(QwenTTSError, RuntimeError):
+    """Every session slot of the backend is in use; retry once a session has finished.
+
+    The EngineService queues new streams on this error instead of failing them.
+    """

@@ -1,20 +1,21 @@
-"""CUDA-graph backend: the torch modules' frame, captured once and replayed for every session.
+"""CUDA-graph backend: the torch modules' frame, batched over sessions, captured and replayed.
 
 Eager PyTorch spends ~90 ms per frame on the H200 launching ~3000 tiny kernels (bench/NOTES.md).
-Here one frame (talker step, codec head, logits processing, 15 predictor steps, next talker input)
-is written against static buffers with all per-session values read from device memory, so a single
-captured graph serves every session:
+Here one frame for up to B sessions at once (talker step, codec head, logits processing, 15
+predictor steps, next talker input) is written against static buffers, with every per-session value
+read from device memory, so one captured graph per (batch bucket, attention bucket, sampling
+settings) serves every session; a batch of sessions reads the weights once.
 
-* K/V of every session live in one pool `[layers, slots, kv_heads, capacity, head_dim]`; the graph
-  reads the session's slot and position from device scalars (index_put / index_select), and
-  attends over a fixed bucket of positions with a mask (one graph per bucket length).
-* Small per-session state (pending input, seen code-0 set, frame counter, text vector, sampling
-  noise) is copied into the static buffers before a replay and back after it.
-* Sampling uses noise drawn from the session's own generator before the replay, so seeded
-  sessions repeat exactly whatever else runs on the GPU.
+* Per-session device state lives in pools indexed by a slot id: K/V `[layers, slots, kv_heads,
+  capacity, head_dim]`, the pending talker input, the prefill's last hidden state and the set of
+  code-0 ids seen (repetition penalty). The graph gathers and scatters rows by slot. Slot
+  `max_sessions` is a scratch row for padding.
+* Per-row scalars (slot, position, frame, first-frame flag) arrive in one host-to-device copy; the
+  text vector of the step and the sampling noise (drawn from each session's own generator, so seeded
+  sessions repeat exactly whatever else is batched with them) are copied into static buffers.
+* Attention reads a fixed bucket of positions with a mask, one graph per bucket length.
 
-On a CPU the same functions run eagerly (no capture): that is how CI checks this backend's frame
-against `TorchBackend`, the reference.
+On a CPU the same functions run eagerly (no capture): CI checks this backend against TorchBackend.
 """
 
 from __future__ import annotations
@@ -26,19 +27,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .errors import QwenTTSError
+from .errors import NoFreeSlotError, QwenTTSError
 from .layers import KVCache, apply_rotary, fuse_projections, rotary_cos_sin
 from .sampling import SamplingParams, process_talker_logits, talker_suppress_mask, warp_logits
 from .talker import Talker
 
 logger = logging.getLogger("pipecat_qwen_fast")
 
-BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
+ATTN_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths served by a captured prefill
+ROW_SLOT, ROW_STEP_SLOT, ROW_POS, ROW_FRAME, ROW_FIRST = range(5)
 
 
-class NoFreeSlotError(QwenTTSError, RuntimeError):
-    """Every KV slot is in use; close a session first (the EngineService queues instead)."""
+__all__ = ["GraphBackend", "GraphState", "NoFreeSlotError"]
 
 
 @dataclass
@@ -49,33 +51,9 @@ class GraphState:
     generator: torch.Generator | None
     trailing: Tensor
     pad_vec: Tensor
-    seen: Tensor  # bool [vocab]
-    hidden: Tensor  # [D] post-norm talker hidden of the newest position (frame 0 input)
-    pending: Tensor  # [D] next talker input
     position: int = 0  # positions written so far
     frame: int = 0
     released: bool = field(default=False)
-
-
-class _Static:
-    """The buffers a captured frame reads and writes."""
-
-    def __init__(self, talker: Talker, device: torch.device, dtype: torch.dtype):
-        d = talker.cfg.hidden_size
-        v = talker.cfg.vocab_size
-        pv = talker.code_predictor.cfg.vocab_size
-        g = talker.cfg.num_code_groups
-        self.x = torch.zeros(d, device=device, dtype=dtype)
-        self.hidden = torch.zeros(d, device=device, dtype=dtype)
-        self.text_vec = torch.zeros(d, device=device, dtype=dtype)
-        self.seen = torch.zeros(v, device=device, dtype=torch.bool)
-        self.slot = torch.zeros(1, device=device, dtype=torch.long)
-        self.pos = torch.zeros(1, device=device, dtype=torch.long)
-        self.frame = torch.zeros(1, device=device, dtype=torch.long)
-        self.noise0 = torch.ones(v, device=device, dtype=torch.float32)
-        self.noise = torch.ones(g - 1, pv, device=device, dtype=torch.float32)
-        self.codes = torch.zeros(g, device=device, dtype=torch.long)
-        self.x_next = torch.zeros(d, device=device, dtype=dtype)
 
 
 class GraphBackend:
@@ -88,7 +66,7 @@ class GraphBackend:
         dtype: torch.dtype,
         *,
         max_sessions: int = 64,
-        capacity: int = 4096,
+        capacity: int = 2048,
         use_graphs: bool | None = None,
     ):
         self.talker = talker
@@ -100,24 +78,49 @@ class GraphBackend:
         self.num_groups = talker.cfg.num_code_groups
         self.capacity = capacity
         self.max_sessions = max_sessions
+        self.scratch = max_sessions  # padding rows read and write this slot
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         if device.type == "cuda":
             fuse_projections(talker)
-        shape = (stack.num_layers, max_sessions, stack.num_kv_heads, capacity, stack.head_dim)
+        slots = max_sessions + 1
+        d, v = talker.cfg.hidden_size, talker.cfg.vocab_size
+        shape = (stack.num_layers, slots, stack.num_kv_heads, capacity, stack.head_dim)
         self.pool_k = torch.zeros(shape, device=device, dtype=dtype)
         self.pool_v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pool_pending = torch.zeros(slots, d, device=device, dtype=dtype)
+        self.pool_hidden = torch.zeros(slots, d, device=device, dtype=dtype)
+        self.pool_seen = torch.zeros(slots, v, device=device, dtype=torch.bool)
         self.free_slots = list(range(max_sessions - 1, -1, -1))
-        self.suppress = talker_suppress_mask(talker.cfg.vocab_size, self.eos_id, device)
-        cos, sin = rotary_cos_sin(torch.arange(capacity, device=device), stack.head_dim, stack.rope_theta, dtype)
-        self.rope_cos, self.rope_sin = cos, sin
-        self.kv_heads = torch.arange(stack.num_kv_heads, device=device)
+
+        self.max_batch = next((b for b in BATCH_BUCKETS if b >= max_sessions), BATCH_BUCKETS[-1])
+        b = self.max_batch
         pred = talker.code_predictor.cfg
-        self.pred_cache = KVCache(pred.stack, pred.num_code_groups, device, dtype)
-        self.static = _Static(talker, device, dtype)
+        pv = pred.vocab_size
+        self.rows = torch.zeros(5, b, device=device, dtype=torch.long)
+        self.rows_host = torch.zeros(5, b, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.text_vec = torch.zeros(b, d, device=device, dtype=dtype)
+        self.noise0 = torch.ones(b, v, device=device, dtype=torch.float32)
+        self.noise = torch.ones(b, self.num_groups - 1, pv, device=device, dtype=torch.float32)
+        self.codes = torch.zeros(b, self.num_groups, device=device, dtype=torch.long)
+        ps = pred.stack
+        self.pred_k = torch.zeros(ps.num_layers, b, ps.num_kv_heads, pred.num_code_groups, ps.head_dim,
+                                  device=device, dtype=dtype)
+        self.pred_v = torch.zeros_like(self.pred_k)
+
         # Constants made before any capture: a capture may not copy host values to the device.
+        self.suppress = talker_suppress_mask(v, self.eos_id, device)
+        self.is_eos = torch.arange(v, device=device) == self.eos_id
         self.eos_frame = torch.zeros(self.num_groups, dtype=torch.long, device=device)
         self.eos_frame[0] = self.eos_id
-        self.is_eos = torch.arange(talker.cfg.vocab_size, device=device) == self.eos_id
+        self.rope_cos, self.rope_sin = rotary_cos_sin(
+            torch.arange(capacity, device=device), stack.head_dim, stack.rope_theta, dtype
+        )
+        self.pred_cos, self.pred_sin = rotary_cos_sin(
+            torch.arange(pred.num_code_groups, device=device), ps.head_dim, ps.rope_theta, dtype
+        )
+        self.kv_heads = torch.arange(stack.num_kv_heads, device=device)
+        self.positions = torch.arange(capacity, device=device)
+
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.prefills: dict[int, dict] = {}
         self.pool = None
@@ -130,7 +133,7 @@ class GraphBackend:
         per_slot = 2 * stack.num_layers * stack.num_kv_heads * capacity * stack.head_dim * dtype.itemsize
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            max_sessions = max(1, min(max_sessions, int(free * memory_fraction // per_slot)))
+            max_sessions = max(1, min(max_sessions, int(free * memory_fraction // per_slot) - 1))
         return cls(talker, device, dtype, max_sessions=max_sessions, capacity=capacity)
 
     @property
@@ -150,17 +153,11 @@ class GraphBackend:
         if params.do_sample or params.subtalker_do_sample:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(seed if seed is not None else torch.seed())
-        d = self.cfg.hidden_size
+        slot = self.free_slots.pop()
+        self.pool_seen[slot].zero_()
         return GraphState(
-            slot=self.free_slots.pop(),
-            capacity=max_positions,
-            params=params,
-            generator=generator,
-            trailing=trailing.to(self.device, self.dtype),
-            pad_vec=pad_vec.to(self.device, self.dtype),
-            seen=torch.zeros(self.cfg.vocab_size, dtype=torch.bool, device=self.device),
-            hidden=torch.zeros(d, device=self.device, dtype=self.dtype),
-            pending=torch.zeros(d, device=self.device, dtype=self.dtype),
+            slot=slot, capacity=max_positions, params=params, generator=generator,
+            trailing=trailing.to(self.device, self.dtype), pad_vec=pad_vec.to(self.device, self.dtype),
         )
 
     @torch.no_grad()
@@ -169,62 +166,225 @@ class GraphBackend:
         bucket = next((b for b in PREFILL_BUCKETS if n <= b and b <= self.capacity), None)
         if bucket is not None and bucket in self.prefills:
             self._prefill_graphed(state, embeds, bucket)
-            return
-        # The eager stack writes straight into this session's slot of the pool through a view.
-        cache = KVCache.__new__(KVCache)
-        cache.k = self.pool_k[:, state.slot]
-        cache.v = self.pool_v[:, state.slot]
-        cache.max_len = self.capacity
-        cache.length = 0
-        hidden = self.talker.model(embeds.to(self.device, self.dtype), cache)
-        state.hidden.copy_(hidden[-1])
-        state.position = embeds.shape[0]
+        else:
+            # The eager stack writes straight into this session's slot of the pool through a view.
+            cache = KVCache.__new__(KVCache)
+            cache.k = self.pool_k[:, state.slot]
+            cache.v = self.pool_v[:, state.slot]
+            cache.max_len, cache.length = self.capacity, 0
+            hidden = self.talker.model(embeds.to(self.device, self.dtype), cache)
+            self.pool_hidden[state.slot].copy_(hidden[-1])
+        state.position = n
+
+    def decode_frame(self, state: GraphState) -> Tensor:
+        return self.decode_frames([state])[0]
 
     @torch.no_grad()
-    def decode_frame(self, state: GraphState) -> Tensor:
+    def decode_frames(self, states: list[GraphState]) -> Tensor:
+        """One frame for each state (same sampling settings) -> LongTensor [n, 16] on the device."""
+        n = len(states)
+        params = states[0].params
+        if any(s.params != params for s in states):
+            raise ValueError("decode_frames needs states with the same sampling settings")
+        if any(s.released for s in states):
+            raise RuntimeError("decode_frames on a released state")
+        bb = next(b for b in BATCH_BUCKETS if b >= n)
+        if bb > self.max_batch:
+            raise ValueError(f"at most {self.max_batch} sessions per batch")
+        rows = self.rows_host
+        rows[:, :bb] = 0
+        rows[ROW_SLOT, :bb] = self.scratch
+        rows[ROW_STEP_SLOT, :bb] = self.scratch
+        rows[ROW_FIRST, :bb] = 1
+        longest = 0
+        text = []
+        for r, s in enumerate(states):
+            first = s.frame == 0
+            rows[ROW_SLOT, r] = s.slot
+            rows[ROW_STEP_SLOT, r] = self.scratch if first else s.slot
+            rows[ROW_POS, r] = 0 if first else s.position
+            rows[ROW_FRAME, r] = s.frame
+            rows[ROW_FIRST, r] = int(first)
+            if not first:
+                longest = max(longest, s.position + 1)
+            text.append(s.trailing[s.frame] if s.frame < s.trailing.shape[0] else s.pad_vec)
+            if params.do_sample:
+                self.noise0[r].exponential_(1, generator=s.generator)
+            if params.subtalker_do_sample:
+                self.noise[r].exponential_(1, generator=s.generator)
+        self.rows[:, :bb].copy_(rows[:, :bb], non_blocking=True)
+        self.text_vec[:n].copy_(torch.stack(text))
+        attn = 0 if longest == 0 else self._attn_bucket(longest)
+        self._run(bb, attn, params)
+        for s in states:
+            if s.frame > 0:
+                s.position += 1
+            s.frame += 1
+        return self.codes[:n].clone()
+
+    def release(self, state: GraphState) -> None:
         if state.released:
-            raise RuntimeError("decode_frame on a released state")
-        st = self.static
-        first = state.frame == 0
-        if first:
-            st.hidden.copy_(state.hidden)
+            return
+        state.released = True
+        self.free_slots.append(state.slot)
+
+    # -------------------------------------------------------------- graphs
+
+    def _attn_bucket(self, length: int) -> int:
+        return next((b for b in ATTN_BUCKETS if length <= b <= self.capacity), self.capacity)
+
+    def _run(self, bb: int, attn: int, params: SamplingParams) -> None:
+        if not self.use_graphs:
+            self._frame(bb, attn, params)
+            return
+        graph = self.graphs.get((bb, attn, params))
+        if graph is None:
+            graph = self._capture(bb, attn, params)
+        graph.replay()
+
+    def _capture(self, bb: int, attn: int, params: SamplingParams) -> torch.cuda.CUDAGraph:
+        # Warm up on a side stream (cuBLAS workspaces, lazy state), then capture. The warm-up
+        # really runs the frame on the current inputs: its K/V writes are the rows the replay
+        # writes next, but the per-session pools it updates must be put back first.
+        saved = [t.clone() for t in (self.pool_pending, self.pool_seen, self.codes)]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._frame(bb, attn, params)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._frame(bb, attn, params)
+        for dst, src in zip((self.pool_pending, self.pool_seen, self.codes), saved):
+            dst.copy_(src)
+        self.graphs[(bb, attn, params)] = graph
+        return graph
+
+    def capture_all(self, params_list: list[SamplingParams], batches: tuple[int, ...] | None = None) -> None:
+        """Capture prefills and frames (every attention bucket; the given batch buckets) at load."""
+        if not self.use_graphs:
+            return
+        for bucket in PREFILL_BUCKETS:
+            if bucket <= self.capacity and bucket not in self.prefills:
+                self._capture_prefill(bucket)
+        batches = batches or tuple(b for b in BATCH_BUCKETS if b <= self.max_batch)
+        attn = (0, *sorted({self._attn_bucket(b) for b in ATTN_BUCKETS}))
+        rows = self.rows_host
+        for params in params_list:
+            for bb in batches:
+                rows.zero_()
+                rows[ROW_SLOT].fill_(self.scratch)
+                rows[ROW_STEP_SLOT].fill_(self.scratch)
+                self.rows.copy_(rows)
+                for a in attn:
+                    if (bb, a, params) not in self.graphs:
+                        self._capture(bb, a, params)
+
+    # -------------------------------------------------------------- the frame
+
+    def _frame(self, bb: int, attn: int, params: SamplingParams) -> None:
+        """One frame for rows [0, bb). attn 0: every row is at frame 0 (no talker step)."""
+        talker = self.talker
+        slot = self.rows[ROW_SLOT, :bb]
+        first = (self.rows[ROW_FIRST, :bb] == 1)[:, None]
+        hidden = self.pool_hidden.index_select(0, slot)
+        h = hidden if attn == 0 else torch.where(first, hidden, self._talker_step(bb, attn))
+        logits = talker.codec_head(h).float()
+        seen = self.pool_seen.index_select(0, slot)
+        logits = process_talker_logits(logits, seen, self.suppress, 1 << 30, self.eos_id, params)
+        eos_blocked = (self.rows[ROW_FRAME, :bb] < params.min_new_tokens)[:, None] & self.is_eos
+        logits = logits.masked_fill(eos_blocked, float("-inf"))
+        if params.do_sample:
+            probs = warp_logits(logits, params.temperature, params.top_k, params.top_p).softmax(-1)
+            c0 = torch.argmax(probs / self.noise0[:bb], dim=-1)
         else:
-            st.x.copy_(state.pending)
-            st.pos.fill_(state.position)
-        st.slot.fill_(state.slot)
-        st.frame.fill_(state.frame)
-        st.seen.copy_(state.seen)
-        t = state.frame
-        st.text_vec.copy_(state.trailing[t] if t < state.trailing.shape[0] else state.pad_vec)
-        p = state.params
-        if p.do_sample:
-            st.noise0.exponential_(1, generator=state.generator)
-        if p.subtalker_do_sample:
-            st.noise.exponential_(1, generator=state.generator)
-        bucket = 0 if first else self._bucket(state.position + 1)
-        self._run(bucket, p)
-        state.pending.copy_(st.x_next)
-        state.seen.copy_(st.seen)
-        if not first:
-            state.position += 1
-        state.frame += 1
-        return st.codes.clone()
+            c0 = torch.argmax(logits, dim=-1)
+        self.pool_seen.index_copy_(0, slot, seen.scatter(1, c0[:, None], True))
+        codes = self._predict(h, c0, bb, params)
+        self.codes[:bb].copy_(torch.where((c0 == self.eos_id)[:, None], self.eos_frame, codes))
+        self.pool_pending.index_copy_(0, slot, talker.embed_frames(codes) + self.text_vec[:bb])
+
+    def _talker_step(self, bb: int, attn: int) -> Tensor:
+        model = self.talker.model
+        cfg = model.cfg
+        slot = self.rows[ROW_STEP_SLOT, :bb]
+        pos = self.rows[ROW_POS, :bb]
+        x = self.pool_pending.index_select(0, self.rows[ROW_SLOT, :bb])
+        cos = self.rope_cos.index_select(0, pos)[:, None]  # [bb, 1, hd]
+        sin = self.rope_sin.index_select(0, pos)[:, None]
+        valid = (self.positions[:attn][None] <= pos[:, None])[:, None, None]  # [bb, 1, 1, attn]
+        idx = (slot[:, None].expand(bb, cfg.num_kv_heads), self.kv_heads[None].expand(bb, -1),
+               pos[:, None].expand(bb, cfg.num_kv_heads))
+        for i, layer in enumerate(model.layers):
+            a = layer.self_attn
+            q, k, v = a.project_qkv(layer.input_layernorm(x))  # [bb, H|KVH, hd]
+            q = apply_rotary(a.q_norm(q), cos, sin)
+            k = apply_rotary(a.k_norm(k), cos, sin)
+            self.pool_k[i].index_put_(idx, k)
+            self.pool_v[i].index_put_(idx, v)
+            keys = self.pool_k[i, :, :, :attn].index_select(0, slot)  # [bb, KVH, attn, hd]
+            values = self.pool_v[i, :, :, :attn].index_select(0, slot)
+            out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=valid, enable_gqa=True)
+            x = x + a.o_proj(out.reshape(bb, cfg.num_heads * cfg.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return model.norm(x)
+
+    def _predict(self, h: Tensor, c0: Tensor, bb: int, params: SamplingParams) -> Tensor:
+        cp = self.talker.code_predictor
+        x = torch.stack([h, self.talker.embed_codec(c0)], dim=1)  # [bb, 2, D]
+        out = self._predictor_forward(cp.small_to_mtp_projection(x), 0, bb)
+        code = self._sample_residual(cp.lm_head[0](out[:, -1]), 0, bb, params)
+        codes = [c0, code]
+        for g in range(2, self.num_groups):
+            x = cp.model.codec_embedding[g - 2](code)[:, None]
+            out = self._predictor_forward(cp.small_to_mtp_projection(x), g, bb)
+            code = self._sample_residual(cp.lm_head[g - 1](out[:, -1]), g - 1, bb, params)
+            codes.append(code)
+        return torch.stack(codes, dim=1).long()
+
+    def _predictor_forward(self, x: Tensor, start: int, bb: int) -> Tensor:
+        """Predictor positions start..start+n-1 for rows [0, bb): x [bb, n, Dp] -> post-norm [bb, n, Dp]."""
+        model = self.talker.code_predictor.model
+        n = x.shape[1]
+        end = start + n
+        cos, sin = self.pred_cos[start:end], self.pred_sin[start:end]  # [n, hd]
+        for i, layer in enumerate(model.layers):
+            a = layer.self_attn
+            q, k, v = a.project_qkv(layer.input_layernorm(x))  # [bb, n, heads, hd]
+            q = apply_rotary(a.q_norm(q).transpose(1, 2), cos, sin)  # [bb, H, n, hd]
+            k = apply_rotary(a.k_norm(k).transpose(1, 2), cos, sin)
+            self.pred_k[i, :bb, :, start:end] = k
+            self.pred_v[i, :bb, :, start:end] = v.transpose(1, 2)
+            keys, values = self.pred_k[i, :bb, :, :end], self.pred_v[i, :bb, :, :end]
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=n > 1, enable_gqa=True)
+            x = x + a.o_proj(out.transpose(1, 2).reshape(bb, n, a.num_heads * a.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return model.norm(x)
+
+    def _sample_residual(self, logits: Tensor, i: int, bb: int, params: SamplingParams) -> Tensor:
+        logits = logits.float()
+        if not params.subtalker_do_sample:
+            return torch.argmax(logits, dim=-1)
+        warped = warp_logits(logits, params.subtalker_temperature, params.subtalker_top_k, params.subtalker_top_p)
+        return torch.argmax(warped.softmax(-1) / self.noise[:bb, i], dim=-1)
+
+    # -------------------------------------------------------------- prefill graphs
 
     def _prefill_graphed(self, state: GraphState, embeds: Tensor, bucket: int) -> None:
-        entry = self.prefills[bucket]
+        e = self.prefills[bucket]
         n = embeds.shape[0]
         # Right padding is harmless: causal attention keeps positions < n independent of it, and
         # each later decode step overwrites its own K/V row before attending up to it.
-        entry["embeds"][:n].copy_(embeds)
-        entry["embeds"][n:].zero_()
-        entry["last"].fill_(n - 1)
-        entry["slot"].fill_(state.slot)
-        if entry["graph"] is not None:
-            entry["graph"].replay()
+        e["embeds"][:n].copy_(embeds)
+        e["embeds"][n:].zero_()
+        e["last"].fill_(n - 1)
+        e["slot"].fill_(state.slot)
+        if e["graph"] is not None:
+            e["graph"].replay()
         else:  # CPU: the same body, run eagerly (tests)
-            self._prefill_body(entry)
-        state.hidden.copy_(entry["hidden"])
-        state.position = n
+            self._prefill_body(e)
 
     def _prefill_body(self, e: dict) -> None:
         bucket = e["embeds"].shape[0]
@@ -232,20 +392,18 @@ class GraphBackend:
         cache.k, cache.v = e["k"], e["v"]
         cache.max_len, cache.length = bucket, 0
         hidden = self.talker.model(e["embeds"], cache)
-        e["hidden"].copy_(hidden.index_select(0, e["last"])[0])
+        self.pool_hidden.index_copy_(0, e["slot"], hidden.index_select(0, e["last"]))
         self.pool_k[:, :, :, :bucket].index_copy_(1, e["slot"], e["k"][:, None])
         self.pool_v[:, :, :, :bucket].index_copy_(1, e["slot"], e["v"][:, None])
 
     def make_prefill_entry(self, bucket: int) -> dict:
         """Static buffers of the prefill for prompts of up to `bucket` positions (no graph yet)."""
         stack = self.cfg.stack
-        d = self.cfg.hidden_size
         kv_shape = (stack.num_layers, stack.num_kv_heads, bucket, stack.head_dim)
         e = {
-            "embeds": torch.zeros(bucket, d, device=self.device, dtype=self.dtype),
+            "embeds": torch.zeros(bucket, self.cfg.hidden_size, device=self.device, dtype=self.dtype),
             "last": torch.zeros(1, device=self.device, dtype=torch.long),
-            "slot": torch.full((1,), self.max_sessions - 1, device=self.device, dtype=torch.long),
-            "hidden": torch.zeros(d, device=self.device, dtype=self.dtype),
+            "slot": torch.full((1,), self.scratch, device=self.device, dtype=torch.long),
             "k": torch.zeros(kv_shape, device=self.device, dtype=self.dtype),
             "v": torch.zeros(kv_shape, device=self.device, dtype=self.dtype),
             "graph": None,
@@ -254,10 +412,7 @@ class GraphBackend:
         return e
 
     def _capture_prefill(self, bucket: int) -> dict:
-        """Only at load (capture_all): the warm-up run writes into the last slot's K/V."""
-        e = self.make_prefill_entry(bucket)
-        # Warm-up writes zeros-derived K/V into the last slot; a session in that slot prefills
-        # (overwriting it) before it decodes, so nothing reads them.
+        e = self.make_prefill_entry(bucket)  # slot = scratch: the warm-up touches no session
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -270,137 +425,3 @@ class GraphBackend:
             self._prefill_body(e)
         e["graph"] = graph
         return e
-
-    def release(self, state: GraphState) -> None:
-        if state.released:
-            return
-        state.released = True
-        self.free_slots.append(state.slot)
-
-    # -------------------------------------------------------------- graphs
-
-    def _bucket(self, length: int) -> int:
-        for b in BUCKETS:
-            if length <= b and b <= self.capacity:
-                return b
-        return self.capacity
-
-    def _run(self, bucket: int, params: SamplingParams) -> None:
-        if not self.use_graphs:
-            self._frame(bucket, params)
-            return
-        key = (bucket, params)
-        graph = self.graphs.get(key)
-        if graph is None:
-            graph = self._capture(bucket, params)
-        graph.replay()
-
-    def _capture(self, bucket: int, params: SamplingParams) -> torch.cuda.CUDAGraph:
-        # Warm up on a side stream (cuBLAS handles, lazy module state), then capture. The warm-up
-        # really runs the frame on the current static inputs: its K/V write is the very row the
-        # replay writes next, but the static outputs and the seen set must be put back.
-        st = self.static
-        saved = {name: getattr(st, name).clone() for name in vars(st)}
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._frame(bucket, params)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._frame(bucket, params)
-        for name, value in saved.items():
-            getattr(st, name).copy_(value)
-        self.graphs[(bucket, params)] = graph
-        logger.debug("captured frame graph (bucket %d, %s)", bucket, "sample" if params.do_sample else "greedy")
-        return graph
-
-    def capture_all(self, params_list: list[SamplingParams]) -> None:
-        """Capture every bucket for the given sampling settings (load-time warm-up)."""
-        if not self.use_graphs:
-            return
-        for bucket in PREFILL_BUCKETS:
-            if bucket <= self.capacity and bucket not in self.prefills:
-                self._capture_prefill(bucket)
-        for params in params_list:
-            for bucket in (0, *sorted({self._bucket(b) for b in BUCKETS})):
-                if (bucket, params) not in self.graphs:
-                    self._capture(bucket, params)
-
-    # -------------------------------------------------------------- the frame
-
-    def _frame(self, bucket: int, params: SamplingParams) -> None:
-        """One frame on the static buffers. bucket 0: frame 0 (no talker step, hidden given)."""
-        st = self.static
-        talker = self.talker
-        h = st.hidden if bucket == 0 else self._talker_step(bucket)
-        logits = talker.codec_head(h).float()
-        logits = self._process_code0_logits(logits, params)
-        if params.do_sample:
-            logits = warp_logits(logits, params.temperature, params.top_k, params.top_p)
-            c0 = torch.argmax(logits.softmax(-1) / st.noise0).view(1)
-        else:
-            c0 = torch.argmax(logits).view(1)
-        st.seen.index_fill_(0, c0, True)
-        codes = self._predict(h, c0, params)
-        st.codes.copy_(torch.where(c0 == self.eos_id, self.eos_frame, codes))
-        st.x_next.copy_(talker.embed_frames(codes[None])[0] + st.text_vec)
-
-    def _process_code0_logits(self, logits: Tensor, params: SamplingParams) -> Tensor:
-        st = self.static
-        # min_new_tokens from the device frame counter: a graph cannot branch on a host int.
-        eos_blocked = (st.frame < params.min_new_tokens) & self.is_eos
-        logits = process_talker_logits(logits, st.seen, self.suppress, params.min_new_tokens, self.eos_id, params)
-        return logits.masked_fill(eos_blocked, float("-inf"))
-
-    def _talker_step(self, bucket: int) -> Tensor:
-        st = self.static
-        model = self.talker.model
-        cfg = model.cfg
-        x = st.x[None]
-        cos = self.rope_cos.index_select(0, st.pos)
-        sin = self.rope_sin.index_select(0, st.pos)
-        valid = (torch.arange(bucket, device=x.device) <= st.pos)[None, None]  # [1, 1, bucket]
-        slot = st.slot
-        for i, layer in enumerate(model.layers):
-            attn = layer.self_attn
-            hn = layer.input_layernorm(x)
-            q, k, v = attn.project_qkv(hn)
-            q = apply_rotary(attn.q_norm(q).transpose(0, 1), cos, sin)  # [H, 1, hd]
-            k = apply_rotary(attn.k_norm(k).transpose(0, 1), cos, sin)  # [KVH, 1, hd]
-            heads = self.kv_heads
-            idx = (slot.expand_as(heads), heads, st.pos.expand_as(heads))
-            self.pool_k[i].index_put_(idx, k[:, 0])
-            self.pool_v[i].index_put_(idx, v[0])
-            keys = self.pool_k[i, :, :, :bucket].index_select(0, slot)[0]  # [KVH, bucket, hd]
-            values = self.pool_v[i, :, :, :bucket].index_select(0, slot)[0]
-            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=valid, enable_gqa=True)[0]
-            x = x + attn.o_proj(out.transpose(0, 1).reshape(1, cfg.num_heads * cfg.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return model.norm(x)[0]
-
-    def _predict(self, h: Tensor, c0: Tensor, params: SamplingParams) -> Tensor:
-        st = self.static
-        cp = self.talker.code_predictor
-        cache = self.pred_cache
-        cache.reset()
-        x = torch.cat([h[None], self.talker.embed_codec(c0)])
-        out = cp.model(cp.small_to_mtp_projection(x), cache)
-        codes = [c0]
-        code = self._sample_residual(cp.lm_head[0](out[-1]), 0, params)
-        codes.append(code)
-        for g in range(2, self.num_groups):
-            x = cp.model.codec_embedding[g - 2](code)
-            out = cp.model(cp.small_to_mtp_projection(x), cache)
-            code = self._sample_residual(cp.lm_head[g - 1](out[-1]), g - 1, params)
-            codes.append(code)
-        return torch.cat(codes).long()
-
-    def _sample_residual(self, logits: Tensor, i: int, params: SamplingParams) -> Tensor:
-        logits = logits.float()
-        if not params.subtalker_do_sample:
-            return torch.argmax(logits).view(1)
-        warped = warp_logits(logits, params.subtalker_temperature, params.subtalker_top_k, params.subtalker_top_p)
-        return torch.argmax(warped.softmax(-1) / self.static.noise[i]).view(1)

@@ -81,15 +81,16 @@ class Attention(nn.Module):
         self.qkv_weight: Tensor | None = None  # set by fuse_projections
 
     def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        n = x.shape[0]
+        """[..., D] -> q [..., H, hd], k and v [..., KVH, hd]."""
+        lead = x.shape[:-1]
         if self.qkv_weight is not None:
             q, k, v = F.linear(x, self.qkv_weight).split(
                 [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1
             )
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return (q.reshape(n, self.num_heads, self.head_dim), k.reshape(n, self.num_kv_heads, self.head_dim),
-                v.reshape(n, self.num_kv_heads, self.head_dim))
+        return (q.reshape(*lead, self.num_heads, self.head_dim), k.reshape(*lead, self.num_kv_heads, self.head_dim),
+                v.reshape(*lead, self.num_kv_heads, self.head_dim))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, start: int) -> Tensor:
         """x: [n, D] new positions start..start+n-1; attends to cache[:start] and itself (causal)."""

@@ -27,11 +27,14 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
-from .errors import EngineClosedError
+from .errors import EngineClosedError, NoFreeSlotError
+
+if TYPE_CHECKING:
+    from .engine import AudioChunk
 
 logger = logging.getLogger("pipecat_qwen_fast.service")
 
@@ -205,6 +208,7 @@ class EngineService:
         self._lock = threading.Lock()
         self._inbox: list[SynthesisStream] = []
         self._active: list[SynthesisStream] = []
+        self._waiting: list[SynthesisStream] = []  # opened when a KV slot frees up
         self._wake = threading.Event()
         self._closing = False
         self._dead: BaseException | None = None
@@ -384,16 +388,23 @@ class EngineService:
                 for stream in new:
                     self._end(stream, EngineClosedError("the TTS engine service is closed"))
                 return
-            for stream in new:
+            waiting, self._waiting = self._waiting, []
+            for stream in waiting + new:
                 self._open(stream)
-            progressed = False
+            ready = []
             for stream in list(self._active):
                 if stream.cancel_requested:
                     self._finish(stream, None, reason="cancelled")
                 elif stream._buffered() < self._max_buffered:
-                    self._step(stream)
-                    progressed = True
-            if not progressed:
+                    ready.append(stream)
+            if ready:
+                # One frame for every ready session; the engine batches them where it can.
+                results = self._engine.step_many([stream.session for stream in ready])
+                for stream, result in zip(ready, results):
+                    self._after_step(stream, result)
+            elif self._waiting and not self._active:
+                raise RuntimeError("a stream waits for a KV slot but no session holds one")
+            else:
                 self._wake.wait()
 
     def _open(self, stream: SynthesisStream) -> None:
@@ -402,6 +413,10 @@ class EngineService:
             return
         try:
             stream.session = self._engine.open_session(stream.request)
+        except NoFreeSlotError:
+            # Every KV slot is taken: wait for a running session to finish.
+            self._waiting.append(stream)
+            return
         except Exception as exc:
             if _is_fatal(exc):
                 raise
@@ -411,14 +426,20 @@ class EngineService:
         self._active.append(stream)
 
     def _step(self, stream: SynthesisStream) -> None:
-        session = stream.session
         try:
-            chunks = self._engine.step(session)
+            result: list[AudioChunk] | Exception = self._engine.step(stream.session)
         except Exception as exc:
-            if _is_fatal(exc):
-                raise
-            self._finish(stream, exc)
+            result = exc
+        self._after_step(stream, result)
+
+    def _after_step(self, stream: SynthesisStream, result: list[AudioChunk] | Exception) -> None:
+        session = stream.session
+        if isinstance(result, Exception):
+            if _is_fatal(result):
+                raise result
+            self._finish(stream, result)
             return
+        chunks = result
         self._tick += 1
         record = stream.record
         record.ticks.append(self._tick)
@@ -468,7 +489,8 @@ class EngineService:
             self._closing = True
             pending, self._inbox = self._inbox, []
         error = self._closed_error()
-        for stream in self._active + pending:
+        waiting, self._waiting = self._waiting, []
+        for stream in self._active + waiting + pending:
             if stream.session is not None and fault is None:
                 try:
                     self._engine.close_session(stream.session)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -75,7 +76,7 @@ def test_interleaved_sessions_equal_solo(pair):
         for s in sessions:
             fast.step(s)
     for s, expected in zip(sessions, solo):
-        assert torch.equal(torch.tensor(s.codes), expected)
+        assert torch.equal(torch.from_numpy(np.stack(s.codes)), expected)
     assert len(fast.backend.free_slots) == 4, "closed sessions return their slots"
 
 
@@ -121,3 +122,53 @@ def test_bucketed_prefill_body_matches_eager(tiny_checkpoint):
     kw = dict(voice="ryan", greedy=True, max_frames=10)
     for text in ("Hi.", "A somewhat longer sentence to land in a bigger bucket of the prefill."):
         assert torch.equal(ref.generate_codes(text, **kw), fast.generate_codes(text, **kw))
+
+
+def test_batched_frames_equal_solo(tiny_checkpoint):
+    # step_many batches sessions (same sampling settings) into one frame; each still equals its
+    # solo run, including sessions that join mid-way (frame-0 rows mixed with talker-step rows).
+    _, fast = _engines(tiny_checkpoint("custom_voice", zero_eos=True), max_sessions=8)
+    texts = [f"Batched session {i} says hello." for i in range(4)]
+    solo_greedy = [fast.generate_codes(t, voice="ryan", greedy=True, max_frames=9) for t in texts]
+    solo_sampled = [fast.generate_codes(t, voice="vivian", seed=i, max_frames=9) for i, t in enumerate(texts)]
+    reqs = [SynthesisRequest(t, voice="ryan", greedy=True, max_frames=9, vocode=False) for t in texts[:2]]
+    reqs += [SynthesisRequest(t, voice="vivian", seed=i, max_frames=9, vocode=False) for i, t in enumerate(texts[:2])]
+    sessions = [fast.open_session(r) for r in reqs]
+    late = None
+    rounds = 0
+    while not all(s.done for s in sessions):
+        results = fast.step_many(sessions)
+        assert not any(isinstance(r, Exception) for r in results)
+        rounds += 1
+        if rounds == 3 and late is None:
+            late = fast.open_session(SynthesisRequest(texts[2], voice="ryan", greedy=True, max_frames=9, vocode=False))
+            sessions.append(late)
+    expected = solo_greedy[:2] + solo_sampled[:2] + [solo_greedy[2]]
+    for s, e in zip(sessions, expected):
+        assert torch.equal(torch.from_numpy(np.stack(s.codes)), e)
+
+
+async def test_service_batches_and_queues_when_slots_run_out(tiny_checkpoint):
+    # Six streams through a backend with 2 session slots: the service batches what fits and queues
+    # the rest until slots free up; every stream equals its solo run.
+    from pipecat_qwen_fast.service import EngineService
+
+    _, fast = _engines(tiny_checkpoint("custom_voice", zero_eos=True), max_sessions=2)
+    texts = [f"Queued stream {i}." for i in range(6)]
+    solo = [fast.generate_codes(t, voice="ryan", seed=i, max_frames=6) for i, t in enumerate(texts)]
+    service = EngineService.for_engine(fast)
+    try:
+        import asyncio
+
+        async def run(i):
+            codes = []
+            async for chunk in service.stream(SynthesisRequest(texts[i], voice="ryan", seed=i, max_frames=6)):
+                codes.append(chunk.codes)
+            return np.concatenate(codes)
+
+        outs = await asyncio.wait_for(asyncio.gather(*(run(i) for i in range(6))), timeout=120)
+    finally:
+        await service.aclose()
+    for out, expected in zip(outs, solo):
+        assert torch.equal(torch.from_numpy(out), expected)
+    assert len(fast.backend.free_slots) == 2
