@@ -176,8 +176,8 @@ def breakdown_table(results: dict) -> str:
             ("  sampling + embedding glue", b.get("sampling_and_glue_ms")),
             ("engine.step (adds the per-frame EOS read + bookkeeping)", b.get("engine_step_ms")),
             ("  host overhead (engine.step - decode_frame)", b.get("host_overhead_ms")),
-            ("vocoder, 4-frame chunks, per frame", b.get("vocoder_ms_per_frame_chunk4")),
-            ("vocoder, one 1-frame call (first chunk)", b.get("vocoder_ms_per_call_chunk1")),
+            ("vocoder in engine.step, 4-frame chunks, per frame", b.get("vocoder_ms_per_frame_chunk4")),
+            ("vocoder in engine.step, one 1-frame chunk", b.get("vocoder_ms_per_call_chunk1")),
         ]
         if b.get("split"):
             items.insert(1, (f"  talker / predictor split: {b['split']}", None))

@@ -99,8 +99,10 @@ def test_single_stream_measurements(engine):
 
 def test_breakdown_and_floor(engine):
     b = bench_engine.measure_breakdown(engine, 4)
-    for key in ("decode_frame_ms", "engine_step_ms", "vocoder_ms_per_frame_chunk4", "vocoder_ms_per_call_chunk1"):
-        assert b[key] > 0, key
+    assert b["frames"] == 4 and b["decode_frame_ms"] > 0 and b["engine_step_ms"] > 0
+    # Vocoder figures are differences of two timings: finite, but on a busy CPU not always > 0.
+    assert math.isfinite(b["vocoder_ms_per_frame_chunk4"]) and math.isfinite(b["vocoder_ms_per_call_chunk1"])
+    assert "split" not in b  # CPU: no CUDA events, no split reported
     assert b["host_overhead_ms"] == pytest.approx(b["engine_step_ms"] - b["decode_frame_ms"])
     positions, how = bench_engine.prompt_positions(engine, texts.RTF_TEXT)
     assert how == "measured" and positions > len(engine.tokenizer.encode(texts.RTF_TEXT))
