@@ -29,7 +29,7 @@ BACKENDS = ("torch", "megakernel", "eager")
 BASELINES = ("faster", "official")
 # Relative shares of the time left when each phase starts; a phase that finishes early (an
 # unavailable backend, say) leaves its time to the phases after it.
-WEIGHTS = {"ceilings": 3, "torch": 40, "faster": 18, "official": 30, "megakernel": 18, "eager": 12}
+WEIGHTS = {"ceilings": 3, "torch": 40, "faster": 22, "official": 30, "megakernel": 18, "eager": 12}
 MIN_PHASE_S = {"ceilings": 10, "torch": 30, "faster": 30, "official": 30, "megakernel": 30, "eager": 40}
 EXIT_GRACE_S = 20  # a phase stops its own work at its budget; this is its time to exit
 
