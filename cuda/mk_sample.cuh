@@ -45,7 +45,7 @@ __device__ __forceinline__ float block_exclusive_scan(float local, float* scratc
 
 // Thread t owns ids [t*E, t*E + E): contiguous ranges keep the draw in id order.
 template <bool TALKER>
-__device__ __noinline__ int sample_block(const float* logits, int n, const qmk_sampler& cfg, const TalkerRules& rules, float u,
+__device__ int sample_block(const float* logits, int n, const qmk_sampler& cfg, const TalkerRules& rules, float u,
                             BlockReducer& red, float* scan_scratch) {
     const int E = (n + QMK_THREADS - 1) / QMK_THREADS;
     const int base = threadIdx.x * E;

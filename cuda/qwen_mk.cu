@@ -8,7 +8,8 @@
 //   5. down_proj + residual
 // Heads (codec head, 15 predictor LM heads) are one more phase each. Sampling runs in every block
 // on the same logits, so its result needs no barrier. Before each barrier a block asks L2 for the
-// weight rows it will stream right after it, so HBM latency overlaps the barrier.
+// weight rows it will stream right after it, so HBM latency overlaps the barrier. For short
+// contexts (all predictor passes) phase 2 runs inside phase 3 in every block, one barrier less.
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
@@ -37,20 +38,25 @@ struct Block {
     float* scan;
     int* codes;  // [16] sampled codes of this frame
     int* fed;    // [16] codes fed back (sampled, or forced when teacher forcing)
+    unsigned char* local;   // attention_local scratch
+    const qmk_layer* tl;    // layer tables copied to shared memory at launch
+    const qmk_layer* pl;
     long long* trace;
-    int stamps;
-    uint4* pre;  // QMK_STAGE_BYTES of shared memory: the next matvec's first weights
 
-    // Grid barrier; with tracing on, block 0 stamps when it leaves it.
+    // Grid barrier; with tracing on, block 0 stamps when it leaves it (counter in smem, so the
+    // trace costs no registers).
     __device__ __forceinline__ void sync(int phase) {
         grid.sync();
-        if (trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0 && stamps < QMK_TRACE_MAX) {
-            long long gt;
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt));
-            trace[3 * stamps] = clock64();
-            trace[3 * stamps + 1] = gt;
-            trace[3 * stamps + 2] = phase;
-            ++stamps;
+        if (trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+            int* stamps = fed + 16;
+            if (*stamps < QMK_TRACE_MAX) {
+                long long gt;
+                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt));
+                trace[3 * *stamps] = clock64();
+                trace[3 * *stamps + 1] = gt;
+                trace[3 * *stamps + 2] = phase;
+                ++*stamps;
+            }
         }
     }
 };
@@ -62,8 +68,10 @@ struct LayerPtrs {
     const bf16 *input_norm, *q, *k, *v, *q_norm, *k_norm, *o, *post_norm, *gate, *up, *down;
 };
 
-__device__ __forceinline__ LayerPtrs layer_ptrs(const qmk_stack& S, int l) {
-    const qmk_layer L = dptr<const qmk_layer>(S.layers)[l];
+// From the shared-memory copy: a global read here would put a dependent round trip in front of
+// every phase.
+__device__ __forceinline__ LayerPtrs layer_ptrs(const qmk_layer* table, int l) {
+    const qmk_layer& L = table[l];
     return {dptr<const bf16>(L.input_norm), dptr<const bf16>(L.q),      dptr<const bf16>(L.k),
             dptr<const bf16>(L.v),          dptr<const bf16>(L.q_norm), dptr<const bf16>(L.k_norm),
             dptr<const bf16>(L.o),          dptr<const bf16>(L.post_norm), dptr<const bf16>(L.gate),
@@ -110,125 +118,95 @@ struct SingleRows {
     __device__ void operator()(int u, const bf16** w) const { w[0] = a + (size_t)u * K; }
 };
 
-__device__ __forceinline__ QkvRows qkv_rows(const qmk_stack& S, int l) {
-    const LayerPtrs L = layer_ptrs(S, l);
-    return QkvRows{L.q, L.k, L.v, S.num_heads * QMK_HD, S.num_kv_heads * QMK_HD, S.hidden};
-}
+__device__ void run_layer(const qmk_model& m, const qmk_stack& S, const qmk_layer* table, int l, const bf16* x_in,
+                          int pos, Block& b, int ph) {
+    const LayerPtrs L = layer_ptrs(table, l);
+    const int D = S.hidden, I = S.inter, H = S.num_heads, KV = S.num_kv_heads;
+    const int nq = H * QMK_HD, nk = KV * QMK_HD;
+    bf16* resid = dptr<bf16>(m.resid);
+    bf16* qkv = dptr<bf16>(m.qkv);
+    bf16* attn = dptr<bf16>(m.attn);
+    bf16* act = dptr<bf16>(m.act);
+    const QkvRows qkv_rows{L.q, L.k, L.v, nq, nk, D};
+    const SingleRows o_rows{L.o, nq};
+    const PairRows gu_rows{L.gate, L.up, D};
+    const SingleRows down_rows{L.down, I};
+    const bool local = attn_is_local(pos);
+    const size_t cache_off = (size_t)l * KV * S.max_pos * QMK_HD;
+    const AttnArgs a{qkv,
+                     attn,
+                     dptr<bf16>(S.k_cache) + cache_off,
+                     dptr<bf16>(S.v_cache) + cache_off,
+                     L.q_norm,
+                     L.k_norm,
+                     dptr<const bf16>(S.rope),
+                     dptr<float>(m.attn_part),
+                     dptr<unsigned>(m.attn_count),
+                     pos,
+                     H,
+                     KV,
+                     S.max_pos,
+                     S.eps};
 
-__device__ __forceinline__ int qkv_units(const qmk_stack& S) { return (S.num_heads + 2 * S.num_kv_heads) * QMK_HD / 2; }
-
-// What the first matvec after a stack's last layer reads (its head, or the next pass's input).
-struct Next {
-    int kind;  // 0 none, 1 pair rows of a head, 2 single rows (projection), 3 qkv of layer 0
-    const bf16* w;
-    int rows, K;
-    const qmk_stack* S;
-};
-
-__device__ __forceinline__ void stage_next(const Next& n, Block& b) {
-    if (n.kind == 1) stage_matvec<2>(n.rows / 2, n.K, AdjacentRows{n.w, n.K}, b.pre);
-    else if (n.kind == 2) stage_matvec<1>(n.rows, n.K, SingleRows{n.w, n.K}, b.pre);
-    else if (n.kind == 3) stage_matvec<2>(qkv_units(*n.S), n.S->hidden, qkv_rows(*n.S, 0), b.pre);
-}
-
-// Each phase is its own call so that only its operands are live (one function for the whole
-// layer spilled).
-struct LayerCtx {
-    const qmk_model* m;
-    const qmk_stack* S;
-    int l, pos, ph;
-    const bf16* x_in;
-};
-
-__device__ __noinline__ void phase_qkv(const LayerCtx& c, Block& b) {
-    const qmk_stack& S = *c.S;
-    const LayerPtrs L = layer_ptrs(S, c.l);
-    bf16* qkv = dptr<bf16>(c.m->qkv);
-    rms_norm_to_smem(c.x_in, L.input_norm, S.hidden, S.eps, b.xs, b.red);
-    matvec<2>(qkv_units(S), S.hidden, b.xs, qkv_rows(S, c.l), [&](int u, const float* acc) {
+    // 1. norm + qkv
+    rms_norm_to_smem(x_in, L.input_norm, D, S.eps, b.xs, b.red);
+    matvec<2>((nq + 2 * nk) / 2, D, b.xs, qkv_rows, [&](int u, const float* acc) {
         st_bf16(qkv + 2 * u, acc[0]);
         st_bf16(qkv + 2 * u + 1, acc[1]);
-    }, b.pre);
-}
+    });
+    prefetch_rows<1>(D, nq, o_rows);
+    b.sync(ph + PH_QKV);
 
-__device__ __noinline__ void phase_attention(const LayerCtx& c, Block& b) {
-    const qmk_stack& S = *c.S;
-    const qmk_model& m = *c.m;
-    const LayerPtrs L = layer_ptrs(S, c.l);
-    const int D = S.hidden, KV = S.num_kv_heads, nq = S.num_heads * QMK_HD;
-    const size_t cache_off = (size_t)c.l * KV * S.max_pos * QMK_HD;
-    // Blocks without an attention item warm L2 with the MLP rows they will stream.
-    if ((int)blockIdx.x >= attn_items(c.pos, KV)) prefetch_matvec<2>(S.inter, D, PairRows{L.gate, L.up, D});
-    const AttnArgs a{dptr<const bf16>(m.qkv), dptr<bf16>(m.attn), dptr<bf16>(S.k_cache) + cache_off,
-                     dptr<bf16>(S.v_cache) + cache_off, L.q_norm, L.k_norm, dptr<const bf16>(S.rope),
-                     dptr<float>(m.attn_part), dptr<unsigned>(m.attn_count), c.pos, S.num_heads, KV, S.max_pos, S.eps};
-    attention_phase(a, b.xs);
-    stage_matvec<1>(D, nq, SingleRows{L.o, nq}, b.pre);
-}
+    // 2. attention over position chunks (long contexts); idle blocks warm L2 with MLP rows.
+    if (!local) {
+        if ((int)blockIdx.x >= attn_items(pos, KV)) {
+            prefetch_rows<2>(I, D, gu_rows);
+            prefetch_rows<1>(D, I, down_rows);
+        }
+        attention_phase(a, b.xs);
+        b.sync(ph + PH_ATTN);
+    }
 
-__device__ __noinline__ void phase_o(const LayerCtx& c, Block& b) {
-    const qmk_stack& S = *c.S;
-    const LayerPtrs L = layer_ptrs(S, c.l);
-    const int D = S.hidden, nq = S.num_heads * QMK_HD;
-    bf16* resid = dptr<bf16>(c.m->resid);
-    const bf16* x_in = c.x_in;
-    load_to_smem(dptr<const bf16>(c.m->attn), nq, b.xs);
-    matvec<1>(D, nq, b.xs, SingleRows{L.o, nq}, [&](int u, const float* acc) {
+    // 3. (short contexts: attention in every block) + o_proj + residual
+    if (local) attention_local(a, b.xs, b.local);
+    else load_to_smem(attn, nq, b.xs);
+    matvec<1>(D, nq, b.xs, o_rows, [&](int u, const float* acc) {
         st_bf16(resid + u, ld_act(x_in + u) + bf16_round(acc[0]));
-    }, b.pre);
-    stage_matvec<2>(S.inter, D, PairRows{L.gate, L.up, D}, b.pre);
-}
+    });
+    prefetch_rows<2>(I, D, gu_rows);
+    b.sync(ph + PH_O);
 
-__device__ __noinline__ void phase_mlp(const LayerCtx& c, Block& b) {
-    const qmk_stack& S = *c.S;
-    const LayerPtrs L = layer_ptrs(S, c.l);
-    const int D = S.hidden, I = S.inter;
-    bf16* act = dptr<bf16>(c.m->act);
-    rms_norm_to_smem(dptr<const bf16>(c.m->resid), L.post_norm, D, S.eps, b.xs, b.red);
-    matvec<2>(I, D, b.xs, PairRows{L.gate, L.up, D}, [&](int u, const float* acc) {
+    // 4. norm + gate/up + SiLU * up
+    rms_norm_to_smem(resid, L.post_norm, D, S.eps, b.xs, b.red);
+    matvec<2>(I, D, b.xs, gu_rows, [&](int u, const float* acc) {
         const float g = bf16_round(acc[0]), up = bf16_round(acc[1]);
         const float s = bf16_round(g / (1.f + expf(-g)));
         st_bf16(act + u, s * up);
-    }, b.pre);
-    stage_matvec<1>(D, I, SingleRows{L.down, I}, b.pre);
-}
-
-__device__ __noinline__ void phase_down(const LayerCtx& c, Block& b) {
-    const qmk_stack& S = *c.S;
-    const LayerPtrs L = layer_ptrs(S, c.l);
-    const int D = S.hidden, I = S.inter;
-    bf16* resid = dptr<bf16>(c.m->resid);
-    load_to_smem(dptr<const bf16>(c.m->act), I, b.xs);
-    matvec<1>(D, I, b.xs, SingleRows{L.down, I}, [&](int u, const float* acc) {
-        st_bf16(resid + u, ld_act(resid + u) + bf16_round(acc[0]));
-    }, b.pre);
-}
-
-__device__ void run_layer(const qmk_model& m, const qmk_stack& S, int l, const bf16* x_in, int pos, Block& b,
-                          const Next& after, int ph) {
-    const LayerCtx c{&m, &S, l, pos, ph, x_in};
-    phase_qkv(c, b);
-    b.sync(ph + PH_QKV);
-    phase_attention(c, b);
-    b.sync(ph + PH_ATTN);
-    phase_o(c, b);
-    b.sync(ph + PH_O);
-    phase_mlp(c, b);
+    });
+    prefetch_rows<1>(D, I, down_rows);
     b.sync(ph + PH_MLP);
-    phase_down(c, b);
-    if (l + 1 < S.num_layers) stage_matvec<2>(qkv_units(S), S.hidden, qkv_rows(S, l + 1), b.pre);
-    else stage_next(after, b);
+
+    // 5. down_proj + residual
+    load_to_smem(act, I, b.xs);
+    matvec<1>(D, I, b.xs, down_rows, [&](int u, const float* acc) {
+        st_bf16(resid + u, ld_act(resid + u) + bf16_round(acc[0]));
+    });
+    if (l + 1 < S.num_layers) {
+        const LayerPtrs N = layer_ptrs(table, l + 1);
+        prefetch_rows<2>((nq + 2 * nk) / 2, D, QkvRows{N.q, N.k, N.v, nq, nk, D});
+    }
     b.sync(ph + PH_DOWN);
 }
 
-__device__ void run_stack(const qmk_model& m, const qmk_stack& S, const bf16* x_in, int pos, Block& b, const Next& after,
-                          int ph) {
-    for (int l = 0; l < S.num_layers; ++l) run_layer(m, S, l, l == 0 ? x_in : dptr<const bf16>(m.resid), pos, b, after, ph);
+__device__ void run_stack(const qmk_model& m, const qmk_stack& S, const qmk_layer* table, const bf16* x_in, int pos,
+                          Block& b, int ph) {
+    for (int l = 0; l < S.num_layers; ++l)
+        run_layer(m, S, table, l, l == 0 ? x_in : dptr<const bf16>(m.resid), pos, b, ph);
 }
 
 // Final norm of the stack's residual into smem (block 0 also stores it), then rows of `head`
 // into fp32 logits (bf16-rounded, as the torch head returns bf16). Ends with a grid barrier.
-__device__ __noinline__ void run_head(const qmk_stack& S, const bf16* src, bool normalize, const bf16* head, int rows,
+__device__ void run_head(const qmk_stack& S, const bf16* src, bool normalize, const bf16* head, int rows,
                          float* logits, bf16* hidden_out, Block& b, int ph) {
     const int D = S.hidden;
     if (normalize) rms_norm_to_smem(src, dptr<const bf16>(S.final_norm), D, S.eps, b.xs, b.red);
@@ -238,25 +216,19 @@ __device__ __noinline__ void run_head(const qmk_stack& S, const bf16* src, bool 
     matvec<2>(rows / 2, D, b.xs, AdjacentRows{head, D}, [&](int u, const float* acc) {
         logits[2 * u] = bf16_round(acc[0]);
         logits[2 * u + 1] = bf16_round(acc[1]);
-    }, b.pre);
+    });
     b.sync(ph + PH_HEAD);
 }
 
 // Predictor input of position p, in the talker's width (projected when widths differ).
-__device__ __forceinline__ const bf16* predictor_source(const qmk_model& m, int p, const Block& b) {
+__device__ const bf16* predictor_source(const qmk_model& m, int p, const Block& b) {
     const size_t Dt = m.talker.hidden;
     if (p == 0) return dptr<const bf16>(m.hidden);
     if (p == 1) return dptr<const bf16>(m.talker_emb) + (size_t)b.fed[0] * Dt;
     return dptr<const bf16>(m.pred_emb[p - 2]) + (size_t)b.fed[p - 1] * Dt;
 }
 
-// The first matvec of a predictor pass: the projection when widths differ, else layer 0's qkv.
-__device__ __forceinline__ Next predictor_entry(const qmk_model& m) {
-    if (m.proj_w != 0) return Next{2, dptr<const bf16>(m.proj_w), m.pred.hidden, m.talker.hidden, &m.pred};
-    return Next{3, nullptr, 0, 0, &m.pred};
-}
-
-__device__ __forceinline__ const bf16* project_input(const qmk_model& m, const bf16* src, Block& b) {
+__device__ const bf16* project_input(const qmk_model& m, const bf16* src, Block& b) {
     if (m.proj_w == 0) return src;
     const int Dt = m.talker.hidden, Dp = m.pred.hidden;
     const bf16* bias = dptr<const bf16>(m.proj_b);
@@ -264,15 +236,14 @@ __device__ __forceinline__ const bf16* project_input(const qmk_model& m, const b
     load_to_smem(src, Dt, b.xs);
     matvec<1>(Dp, Dt, b.xs, SingleRows{dptr<const bf16>(m.proj_w), Dt}, [&](int u, const float* acc) {
         st_bf16(out + u, acc[0] + ld_weight1(bias + u));
-    }, b.pre);
-    stage_next(Next{3, nullptr, 0, 0, &m.pred}, b);
+    });
     b.sync(16 + PH_PROJ);
     return out;
 }
 
 // Codes out, `seen` update and (for a full frame) the next talker input. Callers guarantee that
 // every block has finished reading `seen` for this frame.
-__device__ __forceinline__ void publish_frame(const qmk_model& m, const qmk_frame& f, bool full, Block& b) {
+__device__ void publish_frame(const qmk_model& m, const qmk_frame& f, bool full, Block& b) {
     const int G = m.num_groups;
     if (blockIdx.x == 0 && threadIdx.x < G)
         dptr<long long>(f.codes_out)[threadIdx.x] = (threadIdx.x == 0 || full) ? b.codes[threadIdx.x] : 0;
@@ -290,7 +261,14 @@ __device__ __forceinline__ void publish_frame(const qmk_model& m, const qmk_fram
     }
 }
 
-// Floats of the largest matvec operand (and of the attention scratch, which shares it).
+// Bytes of attention_local's scratch for the wider of the two stacks (a multiple of 16).
+__host__ __device__ __forceinline__ int local_bytes(const qmk_model& m) {
+    const int a = QMK_LOCAL_SMEM_BYTES(m.talker.num_heads, m.talker.num_kv_heads);
+    const int b = QMK_LOCAL_SMEM_BYTES(m.pred.num_heads, m.pred.num_kv_heads);
+    return ((a > b ? a : b) + 15) / 16 * 16;
+}
+
+// Floats of the largest matvec operand (and of the split-attention scratch, which shares it).
 __host__ __device__ __forceinline__ int max_operand(const qmk_model& m) {
     int k = 2 * QMK_HD * 8;  // attention_item needs < 2048 floats
     const qmk_stack* s[2] = {&m.talker, &m.pred};
@@ -302,34 +280,48 @@ __host__ __device__ __forceinline__ int max_operand(const qmk_model& m) {
     return k;
 }
 
+// Shared memory: [128 floats: reducer, scan, codes, fed, stamp counter] [xs: max_operand floats]
+// [attention_local scratch] [layer tables].
+__host__ __device__ __forceinline__ int frame_smem_bytes(const qmk_model& m) {
+    return (128 + max_operand(m)) * 4 + local_bytes(m) + (m.talker.num_layers + m.pred.num_layers) * (int)sizeof(qmk_layer);
+}
+
 __global__ void __launch_bounds__(QMK_THREADS, 1) qmk_frame_kernel(const __grid_constant__ Params P) {
     extern __shared__ float4 smem4[];
     float* smem = reinterpret_cast<float*>(smem4);
     const qmk_model& m = P.m;
     const qmk_frame& f = P.f;
+    unsigned char* local = reinterpret_cast<unsigned char*>(smem + 128 + max_operand(m));
+    qmk_layer* tables = reinterpret_cast<qmk_layer*>(local + local_bytes(m));
     Block b{cg::this_grid(),
             smem + 128,
             BlockReducer{smem, 0},
             smem + 2 * QMK_WARPS,
             reinterpret_cast<int*>(smem + 3 * QMK_WARPS),
             reinterpret_cast<int*>(smem + 3 * QMK_WARPS + 16),
-            dptr<long long>(f.trace),
-            0,
-            reinterpret_cast<uint4*>(smem + 128 + max_operand(P.m))};
+            local,
+            tables,
+            tables + m.talker.num_layers,
+            dptr<long long>(f.trace)};
+    {
+        const int nt = m.talker.num_layers * (int)(sizeof(qmk_layer) / 8);
+        const int np = m.pred.num_layers * (int)(sizeof(qmk_layer) / 8);
+        uint64_t* dst = reinterpret_cast<uint64_t*>(tables);
+        for (int i = threadIdx.x; i < nt + np; i += QMK_THREADS)
+            dst[i] = i < nt ? dptr<const uint64_t>(m.talker.layers)[i] : dptr<const uint64_t>(m.pred.layers)[i - nt];
+        if (threadIdx.x == 0) b.fed[16] = 0;  // trace stamp counter
+        __syncthreads();
+    }
     if (b.trace != nullptr) b.sync(PH_START);
     const int G = m.num_groups;
     const long long* force = dptr<const long long>(f.force_codes);
-    const Next codec_head{1, dptr<const bf16>(m.codec_head), m.vocab, m.talker.hidden, nullptr};
-    const Next pred_entry = predictor_entry(m);
 
     // Talker step + codec head.
     if (f.run_talker) {
-        stage_matvec<2>(qkv_units(m.talker), m.talker.hidden, qkv_rows(m.talker, 0), b.pre);
-        run_stack(m, m.talker, dptr<const bf16>(m.pending), f.pos, b, codec_head, 0);
+        run_stack(m, m.talker, b.tl, dptr<const bf16>(m.pending), f.pos, b, 0);
         run_head(m.talker, dptr<const bf16>(m.resid), true, dptr<const bf16>(m.codec_head), m.vocab,
                  dptr<float>(m.logits), dptr<bf16>(m.hidden), b, 0);
     } else {
-        stage_next(codec_head, b);
         run_head(m.talker, dptr<const bf16>(m.hidden), false, dptr<const bf16>(m.codec_head), m.vocab,
                  dptr<float>(m.logits), nullptr, b, 0);
     }
@@ -343,9 +335,6 @@ __global__ void __launch_bounds__(QMK_THREADS, 1) qmk_frame_kernel(const __grid_
     }
     __syncthreads();
     const bool eos = b.fed[0] == m.eos_id;
-    // Staged after sampling rather than before the head's barrier: live across the sampler the
-    // preloaded registers would spill.
-    if (!eos && f.run_predictor) stage_next(pred_entry, b);
     if (eos || !f.run_predictor) {
         // No barrier follows sampling on this path: wait for every block to finish reading
         // `seen` before block 0 updates it.
@@ -358,12 +347,8 @@ __global__ void __launch_bounds__(QMK_THREADS, 1) qmk_frame_kernel(const __grid_
     const qmk_stack& S = m.pred;
     for (int p = 0; p < G; ++p) {
         const bf16* x = project_input(m, predictor_source(m, p, b), b);
-        if (p == 0) {
-            run_stack(m, S, x, p, b, pred_entry, 16);
-            continue;
-        }
-        const Next lm{1, dptr<const bf16>(m.lm_head[p - 1]), m.pred_vocab, S.hidden, nullptr};
-        run_stack(m, S, x, p, b, lm, 16);
+        run_stack(m, S, b.pl, x, p, b, 16);
+        if (p == 0) continue;
         float* lg = dptr<float>(m.pred_logits) + (size_t)(p - 1) * m.pred_vocab;
         run_head(S, dptr<const bf16>(m.resid), true, dptr<const bf16>(m.lm_head[p - 1]), m.pred_vocab, lg,
                  dptr<bf16>(m.pred_hidden) + (size_t)p * S.hidden, b, 16);
@@ -373,7 +358,6 @@ __global__ void __launch_bounds__(QMK_THREADS, 1) qmk_frame_kernel(const __grid_
             b.codes[p] = c;
             b.fed[p] = force ? (int)force[p] : c;
         }
-        if (p + 1 < G) stage_next(pred_entry, b);
         __syncthreads();
     }
     publish_frame(m, f, true, b);
@@ -404,7 +388,7 @@ extern "C" int qmk_grid_size(const qmk_model* m, int32_t* blocks, int32_t* smem_
     if ((e = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev)) != cudaSuccess) return e;
     if (!coop) return cudaErrorNotSupported;
     if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
-    const int smem = (128 + max_operand(*m)) * (int)sizeof(float) + QMK_STAGE_BYTES;
+    const int smem = frame_smem_bytes(*m);
     if (smem > 48 * 1024) {
         e = cudaFuncSetAttribute(qmk_frame_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e != cudaSuccess) return e;
