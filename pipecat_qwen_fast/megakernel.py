@@ -392,6 +392,8 @@ class MegakernelBackend:
             pred_s=QmkSampler(int(p.subtalker_do_sample), p.subtalker_top_k, p.subtalker_temperature, p.subtalker_top_p),
             seed=state.seed, trailing=ptr(trailing), force_codes=ptr(force), codes_out=ptr(out), trace=ptr(trace),
         )
+        # The struct holds raw addresses: keep their tensors alive as long as it lives.
+        f._refs = (out, force, trace, trailing)
         return f, out
 
     def launch(self, state: MegakernelState, f: QmkFrame) -> None:
