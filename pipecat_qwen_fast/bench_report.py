@@ -32,6 +32,18 @@ def _fmt(x, digits: int = 1, unit: str = "") -> str:
     return str(x)
 
 
+def _short(reason, limit: int = 160) -> str:
+    text = " ".join(str(reason).split()).replace("|", "/")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _difference(x) -> str:
+    """A figure measured as the difference of two timings: below zero means below their noise."""
+    if isinstance(x, (int, float)) and x < 0:
+        return f"below run-to-run noise ({x:.2f})"
+    return _fmt(x, 2)
+
+
 def _compare(baseline, ours, digits: int = 1) -> str:
     """'3.2x faster (a vs b)' where smaller is better for both numbers."""
     if baseline is None or ours is None or ours <= 0 or baseline <= 0:
@@ -149,7 +161,7 @@ def main_table(results: dict) -> str:
     ]
     for r in implementation_rows(results):
         if "missing" in r:
-            lines.append(f"| {r['name']} | not measured: {r['missing']} | | | | | | |")
+            lines.append(f"| {r['name']} | not measured: {_short(r['missing'])} | | | | | | |")
             continue
         ttfc = r.get("ttfc_note") or f"{_fmt(r['ttfc_p50'])} / {_fmt(r['ttfc_p95'])}"
         rtf = r["rtf"] if r["rtf"] is not None else r["rtf_whole"]
@@ -170,20 +182,22 @@ def breakdown_table(results: dict) -> str:
             continue
         name = f"ours ({backend})"
         items = [
-            ("decode_frame, back to back (device-bound)", b.get("decode_frame_ms")),
-            ("  talker (28 layers + codec head)", b.get("talker_ms")),
-            ("  predictor (15 passes + heads)", b.get("predictor_ms")),
-            ("  sampling + embedding glue", b.get("sampling_and_glue_ms")),
-            ("engine.step (adds the per-frame EOS read + bookkeeping)", b.get("engine_step_ms")),
-            ("  host overhead (engine.step - decode_frame)", b.get("host_overhead_ms")),
-            ("vocoder in engine.step, 4-frame chunks, per frame", b.get("vocoder_ms_per_frame_chunk4")),
-            ("vocoder in engine.step, one 1-frame chunk", b.get("vocoder_ms_per_call_chunk1")),
+            ("decode_frame, back to back (device-bound)", "decode_frame_ms"),
+            ("  talker (28 layers + codec head)", "talker_ms"),
+            ("  predictor (15 passes + heads)", "predictor_ms"),
+            ("  sampling + embedding glue", "sampling_and_glue_ms"),
+            ("engine.step (adds the per-frame EOS read + bookkeeping)", "engine_step_ms"),
+            ("  host overhead (engine.step - decode_frame)", "host_overhead_ms"),
+            ("vocoder in engine.step, 4-frame chunks, per frame", "vocoder_ms_per_frame_chunk4"),
+            ("vocoder in engine.step, one 1-frame chunk", "vocoder_ms_per_call_chunk1"),
         ]
         if b.get("split"):
-            items.insert(1, (f"  talker / predictor split: {b['split']}", None))
-        for label, value in items:
-            if value is not None or label.startswith("  talker / predictor split"):
-                lines.append(f"| {name} | {label} | {_fmt(value, 2)} |")
+            lines.append(f"| {name} | talker / predictor split: {_short(b['split'])} | n/a |")
+        differences = {"vocoder_ms_per_frame_chunk4", "vocoder_ms_per_call_chunk1", "host_overhead_ms"}
+        for label, key in items:
+            if b.get(key) is not None:
+                shown = _difference(b[key]) if key in differences else _fmt(b[key], 2)
+                lines.append(f"| {name} | {label} | {shown} |")
         if b.get("talker_ms") is not None:
             lines.append(f"| {name} | (split measured with CUDA events on module forwards: "
                          f"{_fmt(b.get('decode_frame_ms_instrumented'), 2)} ms per frame with the events) | |")
