@@ -62,6 +62,8 @@ def main() -> int:
     t = time.perf_counter()
     graph.warmup()
     res["warmup_capture_s"] = time.perf_counter() - t
+    res["graphs_captured"] = len(getattr(graph.backend, "graphs", {}))
+    res["mem_after_warmup_gb"] = torch.cuda.memory_reserved() / 1e9
     res["graph_backend"] = type(graph.backend).__name__
     res["max_sessions"] = getattr(graph.backend, "max_sessions", None)
     eager = QwenTTSEngine.from_pretrained(args.ckpt, device="cuda", dtype="bfloat16", backend="eager", warmup=False)

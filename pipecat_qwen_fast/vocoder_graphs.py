@@ -46,6 +46,13 @@ class GraphedVocoder:
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.entries: dict[int, _Entry] = {}
         self.pool = None
+        self.side = None
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        # One stream for every warm-up: the allocator's cache for a stream serves only that stream.
+        if self.side is None:
+            self.side = torch.cuda.Stream(self.device)
+        return self.side
 
     def decode_stream(self, codes: Tensor, stream: VocoderStream) -> Tensor:
         """Same result as `vocoder.decode_stream(codes, stream)` for batch-1 streams."""
@@ -80,7 +87,7 @@ class GraphedVocoder:
             stream=voc.new_stream(batch=1, device=self.device, dtype=self.dtype),
         )
         if self.use_graphs:
-            side = torch.cuda.Stream(self.device)
+            side = self._side_stream()
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 voc.decode_stream(entry.codes, entry.stream, check_values=False)
