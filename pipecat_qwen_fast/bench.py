@@ -52,7 +52,7 @@ def run_phase(name: str, cmd: list[str], out_json: Path, timeout: float, env: di
     t0 = time.time()
     status = "ok"
     try:
-        proc = subprocess.run(cmd, timeout=timeout, env=env, cwd=REPO_ROOT)
+        proc = subprocess.run(cmd, timeout=timeout, env=env, cwd=REPO_ROOT, check=False)
         if proc.returncode != 0:
             status = f"exit code {proc.returncode}"
     except subprocess.TimeoutExpired:
@@ -97,7 +97,7 @@ def share(clock: Clock, phase: str, remaining: list[str]) -> float:
 def git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, cwd=REPO_ROOT,
-                             timeout=10)
+                             timeout=10, check=False)
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work_dir or args.out / "phases"
     work.mkdir(parents=True, exist_ok=True)
     results: dict = {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": args.commit or git_commit(),
         "quick": args.quick,
         "texts": {

@@ -50,7 +50,6 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int) -> float:
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     seconds = _time_repeats(lambda: dst.copy_(src), device, repeats=20)
-    del src, dst
     return 2 * nbytes / seconds / 1e9
 
 
@@ -80,7 +79,7 @@ def describe_device(device: torch.device) -> dict:
         try:
             out = subprocess.run(
                 ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=20,
+                capture_output=True, text=True, timeout=20, check=False,
             )
             info["driver"] = out.stdout.strip() or None
         except (OSError, subprocess.SubprocessError):

@@ -155,8 +155,8 @@ def _median_wall(whole: dict) -> float | None:
 
 def main_table(results: dict) -> str:
     lines = [
-        "| implementation | TTFC, first request after load (ms) | TTFC warm p50 / p95 (ms) | RTF streaming | "
-        "RTF whole utterance | ms per 80 ms frame, end to end (streaming, else whole) | peak GPU memory (GiB) | load (s) |",
+        ("| implementation | TTFC, first request after load (ms) | TTFC warm p50 / p95 (ms) | RTF streaming | "
+        "RTF whole utterance | ms per 80 ms frame, end to end (streaming, else whole) | peak GPU memory (GiB) | load (s) |"),
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in implementation_rows(results):
@@ -244,8 +244,8 @@ def floor_section(results: dict) -> str:
 def concurrency_table(results: dict) -> str:
     phases = results.get("phases", {})
     lines = [
-        "| backend | streams | completed | per-stream RTF p50 / max | TTFC p50 / p95 (ms) | streams with no audio | "
-        "starved streams | worst underrun (ms) | aggregate frames/s | peak GPU memory (GiB) |",
+        ("| backend | streams | completed | per-stream RTF p50 / max | TTFC p50 / p95 (ms) | streams with no audio | "
+        "starved streams | worst underrun (ms) | aggregate frames/s | peak GPU memory (GiB) |"),
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for backend in BACKENDS:
@@ -318,17 +318,17 @@ def render(results: dict) -> str:
         "CUDA (fp32 on CPU)."
         + (" QUICK MODE (smoke test, numbers meaningless)." if results.get("quick") else ""),
         "",
-        f"Ceilings measured in this run: copy bandwidth {_fmt(ceil.get('copy_bandwidth_gbs'), 0)} GB/s (read + "
+        (f"Ceilings measured in this run: copy bandwidth {_fmt(ceil.get('copy_bandwidth_gbs'), 0)} GB/s (read + "
         f"write), bf16 matmul {_fmt(ceil.get('bf16_matmul_tflops'), 0)} TFLOP/s, {ceil.get('sm_count')} SMs, "
-        f"L2 {ceil.get('l2_cache_mib')} MiB.",
+        f"L2 {ceil.get('l2_cache_mib')} MiB."),
         "",
         "## Single stream",
         "",
         main_table(results),
         "",
-        "RTF = wall time / audio time (lower is faster; 1.0 is real time). TTFC = from the call with text to "
+        ("RTF = wall time / audio time (lower is faster; 1.0 is real time). TTFC = from the call with text to "
         "the first 24 kHz PCM chunk in host memory. The official implementation has no streaming output: its "
-        "first audio is the whole utterance.",
+        "first audio is the whole utterance."),
         "",
         "## Ours against the baselines (same run, same checkpoint)",
         "",
@@ -350,8 +350,8 @@ def render(results: dict) -> str:
         "",
         concurrency_table(results),
         "",
-        "A stream starves when a player that started at its first chunk would run out of audio before the "
-        "next chunk arrives (worst underrun > 0).",
+        ("A stream starves when a player that started at its first chunk would run out of audio before the "
+        "next chunk arrives (worst underrun > 0)."),
         "",
         "## Phases",
         "",

@@ -25,33 +25,33 @@ UTTERANCES = (
     "The pharmacy on Main Street closes at nine tonight, and it opens again at eight.",
     "Let me check the weather for you. It looks like rain in the afternoon, so take an umbrella.",
     "I have moved your appointment to Thursday at three thirty. You will get a text message to confirm it shortly.",
-    "Your balance is two hundred and fourteen dollars. The next payment is due on the fifth of next month, "
-    "and autopay is turned on.",
+    ("Your balance is two hundred and fourteen dollars. The next payment is due on the fifth of next month, "
+    "and autopay is turned on."),
     "Okay, sounds good.",
     "Got it, thank you very much.",
-    "Before we continue, I need to verify your identity. Could you tell me your date of birth and the postal "
-    "code on your account?",
-    "The restaurant has a table for four at seven fifteen on Saturday. Would you like me to book it, or should "
-    "I look for something a little earlier in the evening?",
-    "I am sorry to hear that your package arrived damaged. I have started a replacement, and a prepaid return "
-    "label is on its way to your email address.",
-    "Here is a quick summary of your day. You have a team meeting at ten, lunch with Maria at noon, a dentist "
-    "appointment at four, and your sister's birthday dinner at seven thirty tonight.",
-    "To reset your router, unplug it from the wall, wait for about thirty seconds, and plug it back in. The "
+    ("Before we continue, I need to verify your identity. Could you tell me your date of birth and the postal "
+    "code on your account?"),
+    ("The restaurant has a table for four at seven fifteen on Saturday. Would you like me to book it, or should "
+    "I look for something a little earlier in the evening?"),
+    ("I am sorry to hear that your package arrived damaged. I have started a replacement, and a prepaid return "
+    "label is on its way to your email address."),
+    ("Here is a quick summary of your day. You have a team meeting at ten, lunch with Maria at noon, a dentist "
+    "appointment at four, and your sister's birthday dinner at seven thirty tonight."),
+    ("To reset your router, unplug it from the wall, wait for about thirty seconds, and plug it back in. The "
     "lights will blink for a minute or two. Once the internet light turns solid green, try connecting your "
-    "laptop again and let me know what happens.",
-    "Great question. The museum is open every day except Monday, from ten in the morning until six in the "
+    "laptop again and let me know what happens."),
+    ("Great question. The museum is open every day except Monday, from ten in the morning until six in the "
     "evening. Tickets are twenty dollars for adults, twelve for students, and children under six get in for "
-    "free. The modern art wing is closed this week for renovation, but everything else is open.",
+    "free. The modern art wing is closed this week for renovation, but everything else is open."),
     "No problem at all.",
     "Your train is running about ten minutes late.",
-    "I found three recipes that use chicken, rice and spinach. The quickest one takes twenty minutes and only "
-    "needs one pan.",
-    "Thank you for calling. Our offices are closed for the holiday, but you can still pay your bill, check "
-    "your usage, or report an outage online at any time.",
-    "Let me read that back to you: a large pepperoni pizza, a garden salad with ranch dressing on the side, "
+    ("I found three recipes that use chicken, rice and spinach. The quickest one takes twenty minutes and only "
+    "needs one pan."),
+    ("Thank you for calling. Our offices are closed for the holiday, but you can still pay your bill, check "
+    "your usage, or report an outage online at any time."),
+    ("Let me read that back to you: a large pepperoni pizza, a garden salad with ranch dressing on the side, "
     "and two cold bottles of sparkling water, delivered to apartment four B on the third floor. Is that all correct, or would you "
-    "like to change anything before I place the order for you this evening, or add a dessert?",
+    "like to change anything before I place the order for you this evening, or add a dessert?"),
     "Yes, that works.",
 )
 

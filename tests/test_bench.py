@@ -17,7 +17,7 @@ from pipecat_qwen_fast.engine import QwenTTSEngine
 from pipecat_qwen_fast.layout import talker_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "baselines"))
-import driver_common  # noqa: E402
+import driver_common
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +57,12 @@ def test_summarize_percentiles():
 def _layout_bytes_per_frame(cfg, elem: int) -> tuple[int, int, int]:
     """Independent count from the checkpoint layout (tensor names -> shapes)."""
     lay = talker_layout(cfg)
-    size = lambda keys: sum(math.prod(lay[k]) for k in keys) * elem  # noqa: E731
+    size = lambda keys: sum(math.prod(lay[k]) for k in keys) * elem
     cp = "talker.code_predictor."
     talker = size(k for k in lay if k.startswith("talker.model.layers.")
                   or k in ("talker.model.norm.weight", "talker.codec_head.weight"))
-    per_pass = size(k for k in lay if k.startswith(cp + "model.layers.") or k == cp + "model.norm.weight"
-                    or k.startswith(cp + "small_to_mtp_projection."))
+    per_pass = size(k for k in lay if k.startswith((cp + "model.layers.", cp + "small_to_mtp_projection."))
+                    or k == cp + "model.norm.weight")
     heads = size(k for k in lay if k.startswith(cp + "lm_head."))
     return talker, (cfg.predictor.num_code_groups - 1) * per_pass, heads
 

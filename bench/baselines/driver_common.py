@@ -133,7 +133,7 @@ def pick_speaker(speakers: list[str] | None) -> str | None:
     """The speaker our engine uses by default ("ryan" when the checkpoint has it)."""
     if not speakers:
         return None
-    return "ryan" if "ryan" in speakers else sorted(speakers)[0]
+    return "ryan" if "ryan" in speakers else min(speakers)
 
 
 def peak_memory_gib() -> float | None:

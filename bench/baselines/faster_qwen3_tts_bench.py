@@ -18,10 +18,9 @@ import sys
 import time
 import warnings
 
+import driver_common as dc
 import numpy as np
 import torch
-
-import driver_common as dc
 
 DEFAULT_CHUNK = 12
 SMALLEST_CHUNK = 1
@@ -93,10 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     report = dc.Report(args.out, {"implementation": "faster-qwen3-tts", "attn": "sdpa", "dtype": "bfloat16"})
 
     warnings.filterwarnings("ignore")
-    import transformers
-
     import faster_qwen3_tts
     import qwen_tts
+    import transformers
     from faster_qwen3_tts import FasterQwen3TTS
 
     report.put("versions", {"faster_qwen3_tts": faster_qwen3_tts.__version__, "qwen_tts": qwen_tts.__version__,

@@ -18,9 +18,8 @@ import sys
 import time
 import warnings
 
-import torch
-
 import driver_common as dc
+import torch
 
 
 def generate(tts, text: str, speaker: str, max_new_tokens: int):
@@ -63,9 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     report = dc.Report(args.out, {"implementation": "official qwen_tts (non-streaming)", "attn": "sdpa"})
 
     warnings.filterwarnings("ignore")
-    import transformers
-
     import qwen_tts
+    import transformers
     from qwen_tts import Qwen3TTSModel
 
     report.put("versions", {"qwen_tts": qwen_tts.__version__, "transformers": transformers.__version__,
