@@ -37,13 +37,13 @@ __device__ __forceinline__ int attn_items(int pos, int kv_heads) {
     return kv_heads * ((npos + chunk - 1) / chunk);
 }
 
-// Smem use: 4*128 + 2*QMK_MAX_CHUNK + 512 + 32 floats.
+// Smem use: 5*128 + 2*QMK_MAX_CHUNK + 32 + QMK_WARPS*256 floats (< 6144).
 __device__ void attention_item(const AttnArgs& a, int g, int c, int chunk, int nchunk, float* sm) {
     float* nrm = sm;                       // [3][128] normalised q0, q1, k
     float* qf = nrm + 3 * QMK_HD;          // [2][128] roped q
     float* s = qf + 2 * QMK_HD;            // [2][QMK_MAX_CHUNK] scores then probabilities
-    float* o = s + 2 * QMK_MAX_CHUNK;      // [2 halves][2 heads][128]
-    float* misc = o + 4 * QMK_HD;          // [16] sumsq partials, [4] m/l, [1] last flag
+    float* misc = s + 2 * QMK_MAX_CHUNK;   // [16] sumsq partials, [4] m/l, [1] last flag
+    float* o = misc + 32;                  // [QMK_WARPS][2 heads][128] per-warp P.V partials
     const int t = threadIdx.x, lane = t & 31, w = t >> 5;
     const int vi = t >> 7, d = t & (QMK_HD - 1);
     const int npos = a.pos + 1;
@@ -135,30 +135,49 @@ __device__ void attention_item(const AttnArgs& a, int g, int c, int chunk, int n
     }
     __syncthreads();
     {
-        const int half = t >> 8, h = (t >> 7) & 1;
-        const float* ph = s + h * QMK_MAX_CHUNK;
-        const bf16* vbase = a.vc + head_base + (size_t)j0 * QMK_HD + d;
-        float acc = 0.f;
-        for (int ib = half; ib < n; ib += 16) {
-            float vv[8];
+        // P.V: warp w takes keys w, w + 16, ...; lane owns dims 4*lane..4*lane+3 of both heads;
+        // up to 8 value rows per warp in flight. Partials are summed in warp order (deterministic).
+        float o0[4] = {0.f, 0.f, 0.f, 0.f}, o1[4] = {0.f, 0.f, 0.f, 0.f};
+        const bf16* vbase = a.vc + head_base + (size_t)j0 * QMK_HD + lane * 4;
+        for (int ib = w; ib < n; ib += 8 * QMK_WARPS) {
+            uint2 vr[8];
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-                const int i = ib + 2 * e;
-                vv[e] = i < n ? ld_act(vbase + (size_t)i * QMK_HD) : 0.f;
+                const int i = ib + e * QMK_WARPS;
+                if (i < n) vr[e] = __ldcg(reinterpret_cast<const uint2*>(vbase + (size_t)i * QMK_HD));
             }
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-                const int i = ib + 2 * e;
-                if (i < n) acc = fmaf(ph[i], vv[e], acc);
+                const int i = ib + e * QMK_WARPS;
+                if (i < n) {
+                    const float p0 = s[i], p1 = s[QMK_MAX_CHUNK + i];
+                    const float v[4] = {bf_lo(vr[e].x), bf_hi(vr[e].x), bf_lo(vr[e].y), bf_hi(vr[e].y)};
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        o0[k] = fmaf(p0, v[k], o0[k]);
+                        o1[k] = fmaf(p1, v[k], o1[k]);
+                    }
+                }
             }
         }
-        o[t] = acc;
+        float* ow = o + w * 2 * QMK_HD;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            ow[lane * 4 + k] = o0[k];
+            ow[QMK_HD + lane * 4 + k] = o1[k];
+        }
+    }
+    __syncthreads();
+    if (t < 2 * QMK_HD) {
+        float acc = 0.f;
+        for (int ww = 0; ww < QMK_WARPS; ++ww) acc += o[ww * 2 * QMK_HD + t];
+        o[t] = acc;  // each t reads only index t of warp 0's slot before writing it
     }
     __syncthreads();
     if (nchunk == 1) {
         if (t < 2 * QMK_HD) {
             const int h = t >> 7;
-            const float acc = o[t] + o[2 * QMK_HD + t];
+            const float acc = o[t];
             st_bf16(a.out + (size_t)(g * 2 + h) * QMK_HD + d, acc / misc[17 + h * 2]);
         }
         return;
@@ -166,7 +185,7 @@ __device__ void attention_item(const AttnArgs& a, int g, int c, int chunk, int n
     float* mine = a.part + ((size_t)(g * nchunk + c) * 2) * QMK_PART;
     if (t < 2 * QMK_HD) {
         const int h = t >> 7;
-        mine[h * QMK_PART + 2 + d] = o[t] + o[2 * QMK_HD + t];
+        mine[h * QMK_PART + 2 + d] = o[t];
         if (d == 0) {
             mine[h * QMK_PART] = misc[16 + h * 2];
             mine[h * QMK_PART + 1] = misc[17 + h * 2];

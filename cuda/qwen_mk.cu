@@ -270,7 +270,7 @@ __host__ __device__ __forceinline__ int local_bytes(const qmk_model& m) {
 
 // Floats of the largest matvec operand (and of the split-attention scratch, which shares it).
 __host__ __device__ __forceinline__ int max_operand(const qmk_model& m) {
-    int k = 2 * QMK_HD * 8;  // attention_item needs < 2048 floats
+    int k = 6144;  // attention_item's scratch (see mk_attention.cuh)
     const qmk_stack* s[2] = {&m.talker, &m.pred};
     for (int i = 0; i < 2; ++i) {
         k = k > s[i]->hidden ? k : s[i]->hidden;

@@ -440,3 +440,28 @@ class MegakernelBackend:
                 self.decode_frame(st)
             torch.cuda.synchronize(self.device)
             self.release(st)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pipecat_qwen_fast.megakernel build [--arch sm_90 ...]`: build (or find) the cached
+    library for each arch and print its path; without --arch, the current GPU's."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m pipecat_qwen_fast.megakernel")
+    ap.add_argument("command", choices=["build"])
+    ap.add_argument("--arch", nargs="*", default=None, help="e.g. sm_80 sm_90 (default: the current GPU)")
+    args = ap.parse_args(argv)
+    archs = args.arch
+    if not archs:
+        if not torch.cuda.is_available():
+            ap.error("no CUDA GPU here: name the target with --arch (e.g. --arch sm_90)")
+        major, minor = torch.cuda.get_device_capability()
+        archs = [f"sm_{major}{minor}"]
+    for arch in archs:
+        gencode_flags([arch])
+        print(build_library(arch))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
