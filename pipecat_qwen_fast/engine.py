@@ -202,8 +202,10 @@ class QwenTTSEngine:
         voc = Vocoder.from_state_dict(vcfg, {k.removeprefix("decoder."): v for k, v in voc_weights.items()})
         voc = voc.to(device=dev, dtype=dt)
         del voc_weights
-        net.eval()
-        voc.eval()
+        # Inference only: parameters loaded with assign=True would otherwise require grad, and any
+        # call outside no_grad (graph capture at warm-up) would keep every activation alive.
+        net.requires_grad_(False).eval()
+        voc.requires_grad_(False).eval()
 
         decode_backend = _select_backend(backend, net, dev, dt)
         engine = cls(
@@ -214,6 +216,7 @@ class QwenTTSEngine:
             engine.warmup()
         return engine
 
+    @torch.no_grad()
     def warmup(self) -> None:
         """Run greedy and sampled sessions through both chunk sizes (kernels, allocator, graphs)."""
         capture = getattr(self.backend, "capture_all", None)

@@ -250,6 +250,7 @@ class GraphBackend:
             graph = self._capture(bb, attn, params)
         graph.replay()
 
+    @torch.no_grad()
     def _capture(self, bb: int, attn: int, params: SamplingParams) -> torch.cuda.CUDAGraph:
         # Warm up on a side stream (cuBLAS workspaces, lazy state), then capture. The warm-up
         # really runs the frame on the current inputs: its K/V writes are the rows the replay
@@ -270,6 +271,7 @@ class GraphBackend:
         self.graphs[(bb, attn, params)] = graph
         return graph
 
+    @torch.no_grad()
     def capture_all(self, params_list: list[SamplingParams], batches: tuple[int, ...] | None = None) -> None:
         """Capture prefills and frames (every attention bucket; the given batch buckets) at load."""
         if not self.use_graphs:
@@ -419,6 +421,7 @@ class GraphBackend:
         self.prefills[bucket] = e
         return e
 
+    @torch.no_grad()
     def _capture_prefill(self, bucket: int) -> dict:
         e = self.make_prefill_entry(bucket)  # slot = scratch: the warm-up touches no session
         side = self._side_stream()

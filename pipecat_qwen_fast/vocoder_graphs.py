@@ -79,6 +79,7 @@ class GraphedVocoder:
             if n not in self.entries:
                 self._make(n)
 
+    @torch.no_grad()
     def _make(self, n: int) -> _Entry:
         voc = self.vocoder
         q = voc.cfg.num_quantizers

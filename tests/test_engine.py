@@ -258,3 +258,9 @@ def test_cli_reports_bad_voice(tiny_checkpoint, tmp_path):
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 2 and "nobody" in proc.stderr and "ryan" in proc.stderr
+
+
+def test_inference_only_parameters(engine):
+    # Parameters must not require grad: graph capture at warm-up runs outside the callers' no_grad.
+    assert not any(p.requires_grad for p in engine.model.parameters())
+    assert not any(p.requires_grad for p in engine.vocoder.parameters())
