@@ -384,6 +384,14 @@ extern "C" int qmk_grid_size(const qmk_model* m, int32_t* blocks, int32_t* smem_
     int dev = 0;
     cudaError_t e = cudaGetDevice(&dev);
     if (e != cudaSuccess) return e;
+    // The answer depends only on the device and the shared-memory size: remember the last one so
+    // a launch costs no attribute and occupancy queries.
+    static thread_local int last_dev = -1, last_smem = -1, last_blocks = 0;
+    if (dev == last_dev && frame_smem_bytes(*m) == last_smem) {
+        *blocks = last_blocks;
+        *smem_bytes = last_smem;
+        return cudaSuccess;
+    }
     int coop = 0, sms = 0;
     if ((e = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev)) != cudaSuccess) return e;
     if (!coop) return cudaErrorNotSupported;
@@ -401,6 +409,9 @@ extern "C" int qmk_grid_size(const qmk_model* m, int32_t* blocks, int32_t* smem_
     if (per_sm < 1) return cudaErrorCooperativeLaunchTooLarge;
     *blocks = sms;  // one block per SM: more would only split the same bandwidth
     *smem_bytes = smem;
+    last_dev = dev;
+    last_smem = smem;
+    last_blocks = sms;
     return cudaSuccess;
 }
 

@@ -212,8 +212,27 @@ def megakernel_unsupported_reason(net, device: torch.device, dtype: torch.dtype)
         return reason
     if find_nvcc() is None and not any(cache_root().glob(f"{source_hash()}-*/libqwen_mk.so")):
         return "nvcc was not found to build the megakernel (set NVCC or CUDA_HOME)"
-    if not torch.cuda.get_device_properties(device).multi_processor_count:
-        return "the device reports no multiprocessors"
+    return launch_unsupported_reason(talker, device)
+
+
+def launch_unsupported_reason(talker, device: torch.device) -> str | None:
+    """Build/load the library and ask it whether the cooperative grid fits on this device (all
+    blocks resident, shared memory available), with this model's shapes."""
+    try:
+        lib = library_for(device)
+    except (RuntimeError, OSError, UnsupportedFeatureError) as e:
+        return f"the megakernel library could not be built or loaded ({e})"
+    t, p = talker.cfg.stack, talker.code_predictor.cfg.stack
+    m = QmkModel()
+    for field_name, s in (("talker", t), ("pred", p)):
+        st = getattr(m, field_name)
+        st.hidden, st.inter, st.num_layers = s.hidden_size, s.intermediate_size, s.num_layers
+        st.num_heads, st.num_kv_heads = s.num_heads, s.num_kv_heads
+    blocks, smem = ctypes.c_int32(), ctypes.c_int32()
+    with torch.cuda.device(device):
+        code = lib.qmk_grid_size(ctypes.byref(m), ctypes.byref(blocks), ctypes.byref(smem))
+    if code != 0:
+        return f"the megakernel's cooperative grid cannot run here: {lib.qmk_error_string(code).decode()}"
     return None
 
 

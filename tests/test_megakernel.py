@@ -56,6 +56,11 @@ def test_ctypes_layout_matches_header(tmp_path, monkeypatch):
     assert lib.qmk_attn_part_floats(1000, 8) >= 16 * 8 * 2 * 130
 
 
+def test_unsupported_reason_names_the_device():
+    reason = mk.megakernel_unsupported_reason(None, torch.device("cpu"), torch.bfloat16)
+    assert reason is not None and "CUDA" in reason
+
+
 def test_nvcc_command_rejects_bad_arch():
     with pytest.raises(ValueError, match="sm_90"):
         mk.gencode_flags(["hopper"])
@@ -73,6 +78,14 @@ def backends():
     dev = torch.device("cuda")
     talker, cfg = ref.random_talker("0.6b", dev, seed=0)
     return talker, cfg, TorchBackend(talker, dev, torch.bfloat16), mk.MegakernelBackend(talker, dev, torch.bfloat16)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_supported_on_this_gpu(backends):
+    """The selection-time probe (library + cooperative grid fit) accepts this GPU and model."""
+    talker, cfg, tb, mb = backends
+    assert mk.megakernel_unsupported_reason(talker, torch.device("cuda"), torch.bfloat16) is None
 
 
 def start(backend, talker, params, frames, seed=0, prompt_seed=1):
