@@ -88,13 +88,13 @@ def test_supported_on_this_gpu(backends):
     assert mk.megakernel_unsupported_reason(talker, torch.device("cuda"), torch.bfloat16) is None
 
 
-def start(backend, talker, params, frames, seed=0, prompt_seed=1):
+def start(backend, talker, params, frames, seed=0, prompt_seed=1, prompt_len=PROMPT_LEN):
     D = talker.cfg.hidden_size
     gen = torch.Generator(device="cuda").manual_seed(prompt_seed)
-    embeds = (torch.randn((PROMPT_LEN, D), device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+    embeds = (torch.randn((prompt_len, D), device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
     trailing = (torch.randn((4, D), device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
     pad = (torch.randn(D, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
-    st = backend.new_state(max_positions=PROMPT_LEN + frames + 2, params=params, seed=seed, trailing=trailing, pad_vec=pad)
+    st = backend.new_state(max_positions=prompt_len + frames + 2, params=params, seed=seed, trailing=trailing, pad_vec=pad)
     backend.prefill(st, embeds)
     return st
 
@@ -212,16 +212,18 @@ def torch_module_step(talker, x, kc, vc, pos, layers):
 
 @needs_gpu
 @pytest.mark.gpu
-def test_kernel_stream_matches_phase_reference(backends):
+@pytest.mark.parametrize("prompt_len", [PROMPT_LEN, 100], ids=["local-attention", "split-attention"])
+def test_kernel_stream_matches_phase_reference(backends, prompt_len):
     """Talker steps of 1..28 layers against cuda/reference.py's phase-by-phase replica (same
-    roundings, fp32 sums). The torch modules' own error against the same replica is the noise
-    floor: the kernel must stay within it."""
+    roundings, fp32 sums), at a position below 16 (attention inside every block) and at 100
+    (attention split over position chunks and merged). The torch modules' own error against the
+    same replica is the noise floor: the kernel must stay within it."""
     ref = load_reference()
     talker, cfg, tb, mb = backends
     freq = ref.inv_freq(cfg.talker.stack.rope_theta, "cuda")
     rows = []
     for layers in (1, 2, 4, 8, 16, 28):
-        ms = start(mb, talker, GREEDY, 4)
+        ms = start(mb, talker, GREEDY, 4, prompt_len=prompt_len)
         ms.model.talker.num_layers = layers
         mb.decode_frame(ms)  # frame 0: head only
         kc, vc = ms.talker_cache.k.clone(), ms.talker_cache.v.clone()
@@ -233,7 +235,7 @@ def test_kernel_stream_matches_phase_reference(backends):
         rows.append((layers, rel_err(ms.buffers["hidden"], hidden), rel_err(torch_hidden, hidden)))
         mb.release(ms)
     for layers, k_err, t_err in rows:
-        print(f"layers {layers:2d}: kernel vs replica {k_err:.2e}, torch modules vs replica {t_err:.2e}")
+        print(f"pos {prompt_len} layers {layers:2d}: kernel vs replica {k_err:.2e}, torch modules vs replica {t_err:.2e}")
     assert rows[0][1] < 3e-3
     for layers, k_err, t_err in rows:
         assert k_err <= 2 * t_err + 2e-3, f"{layers} layers: kernel error {k_err:.2e} vs torch {t_err:.2e}"
