@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +41,11 @@ def source_dir() -> Path:
     override = os.environ.get("QWEN_FAST_CUDA_DIR")
     if override:
         return Path(override)
-    return Path(__file__).resolve().parent.parent / "cuda"
+    checkout = Path(__file__).resolve().parent.parent / "cuda"
+    if checkout.is_dir():
+        return checkout
+    # A wheel install carries the sources as data files (pyproject: tool.setuptools.data-files).
+    return Path(sys.prefix) / "share" / "pipecat-qwen-fast" / "cuda"
 
 
 def source_hash(src: Path | None = None) -> str:
