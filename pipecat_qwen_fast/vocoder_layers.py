@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .layers import RMSNorm  # the talker's norm: fp32 math, one fused kernel for bf16 on CUDA
+
 if TYPE_CHECKING:
     from pipecat_qwen_fast.vocoder import VocoderStream
 
@@ -219,19 +221,6 @@ class SplitResidualQuantizer(nn.Module):
 
 # ---------------------------------------------------------------------------------------------
 # Sliding-window transformer.
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        # Normalise in fp32, round back to the activation dtype, then scale (the reference order).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
 
 
 class LayerScale(nn.Module):
