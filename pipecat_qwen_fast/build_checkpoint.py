@@ -30,9 +30,21 @@ import torch
 
 from .config import parse_model_config, parse_vocoder_config
 from .errors import InvalidInputError
-from .layout import Layout, Shape, main_model_layout, parse_mimi_encoder_config, speech_tokenizer_layout
+from .layout import (
+    Layout,
+    Shape,
+    main_model_layout,
+    parse_mimi_encoder_config,
+    speech_tokenizer_layout,
+)
 from .synthetic_tokenizer import write_tokenizer_files
-from .tiny_configs import SIZES, VARIANTS, check_size_variant, model_config_dict, speech_tokenizer_config_dict
+from .tiny_configs import (
+    SIZES,
+    VARIANTS,
+    check_size_variant,
+    model_config_dict,
+    speech_tokenizer_config_dict,
+)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}

@@ -99,7 +99,7 @@ def download_snapshot(repo_id: str) -> Path:
         pass
     try:
         return Path(snapshot_download(repo_id))
-    except Exception as e:  # noqa: BLE001 - network, auth and not-found errors all end the same way
+    except Exception as e:
         reason = type(e).__name__
         detail = str(e).strip().splitlines()
         raise ModelLoadError(

@@ -171,7 +171,7 @@ class GraphBackend:
     @torch.no_grad()
     def prefill(self, state: GraphState, embeds: Tensor) -> None:
         n = embeds.shape[0]
-        bucket = next((b for b in PREFILL_BUCKETS if n <= b and b <= self.capacity), None)
+        bucket = next((b for b in PREFILL_BUCKETS if n <= b <= self.capacity), None)
         if bucket is not None and bucket in self.prefills:
             self._prefill_graphed(state, embeds, bucket)
         else:

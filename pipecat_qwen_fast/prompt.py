@@ -138,8 +138,11 @@ def build_prompt(
     def ids(x: list[int]) -> Tensor:
         return torch.tensor(x, dtype=torch.long, device=device)
 
-    T = lambda x: talker.embed_text(ids(x))  # noqa: E731
-    C = lambda x: talker.embed_codec(ids(x))  # noqa: E731
+    def T(x: list[int]) -> Tensor:
+        return talker.embed_text(ids(x))
+
+    def C(x: list[int]) -> Tensor:
+        return talker.embed_codec(ids(x))
 
     bos_vec, eos_vec, pad_vec = T([cfg.tts_bos_id, cfg.tts_eos_id, cfg.tts_pad_id])
     body = _target_body(tok, cfg, text)

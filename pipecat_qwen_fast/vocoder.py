@@ -14,9 +14,9 @@ the same shapes (a prerequisite for capturing one CUDA graph per chunk size late
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 import torch
 import torch.nn.functional as F
