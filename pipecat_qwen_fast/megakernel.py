@@ -25,6 +25,7 @@ from torch import Tensor
 
 from .errors import UnsupportedFeatureError
 from .layers import KVCache, rotary_cos_sin
+from .prefill_graphs import PrefillGraphs
 from .sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -312,6 +313,7 @@ class MegakernelBackend:
         self.talker_layers = self._layer_table(talker.model)
         self.pred_layers = self._layer_table(talker.code_predictor.model)
         self.pred_rope = rope_table(self.num_groups, self.pcfg.stack.rope_theta, device)
+        self.prefills: PrefillGraphs | None = None
         if warmup:
             self.warmup()
 
@@ -395,8 +397,20 @@ class MegakernelBackend:
 
     @torch.no_grad()
     def prefill(self, state: MegakernelState, embeds: Tensor) -> None:
+        embeds = embeds.to(self.device, self.dtype)
+        n = embeds.shape[0]
+        cache = state.talker_cache
+        captured = self.prefills.run(embeds) if self.prefills is not None and n <= cache.max_len else None
+        if captured is not None:
+            # A captured prefill per prompt-length bucket: no per-shape eager cost on first audio.
+            k, v, hidden = captured
+            cache.k[:, :, :n].copy_(k[:, :, :n])
+            cache.v[:, :, :n].copy_(v[:, :, :n])
+            cache.length = n
+            state.buffers["hidden"].copy_(hidden)
+            return
         # One batched torch pass writes the KV cache in the layout the kernel reads.
-        hidden = self.talker.model(embeds.to(self.device, self.dtype), state.talker_cache)
+        hidden = self.talker.model(embeds, cache)
         state.buffers["hidden"].copy_(hidden[-1])
 
     def frame_args(self, state: MegakernelState, *, run_talker: bool, run_predictor: bool = True, pos: int | None = None,
@@ -451,6 +465,13 @@ class MegakernelBackend:
     @torch.no_grad()
     def warmup(self) -> None:
         """Run greedy and sampled frames once so the first request pays no build or load cost."""
+        try:
+            prefills = PrefillGraphs(self.talker, self.device, self.dtype)
+            prefills.capture_all()
+            self.prefills = prefills
+        except Exception as e:  # noqa: BLE001 - the eager prefill still works; say why it is used
+            logger.warning("captured prefill unavailable, prefill runs eagerly: %s: %s", type(e).__name__, e)
+            self.prefills = None
         D = self.tcfg.hidden_size
         gen = torch.Generator(device=self.device).manual_seed(0)
         for do_sample in (False, True):
