@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import time
 import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -24,7 +23,7 @@ from torch import Tensor
 
 from . import checkpoint
 from .backend import DecodeBackend, TorchBackend
-from .config import GenerationDefaults, ModelConfig, VocoderConfig
+from .config import GenerationDefaults, ModelConfig
 from .errors import EngineClosedError, InvalidInputError, UnsupportedFeatureError
 from .prompt import (
     DUAL_TRACK,
@@ -92,10 +91,14 @@ class AudioChunk:
 @dataclass
 class SynthesisResult:
     pcm: np.ndarray  # int16
-    audio: np.ndarray  # float32 in [-1, 1]
     codes: np.ndarray  # [T, 16]
     stop_reason: str | None
     sample_rate: int = SAMPLE_RATE
+
+    @property
+    def audio(self) -> np.ndarray:
+        """The waveform as float32 in [-1, 1]."""
+        return self.pcm.astype(np.float32) / 32767
 
     @property
     def duration_s(self) -> float:
@@ -124,7 +127,6 @@ class Session:
     vocoder_state: object | None = None
     done: bool = False
     stop_reason: str | None = None  # "eos" | "frame_cap" | "cancelled" | "error"
-    opened_at: float = field(default_factory=time.perf_counter)
 
 
 class QwenTTSEngine:
@@ -132,7 +134,6 @@ class QwenTTSEngine:
         self,
         *,
         config: ModelConfig,
-        vocoder_config: VocoderConfig,
         generation: GenerationDefaults,
         model: Qwen3TTSModel,
         vocoder: Vocoder,
@@ -143,7 +144,6 @@ class QwenTTSEngine:
         model_dir: Path | None = None,
     ):
         self.config = config
-        self.vocoder_config = vocoder_config
         self.generation = generation
         self.model = model
         self.vocoder = vocoder
@@ -199,17 +199,15 @@ class QwenTTSEngine:
             model_dir / "speech_tokenizer" / "model.safetensors", dtype=dt, device=dev, prefix="decoder.",
             progress=progress,
         )
-        voc = Vocoder.from_state_dict(vcfg, {k.removeprefix("decoder."): v for k, v in voc_weights.items()})
-        voc = voc.to(device=dev, dtype=dt)
+        voc = Vocoder.from_state_dict(vcfg, voc_weights, device=dev, dtype=dt)  # frozen, eval
         del voc_weights
         # Inference only: parameters loaded with assign=True would otherwise require grad, and any
         # call outside no_grad (graph capture at warm-up) would keep every activation alive.
         net.requires_grad_(False).eval()
-        voc.requires_grad_(False).eval()
 
         decode_backend = _select_backend(backend, net, dev, dt)
         engine = cls(
-            config=cfg, vocoder_config=vcfg, generation=gen, model=net, vocoder=voc, tokenizer=tok,
+            config=cfg, generation=gen, model=net, vocoder=voc, tokenizer=tok,
             device=dev, dtype=dt, backend=decode_backend, model_dir=model_dir,
         )
         if warmup if warmup is not None else dev.type == "cuda":
@@ -485,7 +483,7 @@ class QwenTTSEngine:
             self.cancel(s)
         pcm = np.concatenate([c.pcm for c in chunks]) if chunks else np.zeros(0, np.int16)
         codes = np.stack(s.codes) if s.codes else np.zeros((0, self.config.talker.num_code_groups), np.int64)
-        return SynthesisResult(pcm=pcm, audio=pcm.astype(np.float32) / 32767, codes=codes, stop_reason=s.stop_reason)
+        return SynthesisResult(pcm=pcm, codes=codes, stop_reason=s.stop_reason)
 
     def generate_codes(self, text: str, **kwargs) -> Tensor:
         """Codes [T, 16] of an utterance without running the vocoder (oracle comparisons)."""

@@ -27,16 +27,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .cuda_graphs import GraphCapturer
 from .errors import NoFreeSlotError, QwenTTSError
 from .layers import KVCache, apply_rotary, fuse_projections, rotary_cos_sin
-from .sampling import SamplingParams, process_talker_logits, talker_suppress_mask, warp_logits
+from .prefill_graphs import PREFILL_BUCKETS, PrefillGraphs
+from .sampling import SamplingParams, sample_code0, sample_residual, talker_suppress_mask
 from .talker import Talker
 
 logger = logging.getLogger("pipecat_qwen_fast")
 
 ATTN_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths served by a captured prefill
 ROW_SLOT, ROW_STEP_SLOT, ROW_POS, ROW_FRAME, ROW_FIRST = range(5)
 
 
@@ -46,7 +47,6 @@ __all__ = ["GraphBackend", "GraphState", "NoFreeSlotError"]
 @dataclass
 class GraphState:
     slot: int
-    capacity: int
     params: SamplingParams
     generator: torch.Generator | None
     trailing: Tensor
@@ -109,7 +109,6 @@ class GraphBackend:
 
         # Constants made before any capture: a capture may not copy host values to the device.
         self.suppress = talker_suppress_mask(v, self.eos_id, device)
-        self.is_eos = torch.arange(v, device=device) == self.eos_id
         self.eos_frame = torch.zeros(self.num_groups, dtype=torch.long, device=device)
         self.eos_frame[0] = self.eos_id
         self.rope_cos, self.rope_sin = rotary_cos_sin(
@@ -122,16 +121,10 @@ class GraphBackend:
         self.positions = torch.arange(capacity, device=device)
 
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.prefills: dict[int, dict] = {}
-        self.pool = None
-        self.side = None
-
-    def _side_stream(self) -> torch.cuda.Stream:
-        # One stream for every warm-up: blocks the allocator caches for a stream serve only that
-        # stream, so a new stream per capture kept ~1 GB each (OOM after ~80 captures on the H200).
-        if self.side is None:
-            self.side = torch.cuda.Stream(self.device)
-        return self.side
+        self.capturer = GraphCapturer(device) if self.use_graphs else None
+        # Captured prefill per prompt-length bucket; its K/V rows are copied into the session's slot.
+        self.prefills = PrefillGraphs(talker, device, dtype, tuple(b for b in PREFILL_BUCKETS if b <= capacity),
+                                      use_graphs=self.use_graphs)
 
     @classmethod
     def for_device(cls, talker: Talker, device: torch.device, dtype: torch.dtype, capacity: int = 2048,
@@ -164,24 +157,24 @@ class GraphBackend:
         slot = self.free_slots.pop()
         self.pool_seen[slot].zero_()
         return GraphState(
-            slot=slot, capacity=max_positions, params=params, generator=generator,
+            slot=slot, params=params, generator=generator,
             trailing=trailing.to(self.device, self.dtype), pad_vec=pad_vec.to(self.device, self.dtype),
         )
 
     @torch.no_grad()
     def prefill(self, state: GraphState, embeds: Tensor) -> None:
+        embeds = embeds.to(self.device, self.dtype)
         n = embeds.shape[0]
-        bucket = next((b for b in PREFILL_BUCKETS if n <= b <= self.capacity), None)
-        if bucket is not None and bucket in self.prefills:
-            self._prefill_graphed(state, embeds, bucket)
+        captured = self.prefills.run(embeds)
+        if captured is not None:
+            k, v, hidden = captured
+            self.pool_k[:, state.slot, :, :n].copy_(k[:, :, :n])
+            self.pool_v[:, state.slot, :, :n].copy_(v[:, :, :n])
+            self.pool_hidden[state.slot].copy_(hidden)
         else:
-            # The eager stack writes straight into this session's slot of the pool through a view.
-            cache = KVCache.__new__(KVCache)
-            cache.k = self.pool_k[:, state.slot]
-            cache.v = self.pool_v[:, state.slot]
-            cache.max_len, cache.length = self.capacity, 0
-            hidden = self.talker.model(embeds.to(self.device, self.dtype), cache)
-            self.pool_hidden[state.slot].copy_(hidden[-1])
+            # Longer prompts: the eager stack writes straight into the slot through a view.
+            cache = KVCache.over(self.pool_k[:, state.slot], self.pool_v[:, state.slot])
+            self.pool_hidden[state.slot].copy_(self.talker.model(embeds, cache)[-1])
         state.position = n
 
     def decode_frame(self, state: GraphState) -> Tensor:
@@ -252,20 +245,10 @@ class GraphBackend:
 
     @torch.no_grad()
     def _capture(self, bb: int, attn: int, params: SamplingParams) -> torch.cuda.CUDAGraph:
-        # Warm up on a side stream (cuBLAS workspaces, lazy state), then capture. The warm-up
-        # really runs the frame on the current inputs: its K/V writes are the rows the replay
-        # writes next, but the per-session pools it updates must be put back first.
+        # The capturer's warm-up really runs the frame on the current inputs: its K/V writes are
+        # the rows the replay writes next, but the per-session pools it updates must be put back.
         saved = [t.clone() for t in (self.pool_pending, self.pool_seen, self.codes)]
-        side = self._side_stream()
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._frame(bb, attn, params)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._frame(bb, attn, params)
+        graph, _ = self.capturer.capture(lambda: self._frame(bb, attn, params))
         for dst, src in zip((self.pool_pending, self.pool_seen, self.codes), saved):
             dst.copy_(src)
         self.graphs[(bb, attn, params)] = graph
@@ -276,9 +259,7 @@ class GraphBackend:
         """Capture prefills and frames (every attention bucket; the given batch buckets) at load."""
         if not self.use_graphs:
             return
-        for bucket in PREFILL_BUCKETS:
-            if bucket <= self.capacity and bucket not in self.prefills:
-                self._capture_prefill(bucket)
+        self.prefills.capture_all()
         batches = batches or tuple(b for b in BATCH_BUCKETS if b <= self.max_batch)
         attn = (0, *sorted({self._attn_bucket(b) for b in ATTN_BUCKETS}))
         rows = self.rows_host
@@ -301,16 +282,9 @@ class GraphBackend:
         first = (self.rows[ROW_FIRST, :bb] == 1)[:, None]
         hidden = self.pool_hidden.index_select(0, slot)
         h = hidden if attn == 0 else torch.where(first, hidden, self._talker_step(bb, attn))
-        logits = talker.codec_head(h).float()
         seen = self.pool_seen.index_select(0, slot)
-        logits = process_talker_logits(logits, seen, self.suppress, 1 << 30, self.eos_id, params)
-        eos_blocked = (self.rows[ROW_FRAME, :bb] < params.min_new_tokens)[:, None] & self.is_eos
-        logits = logits.masked_fill(eos_blocked, float("-inf"))
-        if params.do_sample:
-            probs = warp_logits(logits, params.temperature, params.top_k, params.top_p).softmax(-1)
-            c0 = torch.argmax(probs / self.noise0[:bb], dim=-1)
-        else:
-            c0 = torch.argmax(logits, dim=-1)
+        c0 = sample_code0(talker.codec_head(h), seen, self.suppress, self.rows[ROW_FRAME, :bb], self.eos_id,
+                          params, None, noise=self.noise0[:bb])
         self.pool_seen.index_copy_(0, slot, seen.scatter(1, c0[:, None], True))
         codes = self._predict(h, c0, bb, params)
         self.codes[:bb].copy_(torch.where((c0 == self.eos_id)[:, None], self.eos_frame, codes))
@@ -345,12 +319,12 @@ class GraphBackend:
         cp = self.talker.code_predictor
         x = torch.stack([h, self.talker.embed_codec(c0)], dim=1)  # [bb, 2, D]
         out = self._predictor_forward(cp.small_to_mtp_projection(x), 0, bb)
-        code = self._sample_residual(cp.lm_head[0](out[:, -1]), 0, bb, params)
+        code = sample_residual(cp.lm_head[0](out[:, -1]), params, None, noise=self.noise[:bb, 0])
         codes = [c0, code]
         for g in range(2, self.num_groups):
             x = cp.model.codec_embedding[g - 2](code)[:, None]
             out = self._predictor_forward(cp.small_to_mtp_projection(x), g, bb)
-            code = self._sample_residual(cp.lm_head[g - 1](out[:, -1]), g - 1, bb, params)
+            code = sample_residual(cp.lm_head[g - 1](out[:, -1]), params, None, noise=self.noise[:bb, g - 1])
             codes.append(code)
         return torch.stack(codes, dim=1).long()
 
@@ -372,67 +346,3 @@ class GraphBackend:
             x = x + a.o_proj(out.transpose(1, 2).reshape(bb, n, a.num_heads * a.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return model.norm(x)
-
-    def _sample_residual(self, logits: Tensor, i: int, bb: int, params: SamplingParams) -> Tensor:
-        logits = logits.float()
-        if not params.subtalker_do_sample:
-            return torch.argmax(logits, dim=-1)
-        warped = warp_logits(logits, params.subtalker_temperature, params.subtalker_top_k, params.subtalker_top_p)
-        return torch.argmax(warped.softmax(-1) / self.noise[:bb, i], dim=-1)
-
-    # -------------------------------------------------------------- prefill graphs
-
-    def _prefill_graphed(self, state: GraphState, embeds: Tensor, bucket: int) -> None:
-        e = self.prefills[bucket]
-        n = embeds.shape[0]
-        # Right padding is harmless: causal attention keeps positions < n independent of it, and
-        # each later decode step overwrites its own K/V row before attending up to it.
-        e["embeds"][:n].copy_(embeds)
-        e["embeds"][n:].zero_()
-        e["last"].fill_(n - 1)
-        e["slot"].fill_(state.slot)
-        if e["graph"] is not None:
-            e["graph"].replay()
-        else:  # CPU: the same body, run eagerly (tests)
-            self._prefill_body(e)
-
-    def _prefill_body(self, e: dict) -> None:
-        bucket = e["embeds"].shape[0]
-        cache = KVCache.__new__(KVCache)
-        cache.k, cache.v = e["k"], e["v"]
-        cache.max_len, cache.length = bucket, 0
-        hidden = self.talker.model(e["embeds"], cache)
-        self.pool_hidden.index_copy_(0, e["slot"], hidden.index_select(0, e["last"]))
-        self.pool_k[:, :, :, :bucket].index_copy_(1, e["slot"], e["k"][:, None])
-        self.pool_v[:, :, :, :bucket].index_copy_(1, e["slot"], e["v"][:, None])
-
-    def make_prefill_entry(self, bucket: int) -> dict:
-        """Static buffers of the prefill for prompts of up to `bucket` positions (no graph yet)."""
-        stack = self.cfg.stack
-        kv_shape = (stack.num_layers, stack.num_kv_heads, bucket, stack.head_dim)
-        e = {
-            "embeds": torch.zeros(bucket, self.cfg.hidden_size, device=self.device, dtype=self.dtype),
-            "last": torch.zeros(1, device=self.device, dtype=torch.long),
-            "slot": torch.full((1,), self.scratch, device=self.device, dtype=torch.long),
-            "k": torch.zeros(kv_shape, device=self.device, dtype=self.dtype),
-            "v": torch.zeros(kv_shape, device=self.device, dtype=self.dtype),
-            "graph": None,
-        }
-        self.prefills[bucket] = e
-        return e
-
-    @torch.no_grad()
-    def _capture_prefill(self, bucket: int) -> dict:
-        e = self.make_prefill_entry(bucket)  # slot = scratch: the warm-up touches no session
-        side = self._side_stream()
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._prefill_body(e)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._prefill_body(e)
-        e["graph"] = graph
-        return e

@@ -63,6 +63,15 @@ class KVCache:
         self.max_len = max_len
         self.length = 0  # positions filled
 
+    @classmethod
+    def over(cls, k: Tensor, v: Tensor) -> KVCache:
+        """A cache view over existing [layers, kv_heads, max_len, head_dim] tensors (a pool slot,
+        a captured prefill's static buffers), filled from position 0."""
+        cache = cls.__new__(cls)
+        cache.k, cache.v = k, v
+        cache.max_len, cache.length = k.shape[2], 0
+        return cache
+
     def reset(self) -> None:
         self.length = 0
 

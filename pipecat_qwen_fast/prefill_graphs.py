@@ -4,8 +4,7 @@ An eager prefill launches ~30 kernels per layer from Python and pays a per-shape
 prompt length (the benchmark measured ~40 ms more for a length not seen before). A captured prefill
 runs a right-padded prompt of the bucket's length: causal attention keeps the real positions
 independent of the padding, and the caller copies the K/V rows of the real positions into its own
-cache. Backends with their own cache layout use this (the megakernel); the CUDA-graph backend
-writes into its slot pool inside its own captured prefill.
+cache (the megakernel's per-session cache, the CUDA-graph backend's slot pool).
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .cuda_graphs import GraphCapturer
 from .layers import KVCache
 from .talker import Talker
 
@@ -28,8 +28,7 @@ class PrefillGraphs:
         self.buckets = tuple(buckets)
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.entries: dict[int, dict] = {}
-        self.pool = None
-        self.side = None
+        self.capturer = GraphCapturer(device) if self.use_graphs else None
 
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if n <= b), None)
@@ -77,27 +76,11 @@ class PrefillGraphs:
                 self._capture(bucket)
 
     def _body(self, e: dict) -> None:
-        cache = KVCache.__new__(KVCache)
-        cache.k, cache.v = e["k"], e["v"]
-        cache.max_len, cache.length = e["embeds"].shape[0], 0
-        hidden = self.talker.model(e["embeds"], cache)
+        hidden = self.talker.model(e["embeds"], KVCache.over(e["k"], e["v"]))
         e["hidden"].copy_(hidden.index_select(0, e["last"])[0])
 
     def _capture(self, bucket: int) -> dict:
         e = self.prepare(bucket)
-        if not self.use_graphs:
-            return e
-        if self.side is None:
-            # One warm-up stream: the allocator's cache for a stream serves only that stream.
-            self.side = torch.cuda.Stream(self.device)
-        self.side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.side):
-            self._body(e)
-        torch.cuda.current_stream(self.device).wait_stream(self.side)
-        graph = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._body(e)
-        e["graph"] = graph
+        if self.capturer is not None:
+            e["graph"], _ = self.capturer.capture(lambda: self._body(e))
         return e

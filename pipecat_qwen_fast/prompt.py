@@ -48,7 +48,6 @@ class Prompt:
     trailing: Tensor  # [N, D] text vectors added at decode steps 0..N-1
     pad_vec: Tensor  # [D] tts_pad vector added after the trailing text is exhausted
     num_text_tokens: int  # target text body length (drives the frame cap)
-    ref_codes: Tensor | None  # ICL reference frames (prime the vocoder with them)
 
 
 def supported_languages(cfg: ModelConfig) -> list[str]:
@@ -173,7 +172,6 @@ def build_prompt(
     codec_bos = codec_track[-1]
     codec_pad = C([tc.codec_pad_id])[0]
 
-    ref_codes = None
     if voice_clone is not None and voice_clone.icl:
         ref_codes = voice_clone.ref_codes.to(device)
         ref_body = _ref_body(tok, cfg, voice_clone.ref_text)
@@ -204,7 +202,6 @@ def build_prompt(
         trailing=trailing,
         pad_vec=pad_vec,
         num_text_tokens=len(body),
-        ref_codes=ref_codes,
     )
 
 

@@ -76,13 +76,20 @@ def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Te
 
 
 def process_talker_logits(
-    logits: Tensor, seen: Tensor, suppress: Tensor, frame: int, eos_id: int, params: SamplingParams
+    logits: Tensor, seen: Tensor, suppress: Tensor, frame: int | Tensor, eos_id: int, params: SamplingParams
 ) -> Tensor:
-    """Steps 2-4 of spec §6 on fp32 logits [vocab]; `frame` = number of codes sampled before."""
+    """Steps 2-4 of spec §6 on fp32 logits [..., vocab].
+
+    `frame` = number of codes sampled before: a host int, or a LongTensor [...] on the device (a
+    captured graph cannot branch on a host value, so the EOS rule becomes a mask).
+    """
     logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
-    if frame < params.min_new_tokens:
+    if isinstance(frame, Tensor):
+        is_eos = torch.arange(logits.shape[-1], device=logits.device) == eos_id
+        logits = logits.masked_fill((frame < params.min_new_tokens).unsqueeze(-1) & is_eos, float("-inf"))
+    elif frame < params.min_new_tokens:
         logits = logits.clone()
-        logits[eos_id] = float("-inf")
+        logits[..., eos_id] = float("-inf")
     return logits.masked_fill(suppress, float("-inf"))
 
 
@@ -102,10 +109,15 @@ def warp_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) ->
     return logits
 
 
-def draw(logits: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Sample from softmax(logits) with no host sync: argmax(p / Exp(1)) is a categorical draw."""
+def draw(logits: Tensor, generator: torch.Generator | None, noise: Tensor | None = None) -> Tensor:
+    """Sample from softmax(logits) with no host sync: argmax(p / Exp(1)) is a categorical draw.
+
+    `noise` (Exp(1) samples shaped like the logits) is drawn from `generator` unless given: a
+    captured graph reads noise its caller drew from each session's own generator.
+    """
     probs = logits.softmax(dim=-1)
-    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    if noise is None:
+        noise = torch.empty_like(probs).exponential_(1, generator=generator)
     return torch.argmax(probs / noise, dim=-1)
 
 
@@ -113,20 +125,23 @@ def sample_code0(
     logits: Tensor,
     seen: Tensor,
     suppress: Tensor,
-    frame: int,
+    frame: int | Tensor,
     eos_id: int,
     params: SamplingParams,
     generator: torch.Generator | None,
+    noise: Tensor | None = None,
 ) -> Tensor:
     logits = process_talker_logits(logits.float(), seen, suppress, frame, eos_id, params)
     if not params.do_sample:
         return torch.argmax(logits, dim=-1)
-    return draw(warp_logits(logits, params.temperature, params.top_k, params.top_p), generator)
+    return draw(warp_logits(logits, params.temperature, params.top_k, params.top_p), generator, noise)
 
 
-def sample_residual(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> Tensor:
+def sample_residual(
+    logits: Tensor, params: SamplingParams, generator: torch.Generator | None, noise: Tensor | None = None
+) -> Tensor:
     logits = logits.float()
     if not params.subtalker_do_sample:
         return torch.argmax(logits, dim=-1)
     warped = warp_logits(logits, params.subtalker_temperature, params.subtalker_top_k, params.subtalker_top_p)
-    return draw(warped, generator)
+    return draw(warped, generator, noise)

@@ -425,13 +425,6 @@ class EngineService:
         stream.record.opened = True
         self._active.append(stream)
 
-    def _step(self, stream: SynthesisStream) -> None:
-        try:
-            result: list[AudioChunk] | Exception = self._engine.step(stream.session)
-        except Exception as exc:
-            result = exc
-        self._after_step(stream, result)
-
     def _after_step(self, stream: SynthesisStream, result: list[AudioChunk] | Exception) -> None:
         session = stream.session
         if isinstance(result, Exception):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .cuda_graphs import GraphCapturer
 from .vocoder import Vocoder, VocoderStream
 
 MAX_GRAPHS = 32  # chunk sizes captured at most; other sizes run eagerly
@@ -45,14 +46,7 @@ class GraphedVocoder:
         self.dtype = dtype
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.entries: dict[int, _Entry] = {}
-        self.pool = None
-        self.side = None
-
-    def _side_stream(self) -> torch.cuda.Stream:
-        # One stream for every warm-up: the allocator's cache for a stream serves only that stream.
-        if self.side is None:
-            self.side = torch.cuda.Stream(self.device)
-        return self.side
+        self.capturer = GraphCapturer(device) if self.use_graphs else None
 
     def decode_stream(self, codes: Tensor, stream: VocoderStream) -> Tensor:
         """Same result as `vocoder.decode_stream(codes, stream)` for batch-1 streams."""
@@ -87,17 +81,9 @@ class GraphedVocoder:
             codes=torch.zeros(1, q, n, dtype=torch.long, device=self.device),
             stream=voc.new_stream(batch=1, device=self.device, dtype=self.dtype),
         )
-        if self.use_graphs:
-            side = self._side_stream()
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                voc.decode_stream(entry.codes, entry.stream, check_values=False)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self.pool):
-                entry.out = voc.decode_stream(entry.codes, entry.stream, check_values=False)
-            entry.graph = graph
+        if self.capturer is not None:
+            entry.graph, entry.out = self.capturer.capture(
+                lambda: voc.decode_stream(entry.codes, entry.stream, check_values=False)
+            )
         self.entries[n] = entry
         return entry

@@ -118,7 +118,7 @@ def test_bucketed_prefill_body_matches_eager(tiny_checkpoint):
     # The captured prefill's body (static, right-padded buffers, copy into the slot) run eagerly.
     ref, fast = _engines(tiny_checkpoint("custom_voice", zero_eos=True))
     for bucket in (16, 32, 64):
-        fast.backend.make_prefill_entry(bucket)
+        fast.backend.prefills.prepare(bucket)
     kw = dict(voice="ryan", greedy=True, max_frames=10)
     for text in ("Hi.", "A somewhat longer sentence to land in a bigger bucket of the prefill."):
         assert torch.equal(ref.generate_codes(text, **kw), fast.generate_codes(text, **kw))
