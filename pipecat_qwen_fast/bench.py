@@ -80,12 +80,11 @@ def build_checkpoint(size: str, variant: str, out: Path) -> dict:
 
 def baseline_texts(quick: bool) -> dict:
     """What the baseline drivers speak: the same texts and frame counts as our engine."""
-    utterances = texts.UTTERANCES[:4] if quick else texts.UTTERANCES
     return {
         "rtf_text": texts.RTF_TEXT,
-        "rtf_frames": 24 if quick else texts.RTF_FRAMES,
-        "runs": 1 if quick else 3,
-        "utterances": [[u, texts.frames_for(u)] for u in utterances],
+        "rtf_frames": texts.rtf_frames_for(quick),
+        "runs": texts.runs_for(quick),
+        "utterances": [[u, texts.frames_for(u)] for u in texts.utterances_for(quick)],
     }
 
 
@@ -153,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "texts": {
             "rtf_text_words": texts.word_count(texts.RTF_TEXT),
-            "rtf_frames": 24 if args.quick else texts.RTF_FRAMES,
+            "rtf_frames": texts.rtf_frames_for(args.quick),
             "ttfc_utterances": len(texts.UTTERANCES),
             "ttfc_words_range": [min(map(texts.word_count, texts.UTTERANCES)),
                                  max(map(texts.word_count, texts.UTTERANCES))],
@@ -184,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     phases = ["ceilings", *ours_first, *args.baselines, *ours_last]
     py = sys.executable
     base_env = dict(os.environ, PYTHONUNBUFFERED="1")
+    quick = ["--quick"] if args.quick else []
     for i, phase in enumerate(phases):
         budget = share(clock, phase, phases[i:])
         if budget < MIN_PHASE_S[phase]:
@@ -191,7 +191,6 @@ def main(argv: list[str] | None = None) -> int:
             save()
             continue
         out_json = work / f"phase_{phase}.json"
-        quick = ["--quick"] if args.quick else []
         if phase == "ceilings":
             cmd = [py, "-m", "pipecat_qwen_fast.bench_ceilings", "--device", args.device, "--out", str(out_json), *quick]
             env = base_env

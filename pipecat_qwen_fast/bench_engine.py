@@ -172,26 +172,23 @@ class ModuleTimer:
         self.handles = []
         for name, modules in groups.items():
             for m in modules:
-                self.handles.append(m.register_forward_pre_hook(self._pre(name, m)))
-                self.handles.append(m.register_forward_hook(self._post(m)))
-        self._open: dict[int, torch.cuda.Event] = {}
+                self.handles.append(m.register_forward_pre_hook(self._pre(name)))
+                self.handles.append(m.register_forward_hook(self._post))
+        self._open: dict[int, tuple[str, torch.cuda.Event]] = {}
 
-    def _pre(self, name: str, module: torch.nn.Module):
+    def _pre(self, name: str):
         def hook(mod, args):
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
-            self._open[id(module)] = (name, ev)
+            self._open[id(mod)] = (name, ev)
 
         return hook
 
-    def _post(self, module: torch.nn.Module):
-        def hook(mod, args, out):
-            name, start = self._open.pop(id(module))
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.events[name].append((start, end))
-
-        return hook
+    def _post(self, mod, args, out) -> None:
+        name, start = self._open.pop(id(mod))
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.events[name].append((start, end))
 
     def totals_ms(self) -> dict[str, float]:
         torch.cuda.synchronize()
@@ -274,10 +271,6 @@ def instrumented_split(engine: QwenTTSEngine, n: int) -> dict | None:
     frame_ms = sum(s.elapsed_time(e) for s, e in spans) / n
     talker_ms = totals["talker"] / n
     predictor_ms = totals["predictor"] / n
-    if talker_ms == 0 and predictor_ms == 0:
-        # The backend does not run our torch modules (a fused kernel): no split to report.
-        return {"decode_frame_ms_instrumented": frame_ms,
-                "split": "not visible (the frame runs as a CUDA graph or one kernel, not module by module)"}
     return {
         "decode_frame_ms_instrumented": frame_ms,
         "talker_ms": talker_ms,
@@ -476,10 +469,8 @@ def measure_concurrency(engine: QwenTTSEngine, levels: list[int], frames: int, b
 
 def run_phase(args: argparse.Namespace, report: Report) -> None:
     budget = Budget(args.budget)
-    device = torch.device(args.device)
     quick = args.quick
-    rtf_frames = 24 if quick else texts.RTF_FRAMES
-    runs = 1 if quick else 3
+    rtf_frames = texts.rtf_frames_for(quick)
 
     t0 = time.perf_counter()
     try:
@@ -491,6 +482,7 @@ def run_phase(args: argparse.Namespace, report: Report) -> None:
         report.put("reason", str(e))
         return
     sync(engine)
+    device = engine.device
     report.put("available", True)
     report.put("backend_name", engine.backend.name)
     report.put("load_s", time.perf_counter() - t0)
@@ -501,9 +493,8 @@ def run_phase(args: argparse.Namespace, report: Report) -> None:
     first_text = texts.UTTERANCES[1]
     report.put("first_request_ttfc_ms", 1e3 * measure_ttfc(engine, first_text, texts.frames_for(first_text), 1))
 
-    utterances = texts.UTTERANCES[:4] if quick else texts.UTTERANCES
     ttfc = []
-    for i, text in enumerate(utterances):
+    for i, text in enumerate(texts.utterances_for(quick)):
         ttfc.append({"words": texts.word_count(text), "ms": 1e3 * measure_ttfc(engine, text, texts.frames_for(text), 100 + i)})
     values = [t["ms"] for t in ttfc]
     report.put("ttfc_warm_ms", {**summarize(values), "per_utterance": ttfc})
@@ -522,18 +513,21 @@ def run_phase(args: argparse.Namespace, report: Report) -> None:
         report.put("streaming", {"text_words": texts.word_count(texts.RTF_TEXT), "runs": streams,
                                  "rtf_median": float(np.median([s["rtf"] for s in streams]))})
 
-    put_streaming()
     wholes: list[dict] = []
-    for r in range(1, runs):
+
+    def add_whole(seed: int) -> None:
+        wholes.append(measure_whole(engine, texts.RTF_TEXT, rtf_frames, seed))
+        report.put("whole", {"runs": wholes, "rtf_median": float(np.median([w["rtf"] for w in wholes]))})
+
+    put_streaming()
+    for r in range(1, texts.runs_for(quick)):
         if fits(streams[-1]["wall_s"]):
             streams.append(measure_stream(engine, texts.RTF_TEXT, rtf_frames, 200 + r))
             put_streaming()
         if fits(streams[-1]["wall_s"]) or not wholes:
-            wholes.append(measure_whole(engine, texts.RTF_TEXT, rtf_frames, 300 + r))
-            report.put("whole", {"runs": wholes, "rtf_median": float(np.median([w["rtf"] for w in wholes]))})
+            add_whole(300 + r)
     if not wholes:
-        wholes.append(measure_whole(engine, texts.RTF_TEXT, rtf_frames, 300))
-        report.put("whole", {"runs": wholes, "rtf_median": float(np.median([w["rtf"] for w in wholes]))})
+        add_whole(300)
 
     n_breakdown = max(10, min(n_breakdown, int((budget.left() - keep_for_concurrency) / (5 * frame_s))))
     breakdown = None

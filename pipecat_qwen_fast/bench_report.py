@@ -83,6 +83,21 @@ def prior_art_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _row(name: str, phase: dict, *, ttfc_first, warm: dict | None, rtf, rtf_whole, mem, **extra) -> dict:
+    """One measured row of the main table (`warm`: a TTFC summary with p50 / p95, or None)."""
+    return {
+        "name": name,
+        "ttfc_first": ttfc_first,
+        "ttfc_p50": _get(warm, "p50"),
+        "ttfc_p95": _get(warm, "p95"),
+        "rtf": rtf,
+        "rtf_whole": rtf_whole,
+        "mem": mem,
+        "load_s": phase.get("load_s"),
+        **extra,
+    }
+
+
 def implementation_rows(results: dict) -> list[dict]:
     """One row per implementation and mode, with the same columns for all."""
     phases = results.get("phases", {})
@@ -95,16 +110,14 @@ def implementation_rows(results: dict) -> list[dict]:
             rows.append({"name": f"ours ({backend})", "missing": p.get("reason") or p.get("error")
                          or p.get("phase_status")})
             continue
-        rows.append({
-            "name": f"ours ({backend}), streaming, first chunk 1 frame, then 4",
-            "ttfc_first": p.get("first_request_ttfc_ms"),
-            "ttfc_p50": _get(p, "ttfc_warm_ms", "p50"),
-            "ttfc_p95": _get(p, "ttfc_warm_ms", "p95"),
-            "rtf": _get(p, "streaming", "rtf_median"),
-            "rtf_whole": _get(p, "whole", "rtf_median"),
-            "mem": p.get("peak_gpu_memory_single_stream_gib"),
-            "load_s": p.get("load_s"),
-        })
+        rows.append(_row(
+            f"ours ({backend}), streaming, first chunk 1 frame, then 4", p,
+            ttfc_first=p.get("first_request_ttfc_ms"),
+            warm=p.get("ttfc_warm_ms"),
+            rtf=_get(p, "streaming", "rtf_median"),
+            rtf_whole=_get(p, "whole", "rtf_median"),
+            mem=p.get("peak_gpu_memory_single_stream_gib"),
+        ))
     f = phases.get("faster")
     if f is not None:
         if "load_s" not in f:
@@ -113,34 +126,30 @@ def implementation_rows(results: dict) -> list[dict]:
             s = f.get(f"streaming_chunk{chunk}")
             if s is None:
                 continue
-            rows.append({
-                "name": f"faster-qwen3-tts, streaming, chunk {chunk} ({label})",
-                "ttfc_first": _get(f, "first_request", "ttfc_ms") if chunk == 12 else None,
-                "ttfc_p50": _get(s, "ttfc_warm_ms", "p50"),
-                "ttfc_p95": _get(s, "ttfc_warm_ms", "p95"),
-                "rtf": s.get("rtf_median"),
-                "rtf_whole": _get(f, "whole", "rtf_median"),
-                "mem": f.get("peak_gpu_memory_gib"),
-                "load_s": f.get("load_s"),
-            })
+            rows.append(_row(
+                f"faster-qwen3-tts, streaming, chunk {chunk} ({label})", f,
+                ttfc_first=_get(f, "first_request", "ttfc_ms") if chunk == 12 else None,
+                warm=s.get("ttfc_warm_ms"),
+                rtf=s.get("rtf_median"),
+                rtf_whole=_get(f, "whole", "rtf_median"),
+                mem=f.get("peak_gpu_memory_gib"),
+            ))
     o = phases.get("official")
     if o is not None:
         if "whole" not in o:
             rows.append({"name": "official qwen_tts", "missing": o.get("error") or o.get("phase_status")})
         else:
             w = o["whole"]
-            rows.append({
-                "name": "official qwen_tts (qwen-tts-hf), non-streaming",
-                "ttfc_first": _get(o, "first_request", "ttfc_ms"),
-                "ttfc_p50": None,
-                "ttfc_p95": None,
-                "ttfc_note": f"= whole call ({_fmt(_median_wall(w), 1, ' s')} for "
-                             f"{_median([r.get('frames') for r in w.get('runs', [])])} frames)",
-                "rtf": None,
-                "rtf_whole": w.get("rtf_median"),
-                "mem": o.get("peak_gpu_memory_gib"),
-                "load_s": o.get("load_s"),
-            })
+            rows.append(_row(
+                "official qwen_tts (qwen-tts-hf), non-streaming", o,
+                ttfc_first=_get(o, "first_request", "ttfc_ms"),
+                warm=None,
+                rtf=None,
+                rtf_whole=w.get("rtf_median"),
+                mem=o.get("peak_gpu_memory_gib"),
+                ttfc_note=f"= whole call ({_fmt(_median_wall(w), 1, ' s')} for "
+                          f"{_median([r.get('frames') for r in w.get('runs', [])])} frames)",
+            ))
     return rows
 
 

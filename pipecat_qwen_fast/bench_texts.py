@@ -68,6 +68,11 @@ RTF_FRAMES = 250
 CONCURRENCY_TEXT = "Thanks for waiting. I found two flights that leave tomorrow morning."
 CONCURRENCY_FRAMES = 50
 
+# --quick (a smoke test of the harness): fewer utterances, shorter runs, one run of each.
+QUICK_UTTERANCES = 4
+QUICK_RTF_FRAMES = 24
+RUNS = 3
+
 
 def word_count(text: str) -> int:
     return len(text.split())
@@ -80,3 +85,15 @@ def frames_for(text: str) -> int:
 
 def audio_seconds(frames: int) -> float:
     return frames / FRAME_RATE_HZ
+
+
+def utterances_for(quick: bool) -> tuple[str, ...]:
+    return UTTERANCES[:QUICK_UTTERANCES] if quick else UTTERANCES
+
+
+def rtf_frames_for(quick: bool) -> int:
+    return QUICK_RTF_FRAMES if quick else RTF_FRAMES
+
+
+def runs_for(quick: bool) -> int:
+    return 1 if quick else RUNS

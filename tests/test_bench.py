@@ -47,11 +47,12 @@ def test_underrun(underrun):
     assert underrun([0.5], [0.08]) == 0.0
 
 
-def test_summarize_percentiles():
-    s = bench_engine.summarize([float(x) for x in range(1, 101)])
+@pytest.mark.parametrize("summarize", [bench_engine.summarize, driver_common.summarize])
+def test_summarize_percentiles(summarize):
+    s = summarize([float(x) for x in range(1, 101)])
     assert s["n"] == 100 and s["min"] == 1 and s["max"] == 100
     assert s["p50"] == pytest.approx(50.5) and s["p95"] == pytest.approx(95.05)
-    assert driver_common.summarize([]) == {"n": 0, "p50": None, "p95": None, "min": None, "max": None}
+    assert summarize([]) == {"n": 0, "p50": None, "p95": None, "min": None, "max": None}
 
 
 def _layout_bytes_per_frame(cfg, elem: int) -> tuple[int, int, int]:
@@ -152,8 +153,10 @@ def test_report_states_ratios_and_missing_rows():
     assert "official qwen_tts | not measured: stopped at its 100 s budget" in md
     assert "| faster-qwen3-tts chunk 12: TTFC on the long sentence (ms) | 327 | 320.0 | 0.98 |" in md
     assert bench_report._compare(2.0, 4.0) == "2.0x slower (ours 4.0 vs 2.0)"
-    # An empty run renders too.
-    assert "n/a" in bench_report.render({"phases": {}})
+    # An empty run renders too, and says what it lacks instead of guessing.
+    empty = bench_report.render({"phases": {}})
+    assert "n/a: no engine phase finished its streaming runs" in empty
+    assert "n/a (no engine phase reported a floor)" in empty
 
 
 def test_cli_rejects_unknown_backend():

@@ -2,10 +2,16 @@
 
 The drivers use each baseline as its users do, through its public API; what is ours here is only
 the timing around those calls and one compatibility fix (`fix_rope_init_for_transformers5`).
+
+`pipecat_qwen_fast` is not on a driver's path (run_h200.sh does not install it; the drivers get the
+baselines' wheel folder only), so `Budget`, `Report`, `summarize` and `max_underrun` are small
+copies of those in `pipecat_qwen_fast/bench_engine.py`; tests/test_bench.py runs both copies of
+`max_underrun` and `summarize` on the same cases.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -65,8 +71,25 @@ def max_underrun(arrivals: list[float], durations: list[float]) -> float:
     return worst
 
 
+def parse_args(argv: list[str] | None, budget_s: float) -> argparse.Namespace:
+    """The flags `pipecat_qwen_fast.bench` passes to every driver."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--budget", type=float, default=budget_s)
+    p.add_argument("--texts", required=True)
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
 def load_texts(path: str) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def median(values: list[float | None]) -> float | None:
+    """Upper median of the values that were measured (None = not measured)."""
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
 
 
 def sync() -> None:

@@ -13,7 +13,6 @@ Usage: python bench/baselines/faster_qwen3_tts_bench.py --model DIR --texts text
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 import warnings
@@ -31,7 +30,6 @@ def stream(model, text: str, speaker: str, frames: int, chunk: int, first_only: 
     gen = model.generate_custom_voice_streaming(text, speaker=speaker, language="Auto", max_new_tokens=frames,
                                                 chunk_size=chunk)
     arrivals, durations = [], []
-    sr = model.sample_rate
     try:
         for audio, sr, _timing in gen:
             arrivals.append(time.perf_counter() - t0)
@@ -80,13 +78,7 @@ def split(model, text: str, speaker: str, frames: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--budget", type=float, default=150.0)
-    p.add_argument("--texts", required=True)
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
+    args = dc.parse_args(argv, budget_s=150.0)
     budget = dc.Budget(args.budget)
     spec = dc.load_texts(args.texts)
     report = dc.Report(args.out, {"implementation": "faster-qwen3-tts", "attn": "sdpa", "dtype": "bfloat16"})
@@ -117,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     whole_runs: list[dict] = []
     for _ in range(runs):
         whole_runs.append(whole(model, spec["rtf_text"], speaker, frames))
-        report.put("whole", {"runs": whole_runs, "rtf_median": _median([r["rtf"] for r in whole_runs])})
+        report.put("whole", {"runs": whole_runs, "rtf_median": dc.median([r["rtf"] for r in whole_runs])})
 
     for chunk in (DEFAULT_CHUNK, SMALLEST_CHUNK):
         key = f"streaming_chunk{chunk}"
@@ -133,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             if budget.left() < (stream_runs[-1]["wall_s"] if stream_runs else whole_runs[-1]["wall_s"] * 1.5) + 15:
                 break
             stream_runs.append(stream(model, spec["rtf_text"], speaker, frames, chunk))
-            result.update(runs=stream_runs, rtf_median=_median([r["rtf"] for r in stream_runs]))
+            result.update(runs=stream_runs, rtf_median=dc.median([r["rtf"] for r in stream_runs]))
             report.put(key, result)
 
     if budget.left() > whole_runs[-1]["wall_s"] * 1.5 + 5:
@@ -141,11 +133,6 @@ def main(argv: list[str] | None = None) -> int:
     report.put("peak_gpu_memory_gib", dc.peak_memory_gib())
     report.put("finished", True)
     return 0
-
-
-def _median(values: list[float]) -> float | None:
-    values = sorted(v for v in values if v is not None)
-    return values[len(values) // 2] if values else None
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Usage: python bench/baselines/official_qwen_tts_bench.py --model DIR --texts tex
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 import warnings
@@ -50,13 +49,7 @@ def timed_run(tts, text: str, speaker: str, max_new_tokens: int, predictor: dc.C
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--budget", type=float, default=200.0)
-    p.add_argument("--texts", required=True)
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
+    args = dc.parse_args(argv, budget_s=200.0)
     budget = dc.Budget(args.budget)
     spec = dc.load_texts(args.texts)
     report = dc.Report(args.out, {"implementation": "official qwen_tts (non-streaming)", "attn": "sdpa"})
@@ -90,21 +83,16 @@ def main(argv: list[str] | None = None) -> int:
 
     frames = spec["rtf_frames"]
     runs = []
-    for r in range(spec["runs"]):
+    for _ in range(spec["runs"]):
         if runs and budget.left() < runs[-1]["wall_s"] * 1.2:
             break
         runs.append(timed_run(tts, spec["rtf_text"], speaker, frames + extra, predictor, vocoder))
-        report.put("whole", {"runs": runs, "rtf_median": _median([x["rtf"] for x in runs]),
-                             "frame_ms_median": _median([x["frame_ms"] for x in runs]),
-                             "predictor_ms_median": _median([x["predictor_ms_per_frame"] for x in runs])})
+        report.put("whole", {"runs": runs, "rtf_median": dc.median([x["rtf"] for x in runs]),
+                             "frame_ms_median": dc.median([x["frame_ms"] for x in runs]),
+                             "predictor_ms_median": dc.median([x["predictor_ms_per_frame"] for x in runs])})
     report.put("peak_gpu_memory_gib", dc.peak_memory_gib())
     report.put("finished", True)
     return 0
-
-
-def _median(values: list[float]) -> float | None:
-    values = sorted(v for v in values if v is not None)
-    return values[len(values) // 2] if values else None
 
 
 if __name__ == "__main__":
