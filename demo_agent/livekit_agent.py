@@ -18,7 +18,7 @@ from typing import Any
 
 from livekit.agents import Agent, AgentServer, AgentSession, JobContext, JobExecutorType, cli
 
-from .options import TTSOptions, cloud_keys
+from .options import TTSOptions, cloud_keys, describe_modes, missing_package_error
 from .prompts import SYSTEM_PROMPT, default_greeting
 
 logger = logging.getLogger("demo_agent.livekit")
@@ -61,9 +61,8 @@ def create_session(options: TTSOptions, service: Any) -> AgentSession:
         try:
             from livekit.plugins import deepgram
         except ImportError as e:
-            raise RuntimeError(
-                "DEEPGRAM_API_KEY is set but the plugin is missing: "
-                "pip install livekit-plugins-deepgram (or unset the key to type instead of talk)"
+            raise missing_package_error(
+                "DEEPGRAM_API_KEY", "pip install livekit-plugins-deepgram"
             ) from e
         from livekit.agents import inference
 
@@ -73,9 +72,8 @@ def create_session(options: TTSOptions, service: Any) -> AgentSession:
         try:
             from livekit.plugins import openai
         except ImportError as e:
-            raise RuntimeError(
-                "OPENAI_API_KEY is set but the plugin is missing: "
-                "pip install livekit-plugins-openai (or unset the key for the offline echo LLM)"
+            raise missing_package_error(
+                "OPENAI_API_KEY", "pip install livekit-plugins-openai"
             ) from e
         kwargs["llm"] = openai.LLM(api_key=openai_key)
     else:
@@ -102,11 +100,6 @@ def run(options: TTSOptions, service: Any, cli_args: list[str]) -> None:
     # The plugin registers itself on import, which LiveKit only allows on the main thread.
     import livekit.plugins.qwen_fast  # noqa: F401
 
-    deepgram_key, openai_key = cloud_keys()
-    logger.info(
-        "input: %s; LLM: %s",
-        "voice (Deepgram STT)" if deepgram_key else "text (console --text, or room chat)",
-        "OpenAI" if openai_key else "offline echo",
-    )
+    logger.info(describe_modes("text (console --text, or room chat)"))
     sys.argv = ["python -m demo_agent livekit", *cli_args]
     cli.run_app(create_server(options, service))

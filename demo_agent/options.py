@@ -112,6 +112,28 @@ def cloud_keys() -> tuple[str | None, str | None]:
     return os.environ.get("DEEPGRAM_API_KEY") or None, os.environ.get("OPENAI_API_KEY") or None
 
 
+def describe_modes(typed_input: str) -> str:
+    """The startup log line: the keys that are set decide how turns come in and who answers."""
+    deepgram_key, openai_key = cloud_keys()
+    turns = "voice (Deepgram STT)" if deepgram_key else typed_input
+    return f"input: {turns}; LLM: {'OpenAI' if openai_key else 'offline echo'}"
+
+
+# What the demo does without each key, for the error that says how to get back there.
+_WITHOUT_KEY = {
+    "DEEPGRAM_API_KEY": "to type instead of talk",
+    "OPENAI_API_KEY": "for the offline echo LLM",
+}
+
+
+def missing_package_error(key_name: str, install: str) -> RuntimeError:
+    """The error for a cloud key that is set while the package that would use it is missing."""
+    return RuntimeError(
+        f"{key_name} is set but its package is missing: {install} "
+        f"(or unset the key {_WITHOUT_KEY[key_name]})"
+    )
+
+
 def _positive_int(value: str) -> int:
     number = int(value)
     if number < 1:

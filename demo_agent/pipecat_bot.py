@@ -52,7 +52,7 @@ from pipecat.workers.runner import WorkerRunner
 from pipecat_qwen_fast.service import EngineService
 from pipecat_qwen_fast.tts import QwenFastTTSService
 
-from .options import TTSOptions, cloud_keys
+from .options import TTSOptions, cloud_keys, describe_modes, missing_package_error
 from .pipecat_llm import OfflineLLM
 from .prompts import SYSTEM_PROMPT, default_greeting
 from .text_page import PAGE
@@ -91,19 +91,15 @@ def create_stt_and_llm(deepgram_key: str | None, openai_key: str | None) -> tupl
         try:
             from pipecat.services.deepgram.stt import DeepgramSTTService
         except ImportError as e:
-            raise RuntimeError(
-                "DEEPGRAM_API_KEY is set but Deepgram support is missing: "
-                'pip install "pipecat-ai[deepgram]" (or unset the key to type instead of talk)'
+            raise missing_package_error(
+                "DEEPGRAM_API_KEY", 'pip install "pipecat-ai[deepgram]"'
             ) from e
         stt = DeepgramSTTService(api_key=deepgram_key)
     if openai_key:
         try:
             from pipecat.services.openai.llm import OpenAILLMService
         except ImportError as e:
-            raise RuntimeError(
-                "OPENAI_API_KEY is set but OpenAI support is missing: "
-                'pip install "pipecat-ai[openai]" (or unset the key for the offline echo LLM)'
-            ) from e
+            raise missing_package_error("OPENAI_API_KEY", 'pip install "pipecat-ai[openai]"') from e
         llm = OpenAILLMService(api_key=openai_key)
     else:
         llm = OfflineLLM()
@@ -280,7 +276,7 @@ async def _run_logged(make_transport: Callable[[bool], Any], config: BotConfig) 
         await run_bot(make_transport, config)
     except asyncio.CancelledError:
         raise
-    except Exception:
+    except Exception:  # noqa: BLE001 - one failed session must not stop the server
         pipecat_logger.exception("bot session failed")
 
 
@@ -288,10 +284,7 @@ def serve(config: BotConfig, *, host: str, port: int) -> None:
     """Serve until SIGINT/SIGTERM, then hang up every session and stop the engine."""
     import uvicorn
 
-    deepgram_key, openai_key = cloud_keys()
-    mode = "voice (Deepgram STT)" if deepgram_key else "text (type in the page)"
-    llm = "OpenAI" if openai_key else "offline echo"
-    logger.info("input: %s; LLM: %s", mode, llm)
+    logger.info(describe_modes("text (type in the page)"))
     url = f"http://{_url_host(host)}:{port}"
     ready = f"Demo ready: open {url}/ in a browser ({url}/text/ works with no internet at all)"
     uvicorn.run(

@@ -39,7 +39,7 @@ except ModuleNotFoundError as e:  # pragma: no cover - depends on the install
     )
     raise ImportError(f"Missing module: {e}") from e
 
-from .errors import EngineClosedError, InvalidInputError, ModelLoadError, QwenTTSError
+from .errors import EngineClosedError, ModelLoadError, QwenTTSError
 from .service import EngineService, SynthesisStream, shared_service
 
 DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
@@ -64,14 +64,11 @@ _LANGUAGE_MAP = {
 def language_to_qwen_language(language: Language) -> str:
     """Map a Pipecat ``Language`` to a Qwen3-TTS language name ("english", "chinese", ...).
 
-    Languages Qwen3-TTS does not know resolve to their base code, which the engine then rejects
-    with the list of valid names.
+    Regional variants resolve through their base language (en-US -> "english"); languages
+    Qwen3-TTS does not know resolve to their base code, which the engine then rejects with the
+    list of valid names.
     """
-    result = resolve_language(language, _LANGUAGE_MAP, use_base_code=True)
-    if result not in _LANGUAGE_MAP.values():
-        by_code = {str(k): v for k, v in _LANGUAGE_MAP.items()}
-        result = by_code.get(result, result)
-    return result
+    return resolve_language(language, _LANGUAGE_MAP, use_base_code=True)
 
 
 @dataclass
@@ -199,17 +196,18 @@ class QwenFastTTSService(TTSService):
 
     async def on_audio_context_interrupted(self, context_id: str):
         """Stop the engine's work for an interrupted context before its next frame."""
-        for stream in self._streams.pop(context_id, set()):
-            stream.cancel()
+        self._cancel_streams(context_id)
         await super().on_audio_context_interrupted(context_id)
 
     async def cleanup(self):
         """Stop this service's streams; the shared engine stays loaded for other users."""
-        for streams in self._streams.values():
-            for stream in streams:
-                stream.cancel()
-        self._streams.clear()
+        for context_id in list(self._streams):
+            self._cancel_streams(context_id)
         await super().cleanup()
+
+    def _cancel_streams(self, context_id: str) -> None:
+        for stream in self._streams.pop(context_id, set()):
+            stream.cancel()
 
     async def _update_settings(self, delta: Settings) -> dict[str, Any]:
         """Voice, language and instruct apply from the next sentence; a new model is loaded
@@ -293,10 +291,6 @@ class QwenFastTTSService(TTSService):
                     yield TTSAudioRawFrame(audio, self.sample_rate, 1, context_id=context_id)
             if resampler is not None and (tail := await resampler.flush()):
                 yield TTSAudioRawFrame(tail, self.sample_rate, 1, context_id=context_id)
-        except InvalidInputError as e:
-            # A bad request (unknown voice, empty text, ...) says nothing about the service's
-            # health: the next request may well be fine.
-            yield ErrorFrame(error=f"{self}: {e}")
         except (ModelLoadError, EngineClosedError) as e:
             await self.push_error(
                 f"{self}: the Qwen3-TTS engine is unavailable: {e}",
@@ -304,6 +298,8 @@ class QwenFastTTSService(TTSService):
                 force_treat_as_permanent=True,
             )
         except QwenTTSError as e:
+            # A bad request (unknown voice, empty text, ...) says nothing about the service's
+            # health: the next request may well be fine.
             yield ErrorFrame(error=f"{self}: {e}")
         except Exception as e:  # noqa: BLE001 - an engine fault becomes an error frame
             logger.error(f"{self}: synthesis failed: {type(e).__name__}: {e}")

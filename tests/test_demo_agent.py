@@ -111,55 +111,20 @@ def test_keys_choose_cloud_services_and_no_keys_the_offline_llm():
 # -- LiveKit ------------------------------------------------------------------------------------
 
 
-def _capture_audio_output():
-    """A LiveKit audio output that keeps every frame and plays each segment out instantly.
-
-    It stands in for the room's speaker (a framework part, not our code) so the session needs no
-    room and no real-time clock.
-    """
-    from livekit.agents.voice import io
-
-    class CaptureAudioOutput(io.AudioOutput):
-        def __init__(self) -> None:
-            super().__init__(label="capture", capabilities=io.AudioOutputCapabilities(pause=False))
-            self.frames = []
-            self._pushed = 0.0
-            self._playing = False
-
-        async def capture_frame(self, frame) -> None:
-            await super().capture_frame(frame)
-            if not self._playing:
-                self._playing = True
-                self.on_playback_started(created_at=asyncio.get_running_loop().time())
-            self.frames.append(frame)
-            self._pushed += frame.duration
-
-        def flush(self) -> None:
-            super().flush()
-            self._finish(interrupted=False)
-
-        def clear_buffer(self) -> None:
-            self._finish(interrupted=True)
-
-        def _finish(self, *, interrupted: bool) -> None:
-            if self._playing:
-                self._playing = False
-                position, self._pushed = self._pushed, 0.0
-                self.on_playback_finished(playback_position=position, interrupted=interrupted)
-
-    return CaptureAudioOutput()
-
-
 async def test_livekit_agent_answers_a_typed_turn_with_our_audio(cpu_service, monkeypatch):
     pytest.importorskip("livekit.agents")
+    from helpers_frameworks import livekit_helpers
+
     from demo_agent.livekit_agent import DemoAgent, create_session
+
+    _, CaptureAudioOutput = livekit_helpers()  # the room's speaker, played out instantly
 
     model, service = cpu_service
     options = TTSOptions(model=model, seed=1, max_frames=10, **CPU)
     monkeypatch.delenv("DEEPGRAM_API_KEY", raising=False)
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     session = create_session(options, service)
-    output = _capture_audio_output()
+    output = CaptureAudioOutput()
     session.output.audio = output
     try:
         await session.start(agent=DemoAgent(greeting=""))
@@ -262,10 +227,14 @@ def _namespace_problem() -> str | None:
     for tool in ("unshare", "ip"):
         if shutil.which(tool) is None:
             return f"needs `{tool}` (util-linux / iproute2)"
+    cmd = [
+        "unshare", "-n", "ip", "link", "add", "probe-a", "type", "veth", "peer", "name", "probe-b",
+    ]  # fmt: skip
     probe = subprocess.run(
-        "unshare -n ip link add probe-a type veth peer name probe-b".split(),
+        cmd,
         capture_output=True,
         text=True,
+        check=False,
     )
     if probe.returncode != 0:
         return f"cannot create a private network namespace with veth: {probe.stderr.strip()}"
@@ -288,7 +257,9 @@ def e2e_report(tiny_checkpoint, tmp_path_factory):
         "--checkpoint", str(tiny_checkpoint("custom_voice")), "--out", str(out),
         "--screenshot", str(screenshot), "--timeout", "60",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=E2E_TIMEOUT)
+    proc = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=E2E_TIMEOUT, check=False
+    )
     assert proc.returncode == 0, f"e2e driver failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     report = json.loads(out.read_text())
     report["bot_log_text"] = Path(report["bot_log"]).read_text(errors="replace")

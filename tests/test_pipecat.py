@@ -8,11 +8,7 @@ import pytest
 
 pytest.importorskip("pipecat")
 
-from helpers_frameworks import (
-    PipecatAudioWatch,
-    PipecatInterruptGate,
-    PipecatScriptedLLM,
-)
+from helpers_frameworks import pipecat_helpers
 from pipecat.frames.frames import (
     ErrorFrame,
     InterruptionFrame,
@@ -35,6 +31,8 @@ from pipecat.tests.utils import SleepFrame, run_test
 
 from pipecat_qwen_fast import QwenFastTTSService
 from pipecat_qwen_fast.service import get_shared_service
+
+PipecatScriptedLLM, PipecatInterruptGate, PipecatAudioWatch = pipecat_helpers()
 
 CPU = {"device": "cpu", "dtype": "float32", "backend": "torch"}
 TIMEOUT = 120

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from livekit.agents import (
     APIConnectionError,
@@ -34,34 +34,6 @@ from .log import logger
 from .models import DEFAULT_MODEL, TTSBackends, TTSLanguages, TTSModels, TTSVoices
 
 NUM_CHANNELS = 1
-
-
-@dataclass
-class _TTSOptions:
-    model: str
-    voice: str | None
-    language: str
-    instruct: str | None
-    seed: int | None
-    greedy: bool
-    text_mode: str | None
-    first_chunk_frames: int
-    chunk_frames: int
-    max_frames: int | None
-
-    def request(self, text: str) -> SynthesisRequest:
-        return SynthesisRequest(
-            text,
-            voice=self.voice,
-            language=self.language,
-            instruct=self.instruct,
-            seed=self.seed,
-            greedy=self.greedy,
-            text_mode=self.text_mode,
-            first_chunk_frames=self.first_chunk_frames,
-            chunk_frames=self.chunk_frames,
-            max_frames=self.max_frames,
-        )
 
 
 class TTS(tts.TTS):
@@ -109,8 +81,11 @@ class TTS(tts.TTS):
             sample_rate=SAMPLE_RATE,
             num_channels=NUM_CHANNELS,
         )
-        self._opts = _TTSOptions(
-            model=os.fspath(model),
+        self._model = os.fspath(model)
+        # Every field but the text; each sentence's request is a copy with its text filled in.
+        # Updates replace it whole, so a stream's reference is a snapshot.
+        self._request = SynthesisRequest(
+            "",
             voice=voice,
             language=language,
             instruct=instruct,
@@ -135,7 +110,7 @@ class TTS(tts.TTS):
 
     @property
     def model(self) -> str:
-        return self._opts.model
+        return self._model
 
     @property
     def provider(self) -> str:
@@ -155,16 +130,14 @@ class TTS(tts.TTS):
         instruct: NotGivenOr[str | None] = NOT_GIVEN,
     ) -> None:
         """Change options for later requests; requests already running keep their snapshot."""
-        if is_given(model) and os.fspath(model) != self._opts.model:
-            self._opts.model = os.fspath(model)
+        if is_given(model) and os.fspath(model) != self._model:
+            self._model = os.fspath(model)
             if self._explicit_service is None:
                 self._service = None
-        if is_given(voice):
-            self._opts.voice = voice
-        if is_given(language):
-            self._opts.language = language
-        if is_given(instruct):
-            self._opts.instruct = instruct
+        given = {"voice": voice, "language": language, "instruct": instruct}
+        self._request = replace(
+            self._request, **{name: value for name, value in given.items() if is_given(value)}
+        )
 
     def prewarm(self) -> None:
         """Start loading the model on the engine thread without waiting for it."""
@@ -194,7 +167,7 @@ class TTS(tts.TTS):
         service = self._service
         if service is None or (self._explicit_service is None and not service.alive):
             service = shared_service(
-                self._opts.model, device=self._device, dtype=self._dtype, backend=self._backend
+                self._model, device=self._device, dtype=self._dtype, backend=self._backend
             )
             self._service = service
         return service
@@ -211,12 +184,14 @@ class TTS(tts.TTS):
             ) from None
 
 
-async def _speak(tts_: TTS, opts: _TTSOptions, text: str, emitter: tts.AudioEmitter) -> None:
+async def _speak(
+    tts_: TTS, request: SynthesisRequest, text: str, emitter: tts.AudioEmitter
+) -> None:
     """Synthesize one sentence into the emitter, mapping engine errors to LiveKit's APIError."""
     service = await tts_._ready_service()
     stream: SynthesisStream | None = None
     try:
-        stream = service.open_stream(opts.request(text))
+        stream = service.open_stream(replace(request, text=text))
         async for chunk in stream:
             emitter.push(chunk.pcm.tobytes())
     except InvalidInputError as e:
@@ -227,8 +202,6 @@ async def _speak(tts_: TTS, opts: _TTSOptions, text: str, emitter: tts.AudioEmit
         raise APIConnectionError(f"the Qwen3-TTS engine stopped: {e}", retryable=True) from None
     except QwenTTSError as e:
         raise APIError(str(e), retryable=False) from None
-    except (asyncio.CancelledError, APIError):
-        raise
     except Exception as e:  # noqa: BLE001 - an engine fault must reach LiveKit as APIError
         logger.error("synthesis failed: %s: %s", type(e).__name__, e)
         raise APIError(f"synthesis failed: {type(e).__name__}: {e}", retryable=True) from None
@@ -237,23 +210,28 @@ async def _speak(tts_: TTS, opts: _TTSOptions, text: str, emitter: tts.AudioEmit
             stream.cancel()
 
 
+def _initialize_output(emitter: tts.AudioEmitter, *, stream: bool) -> None:
+    emitter.initialize(
+        request_id=utils.shortuuid(),
+        sample_rate=SAMPLE_RATE,
+        num_channels=NUM_CHANNELS,
+        mime_type="audio/pcm",
+        stream=stream,
+    )
+
+
 class ChunkedStream(tts.ChunkedStream):
     """One text in, its audio out."""
 
     def __init__(self, *, tts: TTS, input_text: str, conn_options: APIConnectOptions) -> None:
         super().__init__(tts=tts, input_text=input_text, conn_options=conn_options)
         self._tts: TTS = tts
-        self._opts = replace(tts._opts)
+        self._request = tts._request
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
-        output_emitter.initialize(
-            request_id=utils.shortuuid(),
-            sample_rate=SAMPLE_RATE,
-            num_channels=NUM_CHANNELS,
-            mime_type="audio/pcm",
-        )
+        _initialize_output(output_emitter, stream=False)
         logger.debug("synthesizing", extra={"lk.pii.text": self._input_text})
-        await _speak(self._tts, self._opts, self._input_text, output_emitter)
+        await _speak(self._tts, self._request, self._input_text, output_emitter)
         output_emitter.flush()
 
 
@@ -263,16 +241,10 @@ class SynthesizeStream(tts.SynthesizeStream):
     def __init__(self, *, tts: TTS, conn_options: APIConnectOptions) -> None:
         super().__init__(tts=tts, conn_options=conn_options)
         self._tts: TTS = tts
-        self._opts = replace(tts._opts)
+        self._request = tts._request
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
-        output_emitter.initialize(
-            request_id=utils.shortuuid(),
-            sample_rate=SAMPLE_RATE,
-            num_channels=NUM_CHANNELS,
-            mime_type="audio/pcm",
-            stream=True,
-        )
+        _initialize_output(output_emitter, stream=True)
         segments = utils.aio.Chan[tokenize.SentenceStream]()
         opened: list[tokenize.SentenceStream] = []
 
@@ -301,7 +273,7 @@ class SynthesizeStream(tts.SynthesizeStream):
                         continue
                     self._mark_started()
                     logger.debug("synthesizing sentence", extra={"lk.pii.text": ev.token})
-                    await _speak(self._tts, self._opts, ev.token, output_emitter)
+                    await _speak(self._tts, self._request, ev.token, output_emitter)
                 output_emitter.end_segment()
 
         tasks = [
