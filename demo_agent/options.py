@@ -8,7 +8,7 @@ import os
 import time
 from dataclasses import dataclass
 
-DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
+from pipecat_qwen_fast.config import DEFAULT_MODEL
 
 logger = logging.getLogger("demo_agent")
 

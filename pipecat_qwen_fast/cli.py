@@ -10,9 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .config import DEFAULT_MODEL
 from .errors import QwenTTSError
-
-DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
 
 
 def write_wav(path: str | Path, pcm: np.ndarray, sample_rate: int) -> None:

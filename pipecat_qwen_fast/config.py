@@ -14,6 +14,9 @@ from typing import Any
 
 from .errors import ConfigError
 
+# The model the CLI, the adapters and the demo load when none is named.
+DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
+
 MODEL_TYPES = ("custom_voice", "voice_design", "base")
 MODEL_SIZES = ("0b6", "1b7")
 

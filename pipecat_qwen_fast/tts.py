@@ -39,10 +39,9 @@ except ModuleNotFoundError as e:  # pragma: no cover - depends on the install
     )
     raise ImportError(f"Missing module: {e}") from e
 
+from .config import DEFAULT_MODEL
 from .errors import EngineClosedError, ModelLoadError, QwenTTSError
 from .service import EngineService, SynthesisStream, shared_service
-
-DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
 # The first utterance after a cold start can take seconds (CUDA context, kernel warm-up, CPU
 # fallback); Pipecat's 3 s default would close the audio context before its first audio arrives.
 DEFAULT_STOP_FRAME_TIMEOUT_S = 10.0

@@ -302,7 +302,8 @@ async def browser_turn(base: str, text: str, expect: str, screenshot: Path, time
         deadline = time.monotonic() + 30
         while not port_file.exists() or not port_file.read_text().strip():
             if time.monotonic() > deadline or proc.poll() is not None:
-                return {"skipped": "chromium did not start its DevTools endpoint"}
+                # Chromium is installed but did not come up: a failure, not a reason to skip.
+                return {"error": f"chromium did not start its DevTools endpoint (exit code {proc.poll()})"}
             await asyncio.sleep(0.2)
         port = int(port_file.read_text().split()[0])
         async with aiohttp.ClientSession() as http:

@@ -291,6 +291,7 @@ def test_browser_loads_the_demo_page_and_connects(e2e_report):
     browser = e2e_report.get("browser", {})
     if "skipped" in browser:
         pytest.skip(browser["skipped"] + "; .ci/install_system_deps.sh installs it")
+    assert "error" not in browser, browser["error"]
     assert browser["prebuilt_rendered"], "Pipecat's prebuilt UI did not render at /"
     assert browser["page_loaded"], browser.get("page_text")
     assert browser["connected"], browser.get("status")
