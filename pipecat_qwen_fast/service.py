@@ -586,3 +586,31 @@ async def close_shared_services() -> None:
         _registry.clear()
     for service in services:
         await service.aclose()
+
+
+class ServiceHandle:
+    """The EngineService an adapter synthesizes with.
+
+    Either the caller's own service (kept as given), or the process-wide shared one for the model
+    and the handle's device, dtype and backend, looked up again when it has died or the model
+    changed. Both the Pipecat service and the LiveKit plugin hold one.
+    """
+
+    def __init__(self, engine_service: EngineService | None, *, device: str, dtype: str, backend: str):
+        self.explicit = engine_service
+        self.service: EngineService | None = engine_service
+        self.device, self.dtype, self.backend = device, dtype, backend
+
+    def acquire(self, model: str | os.PathLike[str]) -> EngineService:
+        """The service to use now; starts loading `model` (without waiting) if needed."""
+        if self.service is None or (self.explicit is None and not self.service.alive):
+            self.service = shared_service(model, device=self.device, dtype=self.dtype, backend=self.backend)
+        return self.service
+
+    def model_changed(self) -> bool:
+        """Forget the shared service so the next acquire loads the new model. False when the
+        caller's own service is in use: it cannot switch models (the adapter warns)."""
+        if self.explicit is not None:
+            return False
+        self.service = None
+        return True

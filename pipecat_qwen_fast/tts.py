@@ -41,7 +41,8 @@ except ModuleNotFoundError as e:  # pragma: no cover - depends on the install
 
 from .config import DEFAULT_MODEL
 from .errors import EngineClosedError, ModelLoadError, QwenTTSError
-from .service import EngineService, SynthesisStream, shared_service
+from .service import EngineService, ServiceHandle, SynthesisStream
+
 # The first utterance after a cold start can take seconds (CUDA context, kernel warm-up, CPU
 # fallback); Pipecat's 3 s default would close the audio context before its first audio arrives.
 DEFAULT_STOP_FRAME_TIMEOUT_S = 10.0
@@ -151,9 +152,6 @@ class QwenFastTTSService(TTSService):
             settings=default_settings,
             **kwargs,
         )
-        self._device = device
-        self._dtype = dtype
-        self._backend = backend
         self._generation = {
             "seed": seed,
             "greedy": greedy,
@@ -162,14 +160,13 @@ class QwenFastTTSService(TTSService):
             "chunk_frames": chunk_frames,
             "max_frames": max_frames,
         }
-        self._explicit_service = engine_service
-        self._service: EngineService | None = engine_service
+        self._services = ServiceHandle(engine_service, device=device, dtype=dtype, backend=backend)
         self._streams: dict[str, set[SynthesisStream]] = {}
 
     @property
     def engine_service(self) -> EngineService | None:
         """The EngineService this Pipecat service synthesizes with (None before setup)."""
-        return self._service
+        return self._services.service
 
     def can_generate_metrics(self) -> bool:
         """TTFB, TTFA, processing and usage (characters) metrics are all reported."""
@@ -213,20 +210,14 @@ class QwenFastTTSService(TTSService):
         (or found already loaded) on the engine thread without blocking."""
         changed = await super()._update_settings(delta)
         if "model" in changed:
-            if self._explicit_service is None:
-                self._service = None
+            if self._services.model_changed():
                 self._acquire_service()
             else:
                 self._warn_unhandled_updated_settings({"model": changed["model"]})
         return changed
 
     def _acquire_service(self) -> EngineService:
-        if self._service is None or (self._explicit_service is None and not self._service.alive):
-            model = self._settings.model or DEFAULT_MODEL
-            self._service = shared_service(
-                model, device=self._device, dtype=self._dtype, backend=self._backend
-            )
-        return self._service
+        return self._services.acquire(self._settings.model or DEFAULT_MODEL)
 
     async def _wait_for_service(self) -> EngineService | None:
         """The loaded service, or None after pushing a permanent error for a failed load."""

@@ -28,7 +28,7 @@ from livekit.agents.utils import is_given
 
 from pipecat_qwen_fast.engine import SAMPLE_RATE, SynthesisRequest
 from pipecat_qwen_fast.errors import EngineClosedError, InvalidInputError, QwenTTSError
-from pipecat_qwen_fast.service import EngineService, SynthesisStream, shared_service
+from pipecat_qwen_fast.service import EngineService, ServiceHandle, SynthesisStream
 
 from .log import logger
 from .models import DEFAULT_MODEL, TTSBackends, TTSLanguages, TTSModels, TTSVoices
@@ -96,11 +96,7 @@ class TTS(tts.TTS):
             chunk_frames=chunk_frames,
             max_frames=max_frames,
         )
-        self._device = device
-        self._dtype = dtype
-        self._backend = backend
-        self._explicit_service = engine_service
-        self._service: EngineService | None = engine_service
+        self._services = ServiceHandle(engine_service, device=device, dtype=dtype, backend=backend)
         self._sentence_tokenizer = (
             sentence_tokenizer
             if is_given(sentence_tokenizer)
@@ -119,7 +115,7 @@ class TTS(tts.TTS):
     @property
     def engine_service(self) -> EngineService | None:
         """The EngineService this TTS synthesizes with (None until first use or prewarm)."""
-        return self._service
+        return self._services.service
 
     def update_options(
         self,
@@ -132,8 +128,7 @@ class TTS(tts.TTS):
         """Change options for later requests; requests already running keep their snapshot."""
         if is_given(model) and os.fspath(model) != self._model:
             self._model = os.fspath(model)
-            if self._explicit_service is None:
-                self._service = None
+            self._services.model_changed()
         given = {"voice": voice, "language": language, "instruct": instruct}
         self._request = replace(
             self._request, **{name: value for name, value in given.items() if is_given(value)}
@@ -164,13 +159,7 @@ class TTS(tts.TTS):
         self._streams.clear()
 
     def _acquire_service(self) -> EngineService:
-        service = self._service
-        if service is None or (self._explicit_service is None and not service.alive):
-            service = shared_service(
-                self._model, device=self._device, dtype=self._dtype, backend=self._backend
-            )
-            self._service = service
-        return service
+        return self._services.acquire(self._model)
 
     async def _ready_service(self) -> EngineService:
         service = self._acquire_service()
