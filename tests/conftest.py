@@ -94,3 +94,16 @@ def tiny_checkpoint() -> Callable[..., Path]:
         return built[args]
 
     return make
+
+
+@pytest.fixture
+def finite_model(tiny_checkpoint) -> Path:
+    """Tiny CustomVoice checkpoint; random weights end utterances at random (EOS)."""
+    return tiny_checkpoint("custom_voice")
+
+
+@pytest.fixture
+def endless_model(tiny_checkpoint) -> Path:
+    """Tiny CustomVoice checkpoint with the EOS row zeroed: utterances run to their frame cap."""
+    return tiny_checkpoint("custom_voice", zero_eos=True)
+

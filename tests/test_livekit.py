@@ -23,16 +23,6 @@ FRAME_SAMPLES = 1920
 NO_RETRY = APIConnectOptions(max_retry=0, timeout=TIMEOUT)
 
 
-@pytest.fixture
-def finite_model(tiny_checkpoint):
-    return tiny_checkpoint("custom_voice")
-
-
-@pytest.fixture
-def endless_model(tiny_checkpoint):
-    return tiny_checkpoint("custom_voice", zero_eos=True)
-
-
 async def make_tts(model, **kw) -> qwen_fast.TTS:
     await asyncio.wait_for(get_shared_service(model, **CPU), TIMEOUT)
     kw.setdefault("seed", 1)

@@ -39,16 +39,6 @@ TIMEOUT = 120
 FRAME_SAMPLES = 1920  # 80 ms at 24 kHz
 
 
-@pytest.fixture
-def finite_model(tiny_checkpoint):
-    return tiny_checkpoint("custom_voice")
-
-
-@pytest.fixture
-def endless_model(tiny_checkpoint):
-    return tiny_checkpoint("custom_voice", zero_eos=True)
-
-
 async def make_tts(model, **kw) -> QwenFastTTSService:
     # Load before the pipeline starts so run_test's start timeout measures Pipecat, not the load.
     await asyncio.wait_for(get_shared_service(model, **CPU), TIMEOUT)

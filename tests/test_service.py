@@ -27,11 +27,6 @@ CPU = {"device": "cpu", "dtype": "float32", "backend": "torch"}
 TIMEOUT = 120
 
 
-@pytest.fixture
-def endless_model(tiny_checkpoint):
-    return tiny_checkpoint("custom_voice", zero_eos=True)
-
-
 # The same checks on a GPU (torch backend, bf16) when one is present.
 DEVICES = [
     pytest.param(CPU, id="cpu"),
