@@ -14,7 +14,7 @@ import os
 import re
 import unicodedata
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -220,7 +220,7 @@ class QwenTTSEngine:
         capture = getattr(self.backend, "capture_all", None)
         if capture is not None:
             defaults = SamplingParams.from_defaults(self.generation)
-            capture([defaults, replace(defaults, do_sample=False, subtalker_do_sample=False)])
+            capture([defaults, defaults.greedy()])
         if self.vocoder_graphs is not None:
             # First chunk, the default later chunk, the tails a 4-frame stream ends on, synthesize().
             self.vocoder_graphs.capture([1, 2, 3, 4, 25])
@@ -291,9 +291,9 @@ class QwenTTSEngine:
             raise InvalidInputError("first_chunk_frames and chunk_frames must be >= 1")
         if request.max_frames is not None and request.max_frames < 1:
             raise InvalidInputError("max_frames must be >= 1")
-        params = (request.sampling or SamplingParams.from_defaults(self.generation, request.greedy)).validated()
+        params = (request.sampling or SamplingParams.from_defaults(self.generation)).validated()
         if request.greedy:
-            params = replace(params, do_sample=False, subtalker_do_sample=False)
+            params = params.greedy()
         seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(6), "little")
         session = Session(
             request=request, speaker=speaker, language=language, text_mode=text_mode, params=params,

@@ -8,7 +8,7 @@ top-k, top-p only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -31,18 +31,13 @@ class SamplingParams:
     min_new_tokens: int = 2
 
     @classmethod
-    def from_defaults(cls, d: GenerationDefaults, greedy: bool = False) -> SamplingParams:
-        return cls(
-            do_sample=d.do_sample and not greedy,
-            temperature=d.temperature,
-            top_k=d.top_k,
-            top_p=d.top_p,
-            repetition_penalty=d.repetition_penalty,
-            subtalker_do_sample=d.subtalker_do_sample and not greedy,
-            subtalker_temperature=d.subtalker_temperature,
-            subtalker_top_k=d.subtalker_top_k,
-            subtalker_top_p=d.subtalker_top_p,
-        ).validated()
+    def from_defaults(cls, d: GenerationDefaults) -> SamplingParams:
+        # The sampling fields of generation_config.json carry the same names here.
+        return cls(**{f.name: getattr(d, f.name) for f in fields(cls) if hasattr(d, f.name)}).validated()
+
+    def greedy(self) -> SamplingParams:
+        """Argmax for code 0 and for the predictor's codes; the logits processing stays."""
+        return replace(self, do_sample=False, subtalker_do_sample=False)
 
     def validated(self) -> SamplingParams:
         for name in ("temperature", "subtalker_temperature"):
