@@ -1,107 +1,150 @@
-// Batch-1 matrix-vector products: one warp per row (or row pair), 16-byte weight loads, the input
-// vector in shared memory as fp32. K must be a multiple of 1024.
+// Batch-1 matrix-vector products over weight tiles in shared memory.
+//
+// Thread layout: 128 column threads x 4 row groups. Column thread c owns columns
+// [1024 s + 8 c, 1024 s + 8 c + 8) for every 1024-wide segment s of the input, and keeps those
+// operand values in registers for the whole phase, so shared memory is read once per weight
+// (16 conflict-free bytes per lane) and never for the operand. Row group g takes the tile's rows
+// g, g + 4, ...; a row's 128 partial sums are reduced by a warp sum and a 4-way sum in smem.
 #pragma once
 
+#include "mk_stream.cuh"
 #include "mk_util.cuh"
 
-// Rows are dealt to warps block-first (slot = warp * grid + block) so that a 1024-row matrix
-// still spreads over every SM instead of filling the first few.
-__device__ __forceinline__ int warp_slot() { return (threadIdx.x >> 5) * gridDim.x + blockIdx.x; }
-__device__ __forceinline__ int num_slots() { return QMK_WARPS * gridDim.x; }
+#define QMK_CT 128      // column threads
+#define QMK_RG 4        // row groups
+#define QMK_TILE_ROWS 16  // K >= 1024 and 32 KB slots
 
-// R rows of K columns against xs; U 16-byte loads per lane per row are issued before any use so
-// that R * U * 512 bytes per warp are in flight. K must be a multiple of U * 256.
-template <int R, int U>
-__device__ __forceinline__ void dot_rows_u(const bf16* const* w, const float* xs, int K, float* acc) {
-    const int lane = threadIdx.x & 31;
+// MS: the most 1024-wide segments the operand can have (2 for hidden-wide inputs, 6 for the
+// MLP's down projection); sized at compile time so the operand stays in registers.
+template <int MS>
+struct Operand {
+    float v[MS][8];
+};
+
+// A vector in device memory: fp32 activations (written in this launch: L2 loads) or a bf16
+// embedding row (read-only).
+struct VecRef {
+    const void* p;
+    int is_bf16;
+};
+
+__device__ __forceinline__ int col_thread() { return threadIdx.x & (QMK_CT - 1); }
+__device__ __forceinline__ int row_group() { return threadIdx.x >> 7; }
+
+__device__ __forceinline__ void unpack8(const uint4 u, float* x) {
+    x[0] = bf_lo(u.x);
+    x[1] = bf_hi(u.x);
+    x[2] = bf_lo(u.y);
+    x[3] = bf_hi(u.y);
+    x[4] = bf_lo(u.z);
+    x[5] = bf_hi(u.z);
+    x[6] = bf_lo(u.w);
+    x[7] = bf_hi(u.w);
+}
+
+// This thread's operand chunk of x[0..K).
+template <int MS>
+__device__ __forceinline__ void load_operand(VecRef x, int K, Operand<MS>& o) {
+    const int c = col_thread(), nseg = K >> 10;
 #pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = 0.f;
-    for (int k0 = lane * 8; k0 < K; k0 += U * 256) {
-        uint4 u[R][U];
+    for (int s = 0; s < MS; ++s) {
+        if (s < nseg) {
+            const int i = (s << 10) + c * 8;
+            if (x.is_bf16) {
+                unpack8(ld_weight(static_cast<const bf16*>(x.p) + i), o.v[s]);
+            } else {
+                const float* p = static_cast<const float*>(x.p) + i;
+                const float4 a = ld_act4(p), b = ld_act4(p + 4);
+                o.v[s][0] = a.x, o.v[s][1] = a.y, o.v[s][2] = a.z, o.v[s][3] = a.w;
+                o.v[s][4] = b.x, o.v[s][5] = b.y, o.v[s][6] = b.z, o.v[s][7] = b.w;
+            }
+        } else {
 #pragma unroll
-        for (int r = 0; r < R; ++r)
+            for (int e = 0; e < 8; ++e) o.v[s][e] = 0.f;
+        }
+    }
+}
+
+// Qwen3 RMSNorm in fp32, as the official model computes it: w * (x * rsqrt(mean(x^2) + eps)).
+// `scratch` holds 4 floats; the caller's previous use of it ended before a __syncthreads.
+template <int MS>
+__device__ __forceinline__ void load_normed(VecRef x, const bf16* w, int K, float eps, Operand<MS>& o,
+                                            float* scratch) {
+    load_operand(x, K, o);
+    const int c = col_thread(), nseg = K >> 10;
+    float wv[MS][8];
 #pragma unroll
-            for (int j = 0; j < U; ++j) u[r][j] = ld_weight(w[r] + k0 + j * 256);
+    for (int s = 0; s < MS; ++s)
+        if (s < nseg) unpack8(ld_weight(w + (s << 10) + c * 8), wv[s]);
+    float ss = 0.f;
 #pragma unroll
-        for (int j = 0; j < U; ++j) {
-            const float4 xa = *reinterpret_cast<const float4*>(xs + k0 + j * 256);
-            const float4 xb = *reinterpret_cast<const float4*>(xs + k0 + j * 256 + 4);
+    for (int s = 0; s < MS; ++s)
 #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const uint4 v = u[r][j];
-                float a = acc[r];
-                a = fmaf(bf_lo(v.x), xa.x, a);
-                a = fmaf(bf_hi(v.x), xa.y, a);
-                a = fmaf(bf_lo(v.y), xa.z, a);
-                a = fmaf(bf_hi(v.y), xa.w, a);
-                a = fmaf(bf_lo(v.z), xb.x, a);
-                a = fmaf(bf_hi(v.z), xb.y, a);
-                a = fmaf(bf_lo(v.w), xb.z, a);
-                a = fmaf(bf_hi(v.w), xb.w, a);
-                acc[r] = a;
+        for (int e = 0; e < 8; ++e) ss = fmaf(o.v[s][e], o.v[s][e], ss);
+    ss = warp_sum(ss);
+    if (threadIdx.x < QMK_CT && (threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    const float total = (scratch[0] + scratch[1]) + (scratch[2] + scratch[3]);
+    const float r = rsqrtf(total / (float)K + eps);
+#pragma unroll
+    for (int s = 0; s < MS; ++s)
+        if (s < nseg)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o.v[s][e] = (o.v[s][e] * r) * wv[s][e];
+}
+
+// Row group 0 writes the operand back (the normalised hidden state the tests and the predictor
+// read).
+template <int MS>
+__device__ __forceinline__ void store_operand(const Operand<MS>& o, int K, float* dst) {
+    if (row_group() != 0) return;
+    const int c = col_thread(), nseg = K >> 10;
+#pragma unroll
+    for (int s = 0; s < MS; ++s)
+        if (s < nseg) {
+            float* p = dst + (s << 10) + c * 8;
+            *reinterpret_cast<float4*>(p) = make_float4(o.v[s][0], o.v[s][1], o.v[s][2], o.v[s][3]);
+            *reinterpret_cast<float4*>(p + 4) = make_float4(o.v[s][4], o.v[s][5], o.v[s][6], o.v[s][7]);
+        }
+}
+
+// Dot products of the tile's `rows` rows (bf16, K wide, row-major in smem) with the operand.
+// Leaves row r's sum in red[r * 4 + 0..3] (four partials, summed by the caller after the
+// __syncthreads this function ends with).
+template <int MS>
+__device__ __forceinline__ void tile_dots(const unsigned char* tile, int rows, int K, const Operand<MS>& o,
+                                          float* red) {
+    const int c = col_thread(), g = row_group(), nseg = K >> 10;
+    const bf16* base = reinterpret_cast<const bf16*>(tile);
+    float acc[QMK_TILE_ROWS / QMK_RG];
+#pragma unroll
+    for (int i = 0; i < QMK_TILE_ROWS / QMK_RG; ++i) {
+        const int r = g + i * QMK_RG;
+        acc[i] = 0.f;
+        if (r < rows) {
+            const bf16* row = base + (size_t)r * K + c * 8;
+#pragma unroll
+            for (int s = 0; s < MS; ++s) {
+                if (s < nseg) {
+                    float w[8];
+                    unpack8(*reinterpret_cast<const uint4*>(row + (s << 10)), w);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[i] = fmaf(w[e], o.v[s][e], acc[i]);
+                }
             }
         }
     }
 #pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
-}
-
-template <int R>
-__device__ __forceinline__ void dot_rows(const bf16* const* w, const float* xs, int K, float* acc) {
-    if (R == 1 && K % 3072 == 0) {
-        dot_rows_u<R, 12>(w, xs, K, acc);
-    } else if (K % 2048 == 0) {
-        dot_rows_u<R, 8>(w, xs, K, acc);
-    } else {
-        dot_rows_u<R, 4>(w, xs, K, acc);
+    for (int i = 0; i < QMK_TILE_ROWS / QMK_RG; ++i) {
+        const int r = g + i * QMK_RG;
+        if (r < rows) {  // uniform over the warp: a warp belongs to one row group
+            const float s = warp_sum(acc[i]);
+            if ((threadIdx.x & 31) == 0) red[r * 4 + ((threadIdx.x >> 5) & 3)] = s;
+        }
     }
+    __syncthreads();
 }
 
-// For each unit u in [0, units): rows(u, w) names R weight rows, out(u, acc) consumes the R dot
-// products (called on lane 0 only).
-template <int R, typename Rows, typename Out>
-__device__ __forceinline__ void matvec(int units, int K, const float* xs, Rows rows, Out out) {
-    for (int u = warp_slot(); u < units; u += num_slots()) {
-        const bf16* w[R];
-        rows(u, w);
-        float acc[R];
-        dot_rows<R>(w, xs, K, acc);
-        if ((threadIdx.x & 31) == 0) out(u, acc);
-    }
-}
-
-__device__ __forceinline__ void cp_async16(const void* smem, const void* gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
-__device__ __forceinline__ float dot8(const uint4 v, const float* x) {
-    const float4 xa = *reinterpret_cast<const float4*>(x);
-    const float4 xb = *reinterpret_cast<const float4*>(x + 4);
-    float a = bf_lo(v.x) * xa.x;
-    a = fmaf(bf_hi(v.x), xa.y, a);
-    a = fmaf(bf_lo(v.y), xa.z, a);
-    a = fmaf(bf_hi(v.y), xa.w, a);
-    a = fmaf(bf_lo(v.z), xb.x, a);
-    a = fmaf(bf_hi(v.z), xb.y, a);
-    a = fmaf(bf_lo(v.w), xb.z, a);
-    a = fmaf(bf_hi(v.w), xb.w, a);
-    return a;
-}
-
-// Ask L2 for the rows this block will read in a later matvec with the same unit layout, so the
-// HBM latency overlaps the grid barrier in between.
-template <int R, typename Rows>
-__device__ __forceinline__ void prefetch_rows(int units, int K, Rows rows) {
-    const int lane = threadIdx.x & 31;
-    const int lines = K * 2 / 128;  // 128-byte lines per row
-    for (int u = warp_slot(); u < units; u += num_slots()) {
-        const bf16* w[R];
-        rows(u, w);
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-            for (int l = lane; l < lines; l += 32) prefetch_l2(reinterpret_cast<const char*>(w[r]) + l * 128);
-    }
+__device__ __forceinline__ float row_sum(const float* red, int r) {
+    return (red[r * 4] + red[r * 4 + 1]) + (red[r * 4 + 2] + red[r * 4 + 3]);
 }

@@ -1,4 +1,4 @@
-// Loads, bf16 rounding and block reductions shared by every phase of the megakernel.
+// Loads, reductions, the grid barrier and the shared-memory copy primitives used by every phase.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -9,13 +9,10 @@
 
 typedef __nv_bfloat16 bf16;
 
-// The torch reference rounds to bf16 after every op; we round at the same points so the two
-// paths differ only by accumulation order.
-__device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 __device__ __forceinline__ float bf_lo(uint32_t u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
 
-// Weights never change during a launch and each byte is used once: read-only path, no L1 line.
+// Read-only data (weights, embeddings, tables): never written during a launch.
 __device__ __forceinline__ uint4 ld_weight(const bf16* p) {
     uint4 r;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -28,18 +25,10 @@ __device__ __forceinline__ float ld_weight1(const bf16* p) {
     return __uint_as_float(((uint32_t)__ldg(reinterpret_cast<const unsigned short*>(p))) << 16);
 }
 
-// Activations are written by other blocks of the same launch; L1 is not coherent, so read them
+// Activations are written by other blocks of the same launch and L1 is not coherent: read them
 // from L2.
-__device__ __forceinline__ float ld_act(const bf16* p) {
-    return __uint_as_float(((uint32_t)__ldcg(reinterpret_cast<const unsigned short*>(p))) << 16);
-}
-
-__device__ __forceinline__ void st_bf16(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
-
-// Hint L2 to fetch [p, p + bytes) now; the matching loads come a phase later.
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
+__device__ __forceinline__ float ld_act(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ float4 ld_act4(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -111,42 +100,6 @@ struct BlockReducer {
     }
 };
 
-// Qwen3 RMSNorm of a bf16 vector (n <= 4 * QMK_THREADS) into shared memory as fp32 holding bf16
-// values: w * bf16(x * rsqrt(mean(x^2) + eps)), rounded like the torch module. x and w are
-// loaded together so their latencies overlap.
-__device__ __forceinline__ void rms_norm_to_smem(const bf16* x, const bf16* w, int n, float eps, float* xs,
-                                                 BlockReducer& red) {
-    __syncthreads();
-    float xv[4], wv[4];
-    float ss = 0.f;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        const int i = threadIdx.x + e * QMK_THREADS;
-        xv[e] = 0.f;
-        wv[e] = 0.f;
-        if (i < n) {
-            xv[e] = ld_act(x + i);
-            wv[e] = ld_weight1(w + i);
-        }
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) ss += xv[e] * xv[e];
-    ss = red.sum(ss);
-    const float r = rsqrtf(ss / (float)n + eps);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        const int i = threadIdx.x + e * QMK_THREADS;
-        if (i < n) xs[i] = bf16_round(bf16_round(xv[e] * r) * wv[e]);
-    }
-    __syncthreads();
-}
-
-__device__ __forceinline__ void load_to_smem(const bf16* x, int n, float* xs) {
-    __syncthreads();
-    for (int i = threadIdx.x; i < n; i += QMK_THREADS) xs[i] = ld_act(x + i);
-    __syncthreads();
-}
-
 __device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
     z += 0x9E3779B97F4A7C15ull;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -160,3 +113,90 @@ __device__ __forceinline__ float uniform01(uint64_t seed, uint32_t frame, uint32
     const uint64_t z = splitmix64(seed ^ splitmix64(((uint64_t)frame << 8) | group));
     return (float)(z >> 40) * (1.0f / 16777216.0f);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Grid barrier over a zero-initialised counter. Block 0 adds 2^31 - (blocks - 1), every other
+// block 1: the top bit flips exactly when the last block arrives, so the counter never needs a
+// reset between barriers or launches (the scheme of cooperative groups' grid sync, with the
+// counter in a buffer we own so the barrier can be traced).
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Split in two so the arriving thread can do useful work (issue the next copies) while the
+// other blocks catch up. Thread 0 only, between two __syncthreads.
+__device__ __forceinline__ unsigned grid_arrive(unsigned* counter) {
+    const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
+    __threadfence();
+    return atomicAdd(counter, add);
+}
+
+__device__ __forceinline__ void grid_wait(const unsigned* counter, unsigned arrived) {
+    while (((arrived ^ ld_acquire(counter)) & 0x80000000u) == 0) {
+    }
+    __threadfence();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared-memory tiles filled asynchronously and completed on an mbarrier. On Hopper one thread
+// issues a bulk copy per contiguous range (the copy engine, no registers, no L1); on sm_80 every
+// thread issues 16-byte cp.async pieces and its arrival is counted when they land. Consumers wait
+// the same way on both.
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ bool mbar_test(const uint64_t* bar, unsigned parity) {
+    uint32_t ok;
+#if __CUDA_ARCH__ >= 900
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(ok)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+#else
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(ok)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+#endif
+    return ok != 0;
+}
+
+__device__ __forceinline__ void mbar_wait(const uint64_t* bar, unsigned parity) {
+    while (!mbar_test(bar, parity)) {
+    }
+}
+
+#if __CUDA_ARCH__ >= 900
+// Orders this thread's earlier generic-proxy accesses (reads of a slot being refilled, stores to
+// a K/V cache another block will bulk-copy) before its later async-proxy copies.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async;" ::: "memory"); }
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            smem_u32(dst)),
+        "l"(src), "r"(bytes), "r"(smem_u32(bar))
+        : "memory");
+}
+#else
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+#endif

@@ -5,7 +5,9 @@
  * LM heads, sampling and embedding feedback, and the next talker input. Every address below is a
  * device pointer passed as uint64_t so the layout is identical in C and ctypes.
  *
- * Weights are used in checkpoint layout (bf16, row-major [out, in]); nothing is repacked.
+ * Weights are bf16 in checkpoint layout (row-major [out, in]); nothing is repacked. Everything the
+ * kernel computes is fp32 (activations, K/V cache, logits): the official model's fp32 arithmetic
+ * on the checkpoint's bf16 weights, read at bf16 bandwidth.
  */
 #ifndef QWEN_MK_H
 #define QWEN_MK_H
@@ -16,11 +18,11 @@
 extern "C" {
 #endif
 
-#define QMK_ABI_VERSION 2
+#define QMK_ABI_VERSION 3
 #define QMK_MAX_GROUPS 16
 #define QMK_HEAD_DIM 128
 
-/* One Qwen3 decoder layer. */
+/* One Qwen3 decoder layer (bf16 weights). */
 typedef struct {
     uint64_t input_norm, q, k, v, q_norm, k_norm, o, post_norm, gate, up, down;
 } qmk_layer;
@@ -32,8 +34,8 @@ typedef struct {
     int32_t reserved;
     uint64_t layers;     /* qmk_layer[num_layers] in device memory */
     uint64_t final_norm; /* bf16 [hidden] */
-    uint64_t rope;       /* bf16 [max_pos][2][64]: cos then sin per position, as torch rounds them */
-    uint64_t k_cache;    /* bf16 [num_layers][num_kv_heads][max_pos][head_dim] */
+    uint64_t rope;       /* fp32 [max_pos][2][64]: cos then sin per position */
+    uint64_t k_cache;    /* fp32 [num_layers][num_kv_heads][max_pos][head_dim] */
     uint64_t v_cache;
 } qmk_stack;
 
@@ -53,20 +55,21 @@ typedef struct {
     uint64_t pred_emb[QMK_MAX_GROUPS - 1]; /* bf16 [pred_vocab][Dt] */
     uint64_t lm_head[QMK_MAX_GROUPS - 1];  /* bf16 [pred_vocab][Dp] */
     /* session state */
-    uint64_t pending;     /* bf16 [Dt] next talker input (16-way embedding sum + text vector) */
-    uint64_t hidden;      /* bf16 [Dt] post-norm talker hidden at the newest position */
+    uint64_t pending;     /* fp32 [Dt] next talker input (16-way embedding sum + text vector) */
+    uint64_t hidden;      /* fp32 [Dt] post-norm talker hidden at the newest position */
     uint64_t seen;        /* uint8 [vocab] code-0 ids generated so far */
-    /* scratch */
-    uint64_t resid;       /* bf16 [max(Dt, Dp)] */
-    uint64_t qkv;         /* bf16 [(H + 2 KV) * 128] */
-    uint64_t attn;        /* bf16 [H * 128] */
-    uint64_t act;         /* bf16 [max(It, Ip)] */
-    uint64_t proj_out;    /* bf16 [Dp] */
-    uint64_t logits;      /* fp32 [vocab] raw codec-head logits (bf16-rounded) */
-    uint64_t pred_logits; /* fp32 [num_groups - 1][pred_vocab] */
-    uint64_t pred_hidden; /* bf16 [num_groups][Dp] post-norm predictor hidden per position */
-    uint64_t attn_part;   /* fp32 split-attention partials, qmk_attn_part_floats() */
+    /* scratch (fp32 unless noted) */
+    uint64_t resid;       /* [max(Dt, Dp)] */
+    uint64_t qkv;         /* [(H + 2 KV) * 128], raw projections */
+    uint64_t attn;        /* [H * 128] attention output */
+    uint64_t act;         /* [max(It, Ip)] */
+    uint64_t proj_out;    /* [Dp] */
+    uint64_t logits;      /* [vocab] codec-head logits */
+    uint64_t pred_logits; /* [num_groups - 1][pred_vocab] */
+    uint64_t pred_hidden; /* [num_groups][Dp] post-norm predictor hidden per position */
+    uint64_t attn_part;   /* split-attention partials, qmk_attn_part_floats() */
     uint64_t attn_count;  /* uint32 [max KV heads], zero-initialised, self-resetting */
+    uint64_t barrier;     /* uint32 [1], zero-initialised: the grid barrier's counter */
 } qmk_model;
 
 /* Per-frame arguments. */

@@ -1,9 +1,10 @@
 """Plain-torch replica of the megakernel's instruction stream, plus random full-size talkers.
 
-The kernel rounds to bf16 at the same points as the torch modules in `pipecat_qwen_fast.layers`;
-this file spells those points out phase by phase (the five phases of `cuda/qwen_mk.cu`), in fp32
-arithmetic with explicit `bf16()` roundings, so a mismatch can be pinned to one phase of one layer
-(`stop_after`) instead of only showing up in the logits.
+The kernel computes in fp32 on the checkpoint's bf16 weights: the same math as the torch modules
+of `pipecat_qwen_fast.layers` run on an fp32 copy of the weights. This file spells that math out
+phase by phase (the phases of `cuda/qwen_mk.cu`), one position at a time, so a mismatch can be
+pinned to one phase of one layer (`stop_after`) instead of only showing up in the logits. Kernel
+and replica differ only in summation order: ~1e-5 relative after a full talker step.
 
 Used by tests/test_megakernel.py and bench/megakernel_check.py (imported by path: cuda/ is not a
 package).
@@ -20,14 +21,9 @@ from torch import Tensor
 PHASES = ("qkv", "attention", "o_proj", "mlp_in", "down")
 
 
-def bf16(x: Tensor) -> Tensor:
-    return x.to(torch.bfloat16).float()
-
-
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    """Over the last dim (one vector, or one row per head)."""
-    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return bf16(bf16(x * r) * w.float())
+    """Over the last dim (one vector, or one row per head), as RMSNorm does in fp32."""
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * w.float()
 
 
 def matvec(w: Tensor, x: Tensor) -> Tensor:
@@ -39,53 +35,53 @@ def inv_freq(theta: float, device, head_dim: int = 128) -> Tensor:
 
 
 def rope(x: Tensor, pos: int, inv_freq: Tensor) -> Tensor:
-    """x [heads, 128] bf16 values -> rotate-half RoPE with bf16 cos/sin and per-op rounding."""
-    ang = torch.tensor(float(pos), device=x.device) * inv_freq
-    ang = torch.cat([ang, ang])
-    cos, sin = bf16(ang.cos()), bf16(ang.sin())
+    """x fp32 [heads, 128] -> rotate-half RoPE with the fp32 cos/sin of layers.rotary_cos_sin."""
+    ang = torch.tensor([float(pos)], device=x.device)[:, None] * inv_freq[None, :]
+    ang = torch.cat([ang, ang], dim=-1)[0]
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return bf16(bf16(x * cos) + bf16(rot * sin))
+    return x * ang.cos() + rot * ang.sin()
 
 
 @torch.no_grad()
 def layer_step(layer, x_in: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int, inv_freq: Tensor, eps: float,
                stop_after: str | None = None) -> Tensor:
-    """One decoder layer at one position. x_in: fp32 [D] holding bf16 values; caches [KV, max_pos, 128]
-    (bf16, this layer) are appended at `pos`. Returns the new residual (or the named phase's output)."""
+    """One decoder layer at one position. x_in: fp32 [D]; caches fp32 [KV, max_pos, 128] (this
+    layer) are appended at `pos`. Returns the new residual (or the named phase's output)."""
     a, mlp = layer.self_attn, layer.mlp
     H, KV, HD = a.num_heads, a.num_kv_heads, a.head_dim
     n = rms_norm(x_in, layer.input_layernorm.weight, eps)
-    q = bf16(matvec(a.q_proj.weight, n)).view(H, HD)
-    k = bf16(matvec(a.k_proj.weight, n)).view(KV, HD)
-    v = bf16(matvec(a.v_proj.weight, n)).view(KV, HD)
+    q = matvec(a.q_proj.weight, n).view(H, HD)
+    k = matvec(a.k_proj.weight, n).view(KV, HD)
+    v = matvec(a.v_proj.weight, n).view(KV, HD)
     if stop_after == "qkv":
         return torch.cat([q.flatten(), k.flatten(), v.flatten()])
     qn, kn = rms_norm(q, a.q_norm.weight, eps), rms_norm(k, a.k_norm.weight, eps)
     q, k = rope(qn, pos, inv_freq), rope(kn, pos, inv_freq)
-    k_cache[:, pos] = k.to(k_cache.dtype)
-    v_cache[:, pos] = v.to(v_cache.dtype)
+    k_cache[:, pos] = k
+    v_cache[:, pos] = v
     keys, values = k_cache[:, : pos + 1].float(), v_cache[:, : pos + 1].float()
     rep = H // KV
     scores = torch.einsum("hd,htd->ht", q, keys.repeat_interleave(rep, 0)) / HD**0.5
-    attn = bf16(torch.einsum("ht,htd->hd", scores.softmax(-1), values.repeat_interleave(rep, 0))).flatten()
+    attn = torch.einsum("ht,htd->hd", scores.softmax(-1), values.repeat_interleave(rep, 0)).flatten()
     if stop_after == "attention":
         return attn
-    resid = bf16(x_in + bf16(matvec(a.o_proj.weight, attn)))
+    resid = x_in + matvec(a.o_proj.weight, attn)
     if stop_after == "o_proj":
         return resid
     n = rms_norm(resid, layer.post_attention_layernorm.weight, eps)
-    g, u = bf16(matvec(mlp.gate_proj.weight, n)), bf16(matvec(mlp.up_proj.weight, n))
-    act = bf16(bf16(g * torch.sigmoid(g)) * u)
+    g, u = matvec(mlp.gate_proj.weight, n), matvec(mlp.up_proj.weight, n)
+    act = g * torch.sigmoid(g) * u
     if stop_after == "mlp_in":
         return act
-    return bf16(resid + bf16(matvec(mlp.down_proj.weight, act)))
+    return resid + matvec(mlp.down_proj.weight, act)
 
 
 @torch.no_grad()
 def stack_step(stack, x: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int, inv_freq: Tensor,
                layers: int | None = None) -> tuple[Tensor, Tensor]:
-    """All (or the first `layers`) layers at `pos`; returns (residual, post-final-norm hidden)."""
+    """All (or the first `layers`) layers at `pos`; returns (residual, post-final-norm hidden).
+    k_cache/v_cache: fp32 [layers, KV, max_pos, 128], appended at `pos`."""
     eps = stack.cfg.rms_norm_eps
     x = x.float()
     n = len(stack.layers) if layers is None else layers
@@ -94,22 +90,39 @@ def stack_step(stack, x: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int, inv
     return x, rms_norm(x, stack.norm.weight, eps)
 
 
+@torch.no_grad()
+def torch_predictor_hidden(talker, h: Tensor, codes: Tensor) -> Tensor:
+    """The torch modules' own post-norm predictor hidden states [16, Dp] for a frame with the given
+    codes, computed in h's dtype (the fp32 reference of the kernel's `pred_hidden`)."""
+    from pipecat_qwen_fast.layers import KVCache
+
+    cp = talker.code_predictor
+    cache = KVCache(cp.cfg.stack, cp.cfg.num_code_groups, h.device, h.dtype)
+    x = torch.stack([h, talker.embed_codec(codes[0].view(1))[0]])
+    outs = [cp.model(cp.small_to_mtp_projection(x), cache)]
+    for g in range(2, talker.cfg.num_code_groups):
+        e = cp.model.codec_embedding[g - 2](codes[g - 1].view(1))
+        outs.append(cp.model(cp.small_to_mtp_projection(e), cache))
+    return torch.cat(outs)
+
+
 class ReplicaDecoder:
     """Greedy frames through the replica: talker step, codec head, spec §6 processing, 15
-    predictor passes (run as 16 single positions, like the kernel), next input. Starts from a
-    torch prefill (KV cache + post-norm hidden), as the megakernel backend does."""
+    predictor passes (run as 16 single positions, like the kernel), next input, all fp32. Starts
+    from a prefill (fp32 KV cache + post-norm hidden), as the megakernel backend does."""
 
     def __init__(self, talker, k_cache: Tensor, v_cache: Tensor, length: int, hidden: Tensor, trailing: Tensor,
                  pad_vec: Tensor, min_new_tokens: int = 2, repetition_penalty: float = 1.05):
         self.t = talker
-        self.k, self.v = k_cache.clone(), v_cache.clone()
+        self.k = k_cache.to(torch.float32, copy=True)
+        self.v = v_cache.to(torch.float32, copy=True)
         self.length = length
         self.hidden = hidden.float()
         self.trailing, self.pad_vec = trailing, pad_vec
         cp = talker.code_predictor
         ps = cp.cfg.stack
         shape = (ps.num_layers, ps.num_kv_heads, cp.cfg.num_code_groups, ps.head_dim)
-        self.pk = torch.zeros(shape, device=k_cache.device, dtype=torch.bfloat16)
+        self.pk = torch.zeros(shape, device=k_cache.device, dtype=torch.float32)
         self.pv = torch.zeros_like(self.pk)
         self.freq_t = inv_freq(talker.cfg.stack.rope_theta, k_cache.device)
         self.freq_p = inv_freq(ps.rope_theta, k_cache.device)
@@ -123,7 +136,7 @@ class ReplicaDecoder:
         proj = self.t.code_predictor.small_to_mtp_projection
         if isinstance(proj, torch.nn.Identity):
             return x
-        return bf16(matvec(proj.weight, x) + proj.bias.float())
+        return matvec(proj.weight, x) + proj.bias.float()
 
     @torch.no_grad()
     def decode_frame(self, force: Tensor | None = None) -> Tensor:
@@ -131,7 +144,7 @@ class ReplicaDecoder:
         if self.frame > 0:
             _, self.hidden = stack_step(t.model, self.pending, self.k, self.v, self.length, self.freq_t)
             self.length += 1
-        logits = bf16(matvec(t.codec_head.weight, self.hidden))
+        logits = matvec(t.codec_head.weight, self.hidden)
         logits = torch.where(self.seen, torch.where(logits < 0, logits * self.penalty, logits / self.penalty), logits)
         if self.frame < self.min_new:
             logits[cfg.codec_eos_id] = float("-inf")
@@ -154,14 +167,15 @@ class ReplicaDecoder:
             if p == 0:
                 continue
             self.pred_hidden[p] = h
-            c = int(torch.argmax(bf16(matvec(cp.lm_head[p - 1].weight, h))))
+            c = int(torch.argmax(matvec(cp.lm_head[p - 1].weight, h)))
             codes.append(c)
             fed.append(int(force[p]) if force is not None else c)
+        # Talker.embed_frames' order: code 0's row, then groups 1..15, then the text vector.
         total = t.model.codec_embedding.weight[fed[0]].float()
         for g in range(1, G):
-            total = bf16(total + cp.model.codec_embedding[g - 1].weight[fed[g]].float())
+            total = total + cp.model.codec_embedding[g - 1].weight[fed[g]].float()
         text = self.trailing[self.frame] if self.frame < self.trailing.shape[0] else self.pad_vec
-        self.pending = bf16(total + text.float())
+        self.pending = total + text.float()
         self.frame += 1
         return torch.tensor(codes, device=self.hidden.device)
 

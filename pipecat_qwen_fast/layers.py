@@ -111,8 +111,10 @@ class Attention(nn.Module):
         end = start + n
         cache.k[layer, :, start:end] = k
         cache.v[layer, :, start:end] = v.transpose(0, 1)
-        keys = cache.k[layer, :, :end]
-        values = cache.v[layer, :, :end]
+        # A cache wider than the compute (the megakernel's fp32 cache filled by a bf16 prefill) is
+        # read back at the compute dtype; a no-op when they match.
+        keys = cache.k[layer, :, :end].to(q.dtype)
+        values = cache.v[layer, :, :end].to(q.dtype)
         rep = self.num_heads // self.num_kv_heads
         keys = keys.repeat_interleave(rep, dim=0)
         values = values.repeat_interleave(rep, dim=0)

@@ -5,6 +5,10 @@ The shared library is compiled with nvcc on first use and cached under
 a change to any kernel source or a different GPU gets its own build. One `decode_frame` is one
 cooperative launch (talker step, codec head, sampling, 15 predictor steps, next input); the only
 host read per frame is the engine's look at code 0.
+
+The kernel reads the checkpoint's bf16 weights and computes everything else in fp32: activations,
+both stacks' K/V caches, RoPE tables and logits. That is the official model's fp32 arithmetic at
+bf16 weight bandwidth, so its reference is `TorchBackend` on an fp32 copy of the same weights.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ from .sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-SOURCE_FILES = ("qwen_mk.h", "mk_util.cuh", "mk_matvec.cuh", "mk_attention.cuh", "mk_sample.cuh", "qwen_mk.cu")
-ABI_VERSION = 2
+SOURCE_FILES = ("qwen_mk.h", "mk_util.cuh", "mk_stream.cuh", "mk_matvec.cuh", "mk_attention.cuh", "mk_sample.cuh",
+                "qwen_mk.cu")
+ABI_VERSION = 3
 TRACE_MAX = 2048
 MAX_GROUPS = 16
 HEAD_DIM = 128
@@ -146,7 +151,7 @@ class QmkModel(ctypes.Structure):
         ("resid", ctypes.c_uint64), ("qkv", ctypes.c_uint64), ("attn", ctypes.c_uint64),
         ("act", ctypes.c_uint64), ("proj_out", ctypes.c_uint64), ("logits", ctypes.c_uint64),
         ("pred_logits", ctypes.c_uint64), ("pred_hidden", ctypes.c_uint64),
-        ("attn_part", ctypes.c_uint64), ("attn_count", ctypes.c_uint64),
+        ("attn_part", ctypes.c_uint64), ("attn_count", ctypes.c_uint64), ("barrier", ctypes.c_uint64),
     ]
 
 
@@ -242,6 +247,14 @@ def launch_unsupported_reason(talker, device: torch.device) -> str | None:
     return None
 
 
+# Compile-time limits of the kernel (cuda/qwen_mk.cu, mk_matvec.cuh): matvec operands are held in
+# registers as 1024-wide segments, 2 for hidden-wide inputs and 6 for the MLP's down projection.
+MAX_HIDDEN = 2048
+MAX_INTER = 6144
+MAX_VOCAB = 4096  # sampling keeps 8 logits per thread
+MAX_LAYERS = 48  # layer tables of both stacks in shared memory
+
+
 def shape_unsupported_reason(talker) -> str | None:
     t, p = talker.cfg.stack, talker.code_predictor.cfg.stack
     for name, s in (("talker", t), ("code predictor", p)):
@@ -249,13 +262,15 @@ def shape_unsupported_reason(talker) -> str | None:
             return f"{name} head_dim is {s.head_dim}; the megakernel is built for {HEAD_DIM}"
         if s.num_heads != 2 * s.num_kv_heads:
             return f"{name} has {s.num_heads} query / {s.num_kv_heads} kv heads; the megakernel needs 2 query heads per kv head"
-        for what, n in (("hidden size", s.hidden_size), ("intermediate size", s.intermediate_size)):
-            if n % 1024:
-                return f"{name} {what} {n} is not a multiple of 1024"
-    if talker.cfg.vocab_size % 2 or talker.cfg.vocab_size > 4096:
-        return f"codec vocab {talker.cfg.vocab_size} must be even and at most 4096"
-    if talker.code_predictor.cfg.vocab_size % 2 or talker.code_predictor.cfg.vocab_size > 4096:
-        return "predictor vocab must be even and at most 4096"
+        if s.num_heads * HEAD_DIM > MAX_HIDDEN:
+            return f"{name} has {s.num_heads} heads; the megakernel supports at most {MAX_HIDDEN // HEAD_DIM}"
+        for what, n, most in (("hidden size", s.hidden_size, MAX_HIDDEN), ("intermediate size", s.intermediate_size, MAX_INTER)):
+            if n % 1024 or n > most:
+                return f"{name} {what} {n} must be a multiple of 1024 and at most {most}"
+    if t.num_layers + p.num_layers > MAX_LAYERS:
+        return f"{t.num_layers} + {p.num_layers} layers; the megakernel holds at most {MAX_LAYERS}"
+    if talker.cfg.vocab_size > MAX_VOCAB or talker.code_predictor.cfg.vocab_size > MAX_VOCAB:
+        return f"codec vocabularies must be at most {MAX_VOCAB}"
     if talker.cfg.num_code_groups > MAX_GROUPS:
         return f"at most {MAX_GROUPS} code groups are supported"
     return None
@@ -266,8 +281,8 @@ def shape_unsupported_reason(talker) -> str | None:
 
 
 def rope_table(positions: int, theta: float, device: torch.device) -> Tensor:
-    """bf16 [positions, 2, 64]: cos then sin, the very values the torch layers compute."""
-    cos, sin = rotary_cos_sin(torch.arange(positions, device=device), HEAD_DIM, theta, torch.bfloat16)
+    """fp32 [positions, 2, 64]: cos then sin, the very values the fp32 torch layers compute."""
+    cos, sin = rotary_cos_sin(torch.arange(positions, device=device), HEAD_DIM, theta, torch.float32)
     half = HEAD_DIM // 2
     return torch.stack([cos[:, :half], sin[:, :half]], dim=1).contiguous()
 
@@ -343,30 +358,33 @@ class MegakernelBackend:
 
     def new_state(self, *, max_positions: int, params: SamplingParams, seed: int | None, trailing: Tensor,
                   pad_vec: Tensor) -> MegakernelState:
-        dev, bf = self.device, torch.bfloat16
+        dev, bf, f32 = self.device, torch.bfloat16, torch.float32
         ts, ps = self.tcfg.stack, self.pcfg.stack
         Dt, Dp = ts.hidden_size, ps.hidden_size
         G = self.num_groups
-        talker_cache = KVCache(ts, max_positions, dev, bf)
-        pk = torch.empty((ps.num_layers, ps.num_kv_heads, G, HEAD_DIM), device=dev, dtype=bf)
+        talker_cache = KVCache(ts, max_positions, dev, f32)
+        pk = torch.empty((ps.num_layers, ps.num_kv_heads, G, HEAD_DIM), device=dev, dtype=f32)
         pv = torch.empty_like(pk)
         part = max(self.lib.qmk_attn_part_floats(max_positions, ts.num_kv_heads),
                    self.lib.qmk_attn_part_floats(G, ps.num_kv_heads))
         buf = {
-            "pending": torch.zeros(Dt, device=dev, dtype=bf),
-            "hidden": torch.zeros(Dt, device=dev, dtype=bf),
+            "pending": torch.zeros(Dt, device=dev, dtype=f32),
+            "hidden": torch.zeros(Dt, device=dev, dtype=f32),
             "seen": torch.zeros(self.tcfg.vocab_size, device=dev, dtype=torch.uint8),
-            "resid": torch.empty(max(Dt, Dp), device=dev, dtype=bf),
+            "resid": torch.empty(max(Dt, Dp), device=dev, dtype=f32),
             "qkv": torch.empty(max(ts.num_heads + 2 * ts.num_kv_heads, ps.num_heads + 2 * ps.num_kv_heads) * HEAD_DIM,
-                               device=dev, dtype=bf),
-            "attn": torch.empty(max(ts.num_heads, ps.num_heads) * HEAD_DIM, device=dev, dtype=bf),
-            "act": torch.empty(max(ts.intermediate_size, ps.intermediate_size), device=dev, dtype=bf),
-            "proj_out": torch.empty(Dp, device=dev, dtype=bf),
-            "logits": torch.empty(self.tcfg.vocab_size, device=dev, dtype=torch.float32),
-            "pred_logits": torch.empty((G - 1, self.pcfg.vocab_size), device=dev, dtype=torch.float32),
-            "pred_hidden": torch.zeros((G, Dp), device=dev, dtype=bf),
-            "attn_part": torch.empty(part, device=dev, dtype=torch.float32),
+                               device=dev, dtype=f32),
+            "attn": torch.empty(max(ts.num_heads, ps.num_heads) * HEAD_DIM, device=dev, dtype=f32),
+            "act": torch.empty(max(ts.intermediate_size, ps.intermediate_size), device=dev, dtype=f32),
+            "proj_out": torch.empty(Dp, device=dev, dtype=f32),
+            "logits": torch.empty(self.tcfg.vocab_size, device=dev, dtype=f32),
+            "pred_logits": torch.empty((G - 1, self.pcfg.vocab_size), device=dev, dtype=f32),
+            "pred_hidden": torch.zeros((G, Dp), device=dev, dtype=f32),
+            "attn_part": torch.empty(part, device=dev, dtype=f32),
             "attn_count": torch.zeros(max(ts.num_kv_heads, ps.num_kv_heads), device=dev, dtype=torch.int32),
+            # The grid barrier counts arrivals from zero; one per state, so two sessions never share it.
+            "barrier": torch.zeros(1, device=dev, dtype=torch.int32),
+            # Text vectors stay bf16: the ABI reads them at that width (the engine makes them in bf16).
             "trailing": trailing.to(dev, bf).contiguous(),
             "pad_vec": pad_vec.to(dev, bf).contiguous(),
             "rope": rope_table(max_positions, ts.rope_theta, dev),
@@ -388,7 +406,7 @@ class MegakernelBackend:
             m.pred_emb[g] = self._w(cp.model.codec_embedding[g].weight)
             m.lm_head[g] = self._w(cp.lm_head[g].weight)
         for name in ("pending", "hidden", "seen", "resid", "qkv", "attn", "act", "proj_out", "logits",
-                     "pred_logits", "pred_hidden", "attn_part", "attn_count"):
+                     "pred_logits", "pred_hidden", "attn_part", "attn_count", "barrier"):
             setattr(m, name, ptr(buf[name]))
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
@@ -404,14 +422,26 @@ class MegakernelBackend:
         if captured is not None:
             # A captured prefill per prompt-length bucket: no per-shape eager cost on first audio.
             k, v, hidden = captured
-            cache.k[:, :, :n].copy_(k[:, :, :n])
-            cache.v[:, :, :n].copy_(v[:, :, :n])
-            cache.length = n
-            state.buffers["hidden"].copy_(hidden)
+            self.load_prefill(state, k, v, n, hidden)
             return
-        # One batched torch pass writes the KV cache in the layout the kernel reads.
+        # One batched torch pass in bf16 writes the KV cache in the layout the kernel reads (the
+        # attention upcasts on store and casts back on read, so the fp32 cache takes bf16 values).
         hidden = self.talker.model(embeds, cache)
         state.buffers["hidden"].copy_(hidden[-1])
+
+    @torch.no_grad()
+    def load_prefill(self, state: MegakernelState, k: Tensor, v: Tensor, n: int, hidden: Tensor) -> None:
+        """Start `state` from a prefill made elsewhere: K/V [layers, kv_heads, >= n, 128] of positions
+        0..n-1 and the post-norm hidden of position n-1, in any float dtype (upcast to the kernel's
+        fp32). Used by the captured prefill, and by tests that start the kernel from the fp32
+        reference's own prefill."""
+        cache = state.talker_cache
+        if n > cache.max_len:
+            raise RuntimeError(f"KV cache overflow: {n} prefill positions > capacity {cache.max_len}")
+        cache.k[:, :, :n].copy_(k[:, :, :n])
+        cache.v[:, :, :n].copy_(v[:, :, :n])
+        cache.length = n
+        state.buffers["hidden"].copy_(hidden)
 
     def frame_args(self, state: MegakernelState, *, run_talker: bool, run_predictor: bool = True, pos: int | None = None,
                    force: Tensor | None = None, out: Tensor | None = None,
