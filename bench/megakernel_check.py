@@ -113,36 +113,75 @@ def summary(ms: list[float]) -> dict[str, float]:
 PHASES = ["qkv", "attention", "o_proj", "mlp_in", "down", "head", "proj", "sample_sync", "start"]
 
 
-def phase_profile(mb, st, f) -> dict:
-    """One traced launch: block 0's clock at every grid barrier, summed per (stack, phase).
+STEPS = ["exit", "operand", "tile", "dots", "epilogue", "done", "arrived", "produced"]
 
-    A phase's time runs from the previous barrier to the end of its own; the sampling after a head
-    has no barrier, so it lands in the next phase (predictor qkv / proj)."""
+
+def read_trace(mb, st, f, steps: bool):
+    """One traced launch: block 0's (clock, global timer, phase id + 32 * step) rows, and its SM
+    clock in Hz (cycles over the nanosecond timer of the same launch)."""
     trace = torch.zeros(3 * mk.TRACE_MAX, dtype=torch.int64, device="cuda")
-    f.trace = trace.data_ptr()
+    f.trace, f.trace_steps = trace.data_ptr(), int(steps)
     mb.launch(st, f)
     torch.cuda.synchronize()
-    f.trace = 0
+    f.trace, f.trace_steps = 0, 0
     t = trace.view(-1, 3).cpu()
     rows = t[: int((t[:, 0] != 0).sum())]
-    print("trace phase ids seen:", sorted(set(int(x) for x in rows[:, 2])), flush=True)
-    # SM clock from the same launch: cycles over the global nanosecond timer.
-    total_cyc = int(rows[-1, 0] - rows[0, 0])
-    total_ns = int(rows[-1, 1] - rows[0, 1])
-    clock_hz = total_cyc / (total_ns * 1e-9)
+    clock_hz = int(rows[-1, 0] - rows[0, 0]) / (int(rows[-1, 1] - rows[0, 1]) * 1e-9)
+    return rows, clock_hz
+
+
+def phase_name(ident: int) -> str:
+    ph = ident % 32
+    stack = "predictor" if ph >= 16 else "talker"
+    return f"{stack}.{PHASES[ph % 16] if ph % 16 < len(PHASES) else f'id{ph}'}"
+
+
+def phase_profile(mb, st, f) -> dict:
+    """Block 0's time per phase, barrier exit to barrier exit, summed per (stack, phase); and how
+    much of it block 0 spent waiting for the other blocks (its own work done -> barrier exit).
+
+    The sampling after a head has no barrier, so it lands in the next phase (predictor qkv /
+    proj)."""
+    rows, clock_hz = read_trace(mb, st, f, steps=False)
     out: dict[str, dict[str, float]] = {}
+    last_exit = int(rows[0, 0])
+    done_at = None
     for i in range(1, rows.shape[0]):
-        ph = int(rows[i, 2])
-        stack = "predictor" if ph >= 16 else "talker"
-        name = f"{stack}.{PHASES[ph % 16] if ph % 16 < len(PHASES) else f'id{ph}'}"
-        cyc = int(rows[i, 0] - rows[i - 1, 0])
-        e = out.setdefault(name, {"count": 0, "total_us": 0.0})
+        ident, cyc = int(rows[i, 2]), int(rows[i, 0])
+        if ident // 32 == STEPS.index("done"):
+            done_at = cyc
+            continue
+        e = out.setdefault(phase_name(ident), {"count": 0, "total_us": 0.0, "waiting_us": 0.0})
         e["count"] += 1
-        e["total_us"] += cyc / clock_hz * 1e6
+        e["total_us"] += (cyc - last_exit) / clock_hz * 1e6
+        if done_at is not None:
+            e["waiting_us"] += (cyc - done_at) / clock_hz * 1e6
+        last_exit, done_at = cyc, None
     for e in out.values():
         e["mean_us"] = e["total_us"] / e["count"]
-    return {"phases": out, "barriers": rows.shape[0] - 1, "total_us_clock": total_cyc / clock_hz * 1e6,
-            "total_us_globaltimer": total_ns / 1e3, "sm_clock_mhz": clock_hz / 1e6}
+        e["mean_waiting_us"] = e["waiting_us"] / e["count"]
+    exits = rows[rows[:, 2] // 32 == 0]
+    return {"phases": out, "barriers": exits.shape[0] - 1,
+            "total_us_globaltimer": int(exits[-1, 1] - exits[0, 1]) / 1e3, "sm_clock_mhz": clock_hz / 1e6}
+
+
+def step_profile(mb, st, f) -> dict:
+    """Profiling build only (QMK_TRACE_STEPS): block 0's time per step inside each phase kind. The
+    time between two stamps goes to the later one: operand = barrier exit -> operand loaded,
+    tile = waiting for a tile (plus the previous tile's dot products), dots = last tile's dot
+    products + block barrier, epilogue, done = block barrier, arrived = grid arrival, produced =
+    issuing the next copies, exit = waiting for the other blocks."""
+    rows, clock_hz = read_trace(mb, st, f, steps=True)
+    out: dict[str, dict[str, float]] = {}
+    for i in range(1, rows.shape[0]):
+        ident = int(rows[i, 2])
+        key = f"{phase_name(ident)}.{STEPS[ident // 32]}"
+        e = out.setdefault(key, {"count": 0, "total_us": 0.0})
+        e["count"] += 1
+        e["total_us"] += int(rows[i, 0] - rows[i - 1, 0]) / clock_hz * 1e6
+    for e in out.values():
+        e["mean_us"] = e["total_us"] / e["count"]
+    return out
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -338,6 +377,34 @@ def time_size(size: str, bw: float, iters: int, positions: list[int]) -> dict:
     return out
 
 
+def run_steps(out_dir: Path) -> int:
+    """Per-step profile of a talker-only frame (position 100) and a predictor-only frame."""
+    os.environ["QWEN_FAST_MK_DEFINES"] = "QMK_TRACE_STEPS"
+    talker, cfg = load_reference().random_talker("0.6b", "cuda", seed=0)
+    mb = mk.MegakernelBackend(talker, torch.device("cuda"), torch.bfloat16)
+    D = cfg.talker.hidden_size
+    st = mb.new_state(max_positions=128, params=SamplingParams(), seed=1,
+                      trailing=torch.randn((4, D), device="cuda").to(torch.bfloat16) * 0.05,
+                      pad_vec=torch.randn(D, device="cuda").to(torch.bfloat16) * 0.05)
+    st.talker_cache.k.normal_(0, 0.5)
+    st.talker_cache.v.normal_(0, 0.5)
+    mb.prefill(st, (torch.randn((8, D), device="cuda") * 0.05).to(torch.bfloat16))
+    mb.decode_frame(st)
+    frames = {"talker_pos100": mb.frame_args(st, run_talker=True, run_predictor=False, pos=100)[0],
+              "predictor": mb.frame_args(st, run_talker=False)[0]}
+    result = {}
+    for name, f in frames.items():
+        for _ in range(5):
+            mb.launch(st, f)
+        result[name] = step_profile(mb, st, f)
+        print(f"\n{name}: mean us per step (block 0)")
+        for key, e in sorted(result[name].items()):
+            print(f"   {key:36} n={e['count']:4d} mean {e['mean_us']:7.3f}  total {e['total_us']:8.1f}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "megakernel_steps.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
@@ -349,7 +416,11 @@ def main() -> int:
     ap.add_argument("--engine", action=argparse.BooleanOptionalAction, default=True,
                     help="measure TTFC and streaming RTF of the engine with backend=megakernel (random 0.6B)")
     ap.add_argument("--smoke", action="store_true", help="build, run the backend warm-up once, exit")
+    ap.add_argument("--steps", action="store_true",
+                    help="profiling build (QMK_TRACE_STEPS): time of each step inside each phase, 0.6B, then exit")
     args = ap.parse_args()
+    if args.steps:
+        return run_steps(Path(args.out))
     if args.smoke:
         talker, _ = load_reference().random_talker("0.6b", "cuda", seed=0)
         t0 = time.perf_counter()
@@ -426,7 +497,8 @@ def main() -> int:
                 print(size, key, "barriers", prof["barriers"], "total us", round(prof["total_us_globaltimer"], 1),
                       "SM MHz", round(prof["sm_clock_mhz"]))
                 for name, e in sorted(prof["phases"].items()):
-                    print(f"   {name:26} n={e['count']:4d} mean {e['mean_us']:7.2f} us  total {e['total_us']:8.1f} us")
+                    print(f"   {name:26} n={e['count']:4d} mean {e['mean_us']:7.2f} us  total {e['total_us']:8.1f} us"
+                          f"  waiting for other blocks {e['mean_waiting_us']:6.2f} us")
     (out_dir / "megakernel_results.json").write_text(json.dumps(result, indent=2))
     return 0 if result.get("tests", {"rc": 0})["rc"] == 0 else 1
 

@@ -30,7 +30,7 @@ __host__ __device__ __forceinline__ int attn_nchunk(int pos) { return (pos + QMK
 
 // One (kv head, chunk) item; `tile` holds the chunk's cached K rows then V rows (null when the
 // chunk has none). `sm` holds QMK_ATTN_SMEM_FLOATS floats.
-__device__ void attention_item(const AttnArgs& a, int g, int c, int nchunk, const float* tile, float* sm) {
+__device__ __noinline__ void attention_item(const AttnArgs& a, int g, int c, int nchunk, const float* tile, float* sm) {
     float* vecs = sm;                     // [4][128]: q0, q1, k (normed + roped), v (raw)
     float* sc = vecs + 4 * QMK_HD;        // [2][QMK_CHUNK] scores, then probabilities
     float* misc = sc + 2 * QMK_CHUNK;     // [0..15] sum of squares per warp, [16..19] m/l, [20] flag
@@ -52,14 +52,14 @@ __device__ void attention_item(const AttnArgs& a, int g, int c, int nchunk, cons
         sn = __ldg(a.rope + (size_t)pos * QMK_HD + 64 + (d & 63));
     }
     const float ss = warp_sum(raw * raw);
-    __syncthreads();  // the previous item's readers of `sm` are done
+    block_sync();  // the previous item's readers of `sm` are done
     if (lane == 0) misc[w] = ss;
-    __syncthreads();
+    block_sync();
     if (vi < 3) {
         const float tot = (misc[vi * 4] + misc[vi * 4 + 1]) + (misc[vi * 4 + 2] + misc[vi * 4 + 3]);
         vecs[vi * QMK_HD + d] = (raw * rsqrtf(tot / (float)QMK_HD + a.eps)) * wn;
     }
-    __syncthreads();
+    block_sync();
     float y = raw;
     if (vi < 3) {
         // x * cos + rotate_half(x) * sin, unfused like the reference's three elementwise ops.
@@ -67,10 +67,10 @@ __device__ void attention_item(const AttnArgs& a, int g, int c, int nchunk, cons
         const float rot = d < 64 ? -vecs[vi * QMK_HD + d + 64] : vecs[vi * QMK_HD + d - 64];
         y = __fadd_rn(__fmul_rn(x, cs), __fmul_rn(rot, sn));
     }
-    __syncthreads();
+    block_sync();
     vecs[vi * QMK_HD + d] = y;
     if (last && vi >= 2) (vi == 2 ? a.kc : a.vc)[((size_t)g * a.max_pos + pos) * QMK_HD + d] = y;
-    __syncthreads();
+    block_sync();
 
     // Scores: warp w takes positions w and w + 16 of the chunk; lane owns 4 dims.
     const float scale = 0.08838834764831845f;  // 1 / sqrt(128)
@@ -98,7 +98,7 @@ __device__ void attention_item(const AttnArgs& a, int g, int c, int nchunk, cons
             }
         }
     }
-    __syncthreads();
+    block_sync();
     if (w < 2) {
         const float s = lane < n ? sc[w * QMK_CHUNK + lane] : -INFINITY;
         const float m = warp_max(s);
@@ -110,7 +110,7 @@ __device__ void attention_item(const AttnArgs& a, int g, int c, int nchunk, cons
             misc[17 + w * 2] = l;
         }
     }
-    __syncthreads();
+    block_sync();
     {
         // P.V: thread t takes head (t >> 7) & 1, dim d, positions of parity t >> 8.
         const int h = (t >> 7) & 1, half = t >> 8;
@@ -121,7 +121,7 @@ __device__ void attention_item(const AttnArgs& a, int g, int c, int nchunk, cons
         }
         pv[half * 2 * QMK_HD + h * QMK_HD + d] = o;
     }
-    __syncthreads();
+    block_sync();
     const int h = t >> 7;  // for t < 256
     const float acc = t < 2 * QMK_HD ? pv[t] + pv[2 * QMK_HD + t] : 0.f;
     if (nchunk == 1) {
@@ -137,12 +137,12 @@ __device__ void attention_item(const AttnArgs& a, int g, int c, int nchunk, cons
         }
     }
     __threadfence();
-    __syncthreads();
+    block_sync();
     if (t == 0) {
         const unsigned prev = atomicAdd(a.count + g, 1u);
         misc[20] = prev == (unsigned)(nchunk - 1) ? 1.f : 0.f;
     }
-    __syncthreads();
+    block_sync();
     if (misc[20] == 0.f) return;
     __threadfence();
     if (t < 2 * QMK_HD) {

@@ -83,7 +83,7 @@ __device__ __forceinline__ void load_normed(VecRef x, const bf16* w, int K, floa
         for (int e = 0; e < 8; ++e) ss = fmaf(o.v[s][e], o.v[s][e], ss);
     ss = warp_sum(ss);
     if (threadIdx.x < QMK_CT && (threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = ss;
-    __syncthreads();
+    block_sync();
     const float total = (scratch[0] + scratch[1]) + (scratch[2] + scratch[3]);
     const float r = rsqrtf(total / (float)K + eps);
 #pragma unroll
@@ -108,13 +108,14 @@ __device__ __forceinline__ void store_operand(const Operand<MS>& o, int K, float
         }
 }
 
-// Dot products of the tile's `rows` rows (bf16, K wide, row-major in smem) with the operand.
-// Leaves row r's sum in red[r * 4 + 0..3] (four partials, summed by the caller after the
-// __syncthreads this function ends with).
+// Dot products of the tile's rows (bf16, K wide, row-major in smem) with the operand. The tile
+// holds `n` units of `rpu` rows each (rpu 2: the n gate rows, then the n up rows); row r of unit
+// j leaves its four partial sums in red[(j * rpu + part) * 4 + 0..3] (part 0 gate, 1 up), so a
+// unit's rows are adjacent. No barrier here: a phase reduces all its tiles after one __syncthreads.
 template <int MS>
-__device__ __forceinline__ void tile_dots(const unsigned char* tile, int rows, int K, const Operand<MS>& o,
+__device__ __forceinline__ void tile_dots(const unsigned char* tile, int n, int rpu, int K, const Operand<MS>& o,
                                           float* red) {
-    const int c = col_thread(), g = row_group(), nseg = K >> 10;
+    const int c = col_thread(), g = row_group(), nseg = K >> 10, rows = n * rpu;
     const bf16* base = reinterpret_cast<const bf16*>(tile);
     float acc[QMK_TILE_ROWS / QMK_RG];
 #pragma unroll
@@ -134,15 +135,24 @@ __device__ __forceinline__ void tile_dots(const unsigned char* tile, int rows, i
             }
         }
     }
-#pragma unroll
-    for (int i = 0; i < QMK_TILE_ROWS / QMK_RG; ++i) {
-        const int r = g + i * QMK_RG;
-        if (r < rows) {  // uniform over the warp: a warp belongs to one row group
-            const float s = warp_sum(acc[i]);
-            if ((threadIdx.x & 31) == 0) red[r * 4 + ((threadIdx.x >> 5) & 3)] = s;
-        }
+    // Reduce the warp's four rows across its 32 lanes by halving: after the xor-16 and xor-8
+    // exchanges each lane keeps one row (bits 4 and 3 of the lane pick it), then three more
+    // halvings finish it: 6 shuffles instead of 4 x 5.
+    static_assert(QMK_TILE_ROWS / QMK_RG == 4, "the exchange below reduces four rows");
+    const int lane = threadIdx.x & 31;
+    const bool hi16 = lane & 16, hi8 = lane & 8;
+    const float a0 = __shfl_xor_sync(0xffffffffu, hi16 ? acc[0] : acc[2], 16);
+    const float a1 = __shfl_xor_sync(0xffffffffu, hi16 ? acc[1] : acc[3], 16);
+    const float k0 = (hi16 ? acc[2] : acc[0]) + a0, k1 = (hi16 ? acc[3] : acc[1]) + a1;
+    float v = (hi8 ? k1 : k0) + __shfl_xor_sync(0xffffffffu, hi8 ? k0 : k1, 8);
+    v += __shfl_xor_sync(0xffffffffu, v, 4);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    const int r = g + ((hi16 ? 2 : 0) + (hi8 ? 1 : 0)) * QMK_RG;
+    if ((lane & 7) == 0 && r < rows) {
+        const int slot = rpu == 1 ? r : (r < n ? 2 * r : 2 * (r - n) + 1);
+        red[slot * 4 + ((threadIdx.x >> 5) & 3)] = v;
     }
-    __syncthreads();
 }
 
 __device__ __forceinline__ float row_sum(const float* red, int r) {

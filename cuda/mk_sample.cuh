@@ -35,9 +35,9 @@ __device__ __forceinline__ float block_exclusive_scan(float local, float* scratc
         const float y = __shfl_up_sync(0xffffffffu, x, o);
         if (lane >= o) x += y;
     }
-    __syncthreads();
+    block_sync();
     if (lane == 31) scratch[w] = x;
-    __syncthreads();
+    block_sync();
     float before = 0.f;
     for (int i = 0; i < w; ++i) before += scratch[i];
     return before + x - local;

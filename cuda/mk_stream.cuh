@@ -3,17 +3,19 @@
 // activations, so their HBM reads overlap the grid barriers and the dependent latency of the
 // phases before; a phase finds its operands on chip and pays only for the activation it waits on.
 //
-// A tile is at most two contiguous global ranges copied back to back into one slot. Tile i lives
-// in slot i % nslot and completes phase (i / nslot) & 1 of that slot's mbarrier. The consumer
-// (every thread) counts the tiles it has finished with; the producer cursor (which tile comes
-// next) lives in shared memory and is advanced by thread 0 alone, in a function the caller keeps
-// out of line, so the hot loops never hold its state in registers.
+// One producer warp per block (its lane 0) walks the frame's tile sequence and issues the copies;
+// it never joins the consumers' barriers, so a copy instruction that stalls while every SM is
+// pulling from HBM at once holds up nobody. Tile i lives in slot i % nslot. full[s] completes
+// when tile i's bytes have landed (phase parity (i / nslot) & 1); the consumers' thread 0 arrives
+// on empty[s] once every consumer is done with tile i, which lets the producer put tile
+// i + nslot there.
 #pragma once
 
 #include "mk_util.cuh"
 
 #define QMK_SLOT_BYTES (32 * 1024)
 #define QMK_MAX_SLOTS 8
+#define QMK_TILE_RANGES 5  // half rows of a 6144-wide matrix: 5 x 6 KB per slot
 
 // The block's dynamic shared memory. Every scratch area sits at a fixed offset in it, so their
 // addresses are immediates instead of pointers held in registers. The includer defines
@@ -25,20 +27,17 @@ struct Range {
     uint32_t bytes;
 };
 
+// Up to QMK_TILE_RANGES contiguous global ranges copied back to back into one slot.
 struct Tile {
-    Range r[2];  // r[1].bytes may be 0
+    Range r[QMK_TILE_RANGES];
+    int n;
 };
 
-// Producer state, in shared memory.
 struct RingState {
-    uint64_t bars[QMK_MAX_SLOTS];
-    uint32_t issued;          // tiles issued so far
-    int phase, tile, ntiles;  // cursor: next tile is `tile` of phase `phase` (ntiles tiles)
-#if __CUDA_ARCH__ < 900
-    // sm_80 hand-off: thread 0 names the tiles, every thread copies a share of them.
-    uint32_t first, count;
-    Tile pending[QMK_MAX_SLOTS];
-#endif
+    uint64_t full[QMK_MAX_SLOTS];
+    uint64_t empty[QMK_MAX_SLOTS];
+    uint32_t issued;  // set by the producer when it stops
+    uint32_t stop;    // set by the consumers when the frame ends (EOS may end it early)
 };
 
 __device__ __forceinline__ RingState& ring_state() { return *reinterpret_cast<RingState*>(qmk_smem + QMK_SMEM_RING); }
@@ -47,81 +46,83 @@ __device__ __forceinline__ unsigned char* slot_ptr(uint32_t i, int nslot) {
     return qmk_smem + QMK_SMEM_SLOTS + (size_t)(i % nslot) * QMK_SLOT_BYTES;
 }
 
-// Thread 0: start copying tile number `i` (sm_90), or queue it for every thread (sm_80).
-__device__ __forceinline__ void issue_tile(const Tile& t, uint32_t i, int nslot) {
+// Thread 0 of the block, before the first __syncthreads.
+__device__ __forceinline__ void ring_init(int nslot) {
     RingState& rs = ring_state();
+    for (int s = 0; s < nslot; ++s) {
+        mbar_init(rs.full + s, 1);   // the producer's arrival (with its bytes)
+        mbar_init(rs.empty + s, 1);  // the consumers' thread 0
+    }
+    rs.issued = 0;
+    rs.stop = 0;
 #if __CUDA_ARCH__ >= 900
-    uint64_t* bar = rs.bars + i % nslot;
-    unsigned char* dst = slot_ptr(i, nslot);
-    fence_proxy_async();
-    mbar_expect_tx(bar, t.r[0].bytes + t.r[1].bytes);
-    bulk_copy(dst, t.r[0].src, t.r[0].bytes, bar);
-    if (t.r[1].bytes) bulk_copy(dst + t.r[0].bytes, t.r[1].src, t.r[1].bytes, bar);
-#else
-    if (rs.count == 0) rs.first = i;
-    rs.pending[rs.count++] = t;
+    fence_proxy_async_shared();
 #endif
 }
 
-// Consumer side; `consumed` is the same in every thread.
+// Producer lane: copy tile number `i` into its slot. `written_here`: the source was written by
+// generic stores earlier in this launch (K/V rows of the code predictor).
+__device__ __forceinline__ void issue_tile(const Tile& t, uint32_t i, int nslot, bool written_here) {
+    uint64_t* bar = ring_state().full + i % nslot;
+    unsigned char* dst = slot_ptr(i, nslot);
+#if __CUDA_ARCH__ >= 900
+    if (written_here) fence_proxy_async_global();
+    uint32_t total = 0;
+    for (int k = 0; k < t.n; ++k) total += t.r[k].bytes;
+    mbar_expect_tx(bar, total);
+    for (int k = 0; k < t.n; ++k) {
+        bulk_copy(dst, t.r[k].src, t.r[k].bytes, bar);
+        dst += t.r[k].bytes;
+    }
+#else
+    (void)written_here;  // cp.async reads through the generic proxy
+    for (int k = 0; k < t.n; ++k) {
+        const unsigned char* src = static_cast<const unsigned char*>(t.r[k].src);
+        for (uint32_t o = 0; o < t.r[k].bytes; o += 16) cp_async16(dst + o, src + o);
+        dst += t.r[k].bytes;
+    }
+    cp_async_arrive(bar);  // counts when this lane's copies have landed
+#endif
+}
+
+// Producer lane: wait until the consumers released the tile that last used tile i's slot.
+// False when they stopped the frame instead.
+__device__ __forceinline__ bool wait_slot_free(uint32_t i, int nslot) {
+    if (i < (uint32_t)nslot) return true;
+    RingState& rs = ring_state();
+    const unsigned parity = ((i / nslot) + 1u) & 1u;  // completion number i / nslot - 1
+    while (!mbar_test(rs.empty + i % nslot, parity))
+        if (*reinterpret_cast<volatile uint32_t*>(&rs.stop)) return false;
+    return true;
+}
+
+// Consumer side; `consumed` is the same in every consumer thread.
 struct Ring {
     int nslot;
     uint32_t consumed;
 
-    // Thread 0 has set up the producer cursor; mbarriers initialised here.
-    __device__ void init() {
-        RingState& rs = ring_state();
-        if (threadIdx.x == 0) {
-            for (int s = 0; s < nslot; ++s) {
-#if __CUDA_ARCH__ >= 900
-                mbar_init(rs.bars + s, 1);  // one arrive.expect_tx per tile
-#else
-                mbar_init(rs.bars + s, QMK_THREADS);  // every thread's cp.async arrival
-#endif
-            }
-            rs.issued = 0;
-#if __CUDA_ARCH__ >= 900
-            fence_proxy_async();
-#else
-            rs.count = 0;
-#endif
-        }
-        consumed = 0;
-        __syncthreads();
+    // The slot of tile consumed + k, once its bytes have landed.
+    __device__ const unsigned char* wait(uint32_t k) const {
+        const uint32_t i = consumed + k;
+        mbar_wait(ring_state().full + i % nslot, (i / nslot) & 1u);
+        return slot_ptr(i, nslot);
     }
 
-    // The next tile's slot, once its bytes have landed.
-    __device__ const unsigned char* wait() const {
-        mbar_wait(ring_state().bars + consumed % nslot, (consumed / nslot) & 1u);
-        return slot_ptr(consumed, nslot);
+    // Every consumer thread, after a block_sync() since the last read of these tiles' slots.
+    __device__ void release(uint32_t n) {
+        if (threadIdx.x == 0)
+            for (uint32_t k = 0; k < n; ++k) mbar_arrive(ring_state().empty + (consumed + k) % nslot);
+        consumed += n;
     }
 
-    // After `produce` (thread 0) ran: on sm_80 every thread copies its share of the queued
-    // tiles. Called by every thread.
-    __device__ void after_produce() {
-#if __CUDA_ARCH__ < 900
+    // The frame is over (every consumer thread): stop the producer, meet it at the block barrier
+    // (it calls __syncthreads once it has stopped), then wait for copies still landing in slots
+    // nobody will read before the block's shared memory goes away.
+    __device__ void finish() {
+        block_sync();
+        if (threadIdx.x == 0) *reinterpret_cast<volatile uint32_t*>(&ring_state().stop) = 1u;
         __syncthreads();
-        RingState& rs = ring_state();
-        for (uint32_t k = 0; k < rs.count; ++k) {
-            const Tile& t = rs.pending[k];
-            unsigned char* dst = slot_ptr(rs.first + k, nslot);
-            for (int j = 0; j < 2; ++j) {
-                const unsigned char* src = static_cast<const unsigned char*>(t.r[j].src);
-                for (uint32_t o = threadIdx.x * 16u; o < t.r[j].bytes; o += QMK_THREADS * 16u) cp_async16(dst + o, src + o);
-                dst += t.r[j].bytes;
-            }
-            cp_async_arrive(ring_state().bars + (rs.first + k) % nslot);
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) rs.count = 0;
-#endif
-    }
-
-    // Before the block exits: copies may still be landing in slots nobody will read.
-    __device__ void drain() {
-        __syncthreads();
-        const uint32_t issued = ring_state().issued;
-        for (uint32_t i = consumed; i < issued; ++i) mbar_wait(ring_state().bars + i % nslot, (i / nslot) & 1u);
-        __syncthreads();
+        const uint32_t issued = *reinterpret_cast<volatile uint32_t*>(&ring_state().issued);
+        for (uint32_t i = consumed; i < issued; ++i) mbar_wait(ring_state().full + i % nslot, (i / nslot) & 1u);
     }
 };

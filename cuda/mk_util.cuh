@@ -4,10 +4,15 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-#define QMK_THREADS 512
+#define QMK_THREADS 512                      // consumer threads: every phase's work
 #define QMK_WARPS (QMK_THREADS / 32)
+#define QMK_BLOCK_THREADS (QMK_THREADS + 32)  // + one producer warp streaming weights (mk_stream.cuh)
 
 typedef __nv_bfloat16 bf16;
+
+// Barrier over the consumer threads only (named barrier 1): the producer warp never joins it, so
+// a copy that stalls under memory back-pressure never holds up a phase.
+__device__ __forceinline__ void block_sync() { asm volatile("bar.sync 1, %0;" ::"n"(QMK_THREADS) : "memory"); }
 
 __device__ __forceinline__ float bf_lo(uint32_t u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
@@ -59,7 +64,7 @@ struct BlockReducer {
         v = warp_sum(v);
         float* s = slot();
         if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = v;
-        __syncthreads();
+        block_sync();
         float t = 0.f;
 #pragma unroll
         for (int i = 0; i < QMK_WARPS; ++i) t += s[i];
@@ -70,7 +75,7 @@ struct BlockReducer {
         v = __reduce_max_sync(0xffffffffu, v);
         unsigned* s = reinterpret_cast<unsigned*>(slot());
         if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = v;
-        __syncthreads();
+        block_sync();
         unsigned t = 0;
 #pragma unroll
         for (int i = 0; i < QMK_WARPS; ++i) t = max(t, s[i]);
@@ -81,7 +86,7 @@ struct BlockReducer {
         v = __reduce_min_sync(0xffffffffu, v);
         unsigned* s = reinterpret_cast<unsigned*>(slot());
         if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = v;
-        __syncthreads();
+        block_sync();
         unsigned t = 0xffffffffu;
 #pragma unroll
         for (int i = 0; i < QMK_WARPS; ++i) t = min(t, s[i]);
@@ -92,7 +97,7 @@ struct BlockReducer {
         v = __reduce_add_sync(0xffffffffu, v);
         unsigned* s = reinterpret_cast<unsigned*>(slot());
         if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = v;
-        __syncthreads();
+        block_sync();
         unsigned t = 0;
 #pragma unroll
         for (int i = 0; i < QMK_WARPS; ++i) t += s[i];
@@ -127,17 +132,20 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
 }
 
 // Split in two so the arriving thread can do useful work (issue the next copies) while the
-// other blocks catch up. Thread 0 only, between two __syncthreads.
+// other blocks catch up. Thread 0 only, after a __syncthreads: the release orders the whole
+// block's earlier writes (bar.sync made them visible to thread 0) before the arrival; the
+// acquire that sees the flip orders the other blocks' writes before what follows the next
+// __syncthreads.
 __device__ __forceinline__ unsigned grid_arrive(unsigned* counter) {
     const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
-    __threadfence();
-    return atomicAdd(counter, add);
+    unsigned old;
+    asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(counter), "r"(add) : "memory");
+    return old;
 }
 
 __device__ __forceinline__ void grid_wait(const unsigned* counter, unsigned arrived) {
     while (((arrived ^ ld_acquire(counter)) & 0x80000000u) == 0) {
     }
-    __threadfence();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -175,10 +183,16 @@ __device__ __forceinline__ void mbar_wait(const uint64_t* bar, unsigned parity) 
     }
 }
 
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared.b64 st, [%0];\n}" ::"r"(smem_u32(bar)) : "memory");
+}
+
 #if __CUDA_ARCH__ >= 900
-// Orders this thread's earlier generic-proxy accesses (reads of a slot being refilled, stores to
-// a K/V cache another block will bulk-copy) before its later async-proxy copies.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async;" ::: "memory"); }
+// Orders global memory this thread has seen written through the generic proxy (K/V rows another
+// block stored in this launch, acquired through the grid barrier) before its async-proxy copies.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+// Makes freshly initialised mbarriers visible to the async proxy.
+__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");

@@ -1,7 +1,7 @@
 // Qwen3-TTS frame megakernel: one cooperative launch per 80 ms frame, fp32 arithmetic on bf16
 // weights.
 //
-// The frame is a fixed list of phases (the Program), each ended by a grid barrier:
+// The frame is a fixed list of phases (next_phase), each ended by a grid barrier:
 //   talker layer: q/k/v | attention | o_proj + residual | gate/up + SiLU | down + residual
 //   codec head, code-0 sampling (every block, redundantly: no barrier)
 //   15 predictor passes: [2048->1024 projection] 5 layers as above, LM head, sampling
@@ -15,9 +15,11 @@
 // because the headers below use them; checked against the headers' sizes after the includes.
 #define QMK_MAX_LAYERS 48  // talker + predictor layers
 #define QMK_OWN_MAX 256    // residual rows one block may own (hidden / blocks)
+#define QMK_RED_ROWS 192   // matrix rows one block may own in a phase (gate and up count twice)
 #define QMK_SMEM_RING 0                               // RingState (mbarriers, producer cursor)
-#define QMK_SMEM_RED (QMK_SMEM_RING + 512)            // float [2][16 rows][4] row partials
-#define QMK_SMEM_NSCR (QMK_SMEM_RED + 512)            // float [8] RMSNorm partials
+#define QMK_SMEM_GEO (QMK_SMEM_RING + 512)            // Geo [16]: this block's slice per matrix kind
+#define QMK_SMEM_RED (QMK_SMEM_GEO + 384)             // float [QMK_RED_ROWS][4] row partials
+#define QMK_SMEM_NSCR (QMK_SMEM_RED + 16 * QMK_RED_ROWS)  // float [8] RMSNorm partials
 #define QMK_SMEM_SRED (QMK_SMEM_NSCR + 32)            // float [2][16] sampling reductions
 #define QMK_SMEM_SCAN (QMK_SMEM_SRED + 128)           // float [16] sampling scan
 #define QMK_SMEM_CODES (QMK_SMEM_SCAN + 64)           // int [16] sampled codes
@@ -36,7 +38,8 @@
 #include "qwen_mk.h"
 
 static_assert(sizeof(RingState) <= 512, "ring state");
-static_assert(2 * QMK_TILE_ROWS * 4 * 4 <= 512, "row partials");
+static_assert(QMK_TILE_ROWS / QMK_RG * QMK_RG == QMK_TILE_ROWS, "tile rows");
+static_assert(QMK_RED_ROWS >= QMK_TILE_ROWS, "row partials");
 static_assert(QMK_ATTN_SMEM_FLOATS <= 1120, "attention scratch");
 static_assert(sizeof(qmk_layer) == 88, "layer table entry");
 
@@ -60,41 +63,50 @@ __device__ __forceinline__ const bf16* bfp(uint64_t a) { return reinterpret_cast
 
 enum Kind { K_QKV = 0, K_ATTN, K_O, K_GU, K_DOWN, K_HEAD_T, K_PROJ, K_HEAD_P };
 
-// Phase ids in the trace (predictor phases add 16).
+// Phase ids in the trace (predictor phases add 16), and the steps stamped inside a phase.
 enum { PH_QKV = 0, PH_ATTN, PH_O, PH_MLP, PH_DOWN, PH_HEAD, PH_PROJ, PH_SAMPLE, PH_START };
+enum { STEP_OPERAND = 1, STEP_TILE, STEP_DOTS, STEP_EPILOGUE, STEP_DONE, STEP_ARRIVED };
 
 struct Phase {
     int kind, layer, pass;  // pass: predictor position, -1 for the talker
 };
 
-// The frame's phases in the order the consumer runs them; the producer walks the same list.
-struct Program {
-    int talker_phases;  // 5 per talker layer, 0 on frame 0
-    int pass_len;       // [projection] + 5 per predictor layer
-    int passes;         // predictor passes (0: talker only)
-    int has_proj;
+// The frame's phases in the order the consumer runs them (the producer walks the same list):
+//   talker layers (q/k/v, attention, o, gate/up, down) x Lt | codec head |
+//   predictor pass 0..G-1: [projection] layers x Lp [LM head, from pass 1]
+// First phase of the frame.
+__device__ __forceinline__ Phase first_phase(const qmk_frame& f) {
+    return f.run_talker ? Phase{K_QKV, 0, -1} : Phase{K_HEAD_T, 0, -1};
+}
 
-    __device__ int length() const { return talker_phases + 1 + (passes ? passes * pass_len + passes - 1 : 0); }
-
-    __device__ Phase in_pass(int r, int p) const {
-        if (has_proj) {
-            if (r == 0) return {K_PROJ, 0, p};
-            --r;
-        }
-        return {r % 5, r / 5, p};
+// Advance `ph` to the phase after it; false when the frame has no more.
+__device__ bool next_phase(const qmk_model& m, const qmk_frame& f, Phase& ph) {
+    const int passes = f.run_predictor ? m.num_groups : 0;
+    const int has_proj = m.proj_w != 0;
+    const Phase pass_start{has_proj ? K_PROJ : K_QKV, 0, 0};
+    switch (ph.kind) {
+        case K_HEAD_T:
+            if (!passes) return false;
+            ph = pass_start;
+            return true;
+        case K_HEAD_P:
+            if (ph.pass + 1 >= passes) return false;
+            ph = Phase{pass_start.kind, 0, ph.pass + 1};
+            return true;
+        case K_PROJ: ph = Phase{K_QKV, 0, ph.pass}; return true;
+        case K_DOWN: break;
+        default: ++ph.kind; return true;  // q/k/v -> attention -> o -> gate/up -> down
     }
-
-    __device__ Phase at(int i) const {
-        if (i < talker_phases) return {i % 5, i / 5, -1};
-        i -= talker_phases;
-        if (i == 0) return {K_HEAD_T, 0, -1};
-        i -= 1;
-        if (i < pass_len) return in_pass(i, 0);  // pass 0 (the talker hidden) has no head
-        i -= pass_len;
-        const int p = 1 + i / (pass_len + 1), r = i % (pass_len + 1);
-        return r == pass_len ? Phase{K_HEAD_P, 0, p} : in_pass(r, p);
+    if (ph.layer + 1 < (ph.pass < 0 ? m.talker.num_layers : m.pred.num_layers)) {
+        ph = Phase{K_QKV, ph.layer + 1, ph.pass};
+        return true;
     }
-};
+    if (ph.pass < 0) ph = Phase{K_HEAD_T, 0, -1};
+    else if (ph.pass >= 1) ph = Phase{K_HEAD_P, 0, ph.pass};
+    else if (passes > 1) ph = Phase{pass_start.kind, 0, 1};  // pass 0 (the talker hidden) has no head
+    else return false;
+    return true;
+}
 
 // Read-only view of the launch shared by the producer and the consumer (one pointer: everything
 // else is recomputed or read from the parameter space and the shared layer tables).
@@ -103,11 +115,6 @@ struct Frame {
 
     __device__ const qmk_model& m() const { return P->m; }
     __device__ const qmk_frame& f() const { return P->f; }
-    __device__ Program prog() const {
-        const int has_proj = P->m.proj_w != 0;
-        return {P->f.run_talker ? 5 * P->m.talker.num_layers : 0, has_proj + 5 * P->m.pred.num_layers,
-                P->f.run_predictor ? P->m.num_groups : 0, has_proj};
-    }
     __device__ const qmk_stack& stack(const Phase& ph) const { return ph.pass < 0 ? P->m.talker : P->m.pred; }
     __device__ const qmk_layer& layer(const Phase& ph) const {
         return sm<const qmk_layer>(QMK_SMEM_TABLES)[(ph.pass < 0 ? 0 : P->m.talker.num_layers) + ph.layer];
@@ -119,13 +126,18 @@ struct Frame {
 // Which bytes each block streams for each phase
 
 // A matrix phase: N output units (rows; gate/up row pairs for K_GU) of K bf16 columns. Block b
-// owns units [u0, u1), taken per_tile at a time.
-struct Mat {
-    int N, K, unit_bytes, per_tile, u0, u1;
-    __device__ int tiles() const { return (u1 - u0 + per_tile - 1) / per_tile; }
+// owns units [u0, u1), taken per_tile at a time. Computed once per launch into shared memory.
+// A 6144-wide matrix (the 1.7B's down projection) is split into two 3072-wide halves (ksplit 2),
+// each streamed as half rows, so the operand held in registers is never wider than 3072.
+struct Geo {
+    int u0, u1, per_tile, K, ntiles, ksplit;  // K: columns per half; ntiles over both halves
 };
 
-__device__ Mat mat_of(const Frame& F, const Phase& ph) {
+__device__ __forceinline__ const Geo& geo(const Phase& ph) {
+    return sm<const Geo>(QMK_SMEM_GEO)[(ph.pass < 0 ? 0 : 8) + ph.kind];
+}
+
+__device__ Geo geo_of(const Frame& F, const Phase& ph) {
     const qmk_model& m = F.m();
     const qmk_stack& S = F.stack(ph);
     int N, K, rows_per_unit = 1;
@@ -138,9 +150,12 @@ __device__ Mat mat_of(const Frame& F, const Phase& ph) {
         case K_PROJ: N = m.pred.hidden, K = m.talker.hidden; break;
         default: N = m.pred_vocab, K = m.pred.hidden; break;  // K_HEAD_P
     }
-    const int ub = 2 * K * rows_per_unit;
+    const int ksplit = K > 3072 ? 2 : 1;
+    K /= ksplit;
+    const int per_tile = QMK_SLOT_BYTES / (2 * K * rows_per_unit);
     const int B = gridDim.x, b = blockIdx.x;
-    return {N, K, ub, QMK_SLOT_BYTES / ub, (int)((long long)N * b / B), (int)((long long)N * (b + 1) / B)};
+    const int u0 = N * b / B, u1 = N * (b + 1) / B;
+    return {u0, u1, per_tile, K, ksplit * ((u1 - u0 + per_tile - 1) / per_tile), ksplit};
 }
 
 __device__ __forceinline__ Range rows_of(uint64_t base, int row, int rows, int K) {
@@ -148,9 +163,11 @@ __device__ __forceinline__ Range rows_of(uint64_t base, int row, int rows, int K
     return {reinterpret_cast<const unsigned char*>(base) + row * rb, (uint32_t)(rows * rb)};
 }
 
-__device__ Tile mat_tile(const Frame& F, const Phase& ph, const Mat& mt, int t) {
-    const int a = mt.u0 + t * mt.per_tile, n = min(mt.per_tile, mt.u1 - a);
-    Tile tl{{{nullptr, 0u}, {nullptr, 0u}}};
+__device__ Tile mat_tile(const Frame& F, const Phase& ph, const Geo& mt, int t) {
+    const int per_half = mt.ntiles / mt.ksplit, h = t / per_half;
+    const int a = mt.u0 + (t % per_half) * mt.per_tile, n = min(mt.per_tile, mt.u1 - a);
+    Tile tl;
+    tl.n = 1;
     const qmk_model& m = F.m();
     switch (ph.kind) {
         case K_QKV: {
@@ -169,16 +186,27 @@ __device__ Tile mat_tile(const Frame& F, const Phase& ph, const Mat& mt, int t) 
                 tl.r[k++] = rows_of(base, off, cnt, mt.K);
                 r += cnt;
             }
+            tl.n = k;
             break;
         }
         case K_GU: {
             const qmk_layer& L = F.layer(ph);
             tl.r[0] = rows_of(L.gate, a, n, mt.K);
             tl.r[1] = rows_of(L.up, a, n, mt.K);
+            tl.n = 2;
             break;
         }
         case K_O: tl.r[0] = rows_of(F.layer(ph).o, a, n, mt.K); break;
-        case K_DOWN: tl.r[0] = rows_of(F.layer(ph).down, a, n, mt.K); break;
+        case K_DOWN:
+            if (mt.ksplit == 1) {
+                tl.r[0] = rows_of(F.layer(ph).down, a, n, mt.K);
+            } else {  // half h of each row: one range per row
+                const unsigned char* base = reinterpret_cast<const unsigned char*>(F.layer(ph).down);
+                const size_t rb = (size_t)mt.K * 2 * mt.ksplit;
+                for (int k = 0; k < n; ++k) tl.r[k] = {base + (a + k) * rb + h * (size_t)mt.K * 2, (uint32_t)mt.K * 2};
+                tl.n = n;
+            }
+            break;
         case K_HEAD_T: tl.r[0] = rows_of(m.codec_head, a, n, mt.K); break;
         case K_PROJ: tl.r[0] = rows_of(m.proj_w, a, n, mt.K); break;
         default: tl.r[0] = rows_of(m.lm_head[ph.pass - 1], a, n, mt.K); break;
@@ -214,34 +242,42 @@ __device__ Tile attn_tile(const Frame& F, const Phase& ph, int t) {
     const int g = it / A.nchunk, j0 = (it % A.nchunk) * QMK_CHUNK, j1 = min(j0 + QMK_CHUNK, A.pos);
     const size_t row = (((size_t)ph.layer * S.num_kv_heads + g) * S.max_pos + j0) * QMK_HD;
     const uint32_t bytes = (uint32_t)(j1 - j0) * QMK_HD * 4;
-    return {{{dptr<const float>(S.k_cache) + row, bytes}, {dptr<const float>(S.v_cache) + row, bytes}}};
+    Tile tl;
+    tl.r[0] = {dptr<const float>(S.k_cache) + row, bytes};
+    tl.r[1] = {dptr<const float>(S.v_cache) + row, bytes};
+    tl.n = 2;
+    return tl;
 }
 
-__device__ int phase_tiles(const Frame& F, int i) {
-    const Phase ph = F.prog().at(i);
-    return ph.kind == K_ATTN ? attn_tiles(F, ph) : mat_of(F, ph).tiles();
+__device__ int phase_tiles(const Frame& F, const Phase& ph) {
+    return ph.kind == K_ATTN ? attn_tiles(F, ph) : geo(ph).ntiles;
 }
 
-__device__ Tile phase_tile(const Frame& F, int i, int t) {
-    const Phase ph = F.prog().at(i);
-    return ph.kind == K_ATTN ? attn_tile(F, ph, t) : mat_tile(F, ph, mat_of(F, ph), t);
+__device__ Tile phase_tile(const Frame& F, const Phase& ph, int t) {
+    return ph.kind == K_ATTN ? attn_tile(F, ph, t) : mat_tile(F, ph, geo(ph), t);
 }
 
-// Thread 0 only, out of line (its state never occupies the consumers' registers): issue tiles
-// until `nslot` are in flight beyond `consumed` or the program ends.
-__device__ __noinline__ void produce(const Params* P, uint32_t consumed) {
+// The producer warp's lane 0: walk the frame's tiles in the consumers' order and issue each copy
+// as soon as its slot is free. Stops at the end of the frame's tiles, or when the consumers end
+// the frame early (EOS).
+__device__ __noinline__ void produce(const Params* P) {
     const Frame F{P};
-    RingState& rs = ring_state();
-    const int len = F.prog().length();
-    while (rs.issued < consumed + (uint32_t)P->nslot) {
-        while (rs.tile >= rs.ntiles) {
-            if (rs.phase + 1 >= len) return;
-            ++rs.phase;
-            rs.tile = 0;
-            rs.ntiles = phase_tiles(F, rs.phase);
+    const int nslot = P->nslot;
+    Phase ph = first_phase(P->f);
+    int tile = 0, ntiles = phase_tiles(F, ph);
+    uint32_t i = 0;
+    for (;;) {
+        if (tile >= ntiles) {
+            if (!next_phase(P->m, P->f, ph)) break;
+            tile = 0;
+            ntiles = phase_tiles(F, ph);
+            continue;  // a phase may have no tiles for this block
         }
-        issue_tile(phase_tile(F, rs.phase, rs.tile++), rs.issued++, P->nslot);
+        if (!wait_slot_free(i, nslot)) break;
+        // The predictor's K/V rows were stored by other blocks earlier in this launch.
+        issue_tile(phase_tile(F, ph, tile++), i++, nslot, ph.kind == K_ATTN && ph.pass >= 0);
     }
+    *reinterpret_cast<volatile uint32_t*>(&ring_state().issued) = i;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -250,47 +286,37 @@ __device__ __noinline__ void produce(const Params* P, uint32_t consumed) {
 struct Ctx {
     Frame F;
     Ring ring;
-    int red_parity;  // row partials alternate between two buffers, tile by tile
 
-    // Done with the current tile (every thread, after a __syncthreads since its last read).
-    __device__ void release() { ++ring.consumed; }
-
-    // A phase with more tiles than slots (the 1.7B's MLP, long contexts' attention) must refill
-    // between its own tiles. Then the producer has issued exactly this phase's tiles up to
-    // `next - 1`, so its next tile is `next` of this phase: issue it from the caller's geometry
-    // (inline: a call here would make every thread save its registers around it).
-    __device__ void refill_within(const Tile& t) {
-        if (threadIdx.x == 0) {
-            RingState& rs = ring_state();
-            issue_tile(t, rs.issued++, ring.nslot);
-            ++rs.tile;
-        }
-        ring.after_produce();
+    // Block 0's thread 0 records (clock, global timer, id): at every barrier exit (step 0), and
+    // with trace_steps also at the steps inside a phase (STEP_*), for the per-step profile.
+    __device__ void stamp(int id, int step) const {
+#ifndef QMK_TRACE_STEPS
+        if (step != 0 && step != STEP_DONE) return;  // steps are compiled in for profiling builds only
+#endif
+        long long* trace = dptr<long long>(F.f().trace);
+        if (trace == nullptr || blockIdx.x != 0 || threadIdx.x != 0 || (step && !F.f().trace_steps)) return;
+        int* stamps = sm<int>(QMK_SMEM_STAMPS);
+        if (*stamps >= QMK_TRACE_MAX) return;
+        long long gt;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt));
+        trace[3 * *stamps] = clock64();
+        trace[3 * *stamps + 1] = gt;
+        trace[3 * *stamps + 2] = id + 32 * step;
+        ++*stamps;
     }
 
-    // Grid barrier. Thread 0 arrives, issues the copies for the slots this phase freed, then
-    // waits: the producer's work hides in the barrier. With tracing on, block 0 stamps when it
-    // leaves.
+    // Grid barrier over the consumer threads of every block.
     __device__ void sync(int phase) {
-        __syncthreads();
+        block_sync();
         if (threadIdx.x == 0) {
+            stamp(phase, STEP_DONE);
             unsigned* counter = dptr<unsigned>(F.m().barrier);
             const unsigned arrived = grid_arrive(counter);
-            produce(F.P, ring.consumed);
+            stamp(phase, STEP_ARRIVED);
             grid_wait(counter, arrived);
-            long long* trace = dptr<long long>(F.f().trace);
-            int* stamps = sm<int>(QMK_SMEM_STAMPS);
-            if (trace != nullptr && blockIdx.x == 0 && *stamps < QMK_TRACE_MAX) {
-                long long gt;
-                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt));
-                trace[3 * *stamps] = clock64();
-                trace[3 * *stamps + 1] = gt;
-                trace[3 * *stamps + 2] = phase;
-                ++*stamps;
-            }
+            stamp(phase, 0);
         }
-        ring.after_produce();  // sm_80: every thread copies its share (has its own barriers)
-        __syncthreads();
+        block_sync();
     }
 };
 
@@ -298,26 +324,66 @@ __device__ __forceinline__ float* norm_scratch() { return sm<float>(QMK_SMEM_NSC
 __device__ __forceinline__ int* codes() { return sm<int>(QMK_SMEM_CODES); }
 __device__ __forceinline__ int* fed() { return sm<int>(QMK_SMEM_FED); }
 
-// One matrix phase: for each of the block's tiles, dot products from shared memory, then
-// `epi(unit, index in tile, units in tile, partials)` on threads [0, units).
-template <int MS, class Epi>
-__device__ void run_mat(Ctx& c, const Phase& ph, const Operand<MS>& x, Epi epi) {
-    const Mat mt = mat_of(c.F, ph);
-    const int rows_per_unit = ph.kind == K_GU ? 2 : 1;
-    const int nt = mt.tiles();
-    for (int t = 0; t < nt; ++t) {
-        const int a = mt.u0 + t * mt.per_tile, n = min(mt.per_tile, mt.u1 - a);
-        const unsigned char* tile = c.ring.wait();
-        c.red_parity ^= 1;
-        float* red = sm<float>(QMK_SMEM_RED) + c.red_parity * QMK_TILE_ROWS * 4;
-        tile_dots<MS>(tile, n * rows_per_unit, mt.K, x, red);
-        if ((int)threadIdx.x < n) epi(a + (int)threadIdx.x, (int)threadIdx.x, n, red);
-        c.release();
-        if (t + c.ring.nslot < nt) c.refill_within(mat_tile(c.F, ph, mt, t + c.ring.nslot));
+// Dot products of tiles [t0, t1) of a matrix phase (tile t covers units
+// (t % per_half) * per_tile ...) into red. A slice longer than the ring (the 1.7B's MLP)
+// releases each tile as soon as it is done, so the producer can refill its slot mid-phase.
+template <int MS>
+__device__ void dots_tiles(Ctx& c, const Geo& g, int rpu, int t0, int t1, const Operand<MS>& x, float* red, int id) {
+    const int per_half = g.ntiles / g.ksplit;
+    const bool within = g.ntiles > c.ring.nslot;
+    for (int t = t0; t < t1; ++t) {
+        const int tt = t % per_half;
+        const int n = min(g.per_tile, g.u1 - g.u0 - tt * g.per_tile);
+        const unsigned char* tile = c.ring.wait(within ? 0 : t);
+        c.stamp(id, STEP_TILE);
+        tile_dots<MS>(tile, n, rpu, g.K, x, red + tt * g.per_tile * rpu * 4);
+        if (within) {
+            block_sync();
+            c.ring.release(1);
+        }
     }
 }
 
-__device__ void run_attention(Ctx& c, const Phase& ph) {
+// One matrix phase: dot products of every tile of the block's slice from shared memory, one
+// barrier, then `epi(unit, index in the slice, partials)` on one thread per unit.
+template <int MS, class Epi>
+__device__ void run_mat(Ctx& c, const Phase& ph, int id, const Operand<MS>& x, Epi epi) {
+    c.stamp(id, STEP_OPERAND);
+    const Geo g = geo(ph);
+    const int rpu = ph.kind == K_GU ? 2 : 1;
+    float* red = sm<float>(QMK_SMEM_RED);
+    dots_tiles<MS>(c, g, rpu, 0, g.ntiles, x, red, id);
+    block_sync();
+    c.stamp(id, STEP_DOTS);
+    if (g.ntiles <= c.ring.nslot) c.ring.release(g.ntiles);
+    for (int j = threadIdx.x; j < g.u1 - g.u0; j += QMK_THREADS) epi(g.u0 + j, j, red);
+    c.stamp(id, STEP_EPILOGUE);
+}
+
+// The MLP's down projection: `epi(unit, sum)` after both halves when the matrix is split.
+template <class Epi>
+__device__ void run_down(Ctx& c, const Phase& ph, int id, const float* act, Epi epi) {
+    const Geo g = geo(ph);
+    const int units = g.u1 - g.u0, per_half = g.ntiles / g.ksplit;
+    float* red = sm<float>(QMK_SMEM_RED);
+    for (int h = 0; h < g.ksplit; ++h) {
+        Operand<3> x;
+        load_operand<3>(VecRef{act + h * g.K, 0}, g.K, x);
+        c.stamp(id, STEP_OPERAND);
+        dots_tiles<3>(c, g, 1, h * per_half, (h + 1) * per_half, x, red + h * units * 4, id);
+    }
+    block_sync();
+    c.stamp(id, STEP_DOTS);
+    if (g.ntiles <= c.ring.nslot) c.ring.release(g.ntiles);
+    for (int j = threadIdx.x; j < units; j += QMK_THREADS) {
+        float v = row_sum(red, j);
+        if (g.ksplit == 2) v += row_sum(red + units * 4, j);
+        epi(g.u0 + j, v);
+    }
+    c.stamp(id, STEP_EPILOGUE);
+}
+
+__device__ void run_attention(Ctx& c, const Phase& ph, int id) {
     const qmk_model& m = c.F.m();
     const qmk_stack& S = c.F.stack(ph);
     const qmk_layer& L = c.F.layer(ph);
@@ -327,16 +393,13 @@ __device__ void run_attention(Ctx& c, const Phase& ph) {
                      dptr<float>(S.v_cache) + off, bfp(L.q_norm), bfp(L.k_norm), dptr<const float>(S.rope),
                      dptr<float>(m.attn_part), dptr<unsigned>(m.attn_count), A.pos, S.num_heads,
                      S.num_kv_heads, S.max_pos, S.eps};
-    int k = 0;  // tiles consumed in this phase
     for (int it = blockIdx.x; it < A.items; it += gridDim.x) {
         const bool has = A.has_tile(it);
-        const float* tile = has ? reinterpret_cast<const float*>(c.ring.wait()) : nullptr;
+        const float* tile = has ? reinterpret_cast<const float*>(c.ring.wait(0)) : nullptr;
+        c.stamp(id, STEP_TILE);
         attention_item(a, it / A.nchunk, it % A.nchunk, A.nchunk, tile, sm<float>(QMK_SMEM_ATTN));
-        __syncthreads();
-        if (has) {
-            c.release();
-            if (++k + c.ring.nslot <= A.tiles_of_block()) c.refill_within(attn_tile(c.F, ph, k + c.ring.nslot - 1));
-        }
+        block_sync();
+        if (has) c.ring.release(1);
     }
 }
 
@@ -345,7 +408,7 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
     const qmk_model& m = c.F.m();
     const Phase probe{K_QKV, 0, pass};
     const qmk_stack& S = c.F.stack(probe);
-    const int D = S.hidden, I = S.inter, nq = S.num_heads * QMK_HD, tid = threadIdx.x;
+    const int D = S.hidden, nq = S.num_heads * QMK_HD, tid = threadIdx.x;
     const int ph0 = pass < 0 ? 0 : 16;
     float* resid = dptr<float>(m.resid);
     float* qkv = dptr<float>(m.qkv);
@@ -364,16 +427,16 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
         {
             Operand<2> x;
             load_normed<2>(l == 0 ? src : VecRef{resid, 0}, bfp(L.input_norm), D, S.eps, x, norm_scratch());
-            run_mat<2>(c, pq, x, [&](int u, int i, int, const float* red) { qkv[u] = row_sum(red, i); });
+            run_mat<2>(c, pq, ph0 + PH_QKV, x, [&](int u, int j, const float* red) { qkv[u] = row_sum(red, j); });
         }
         c.sync(ph0 + PH_QKV);
-        run_attention(c, pa);
+        run_attention(c, pa, ph0 + PH_ATTN);
         c.sync(ph0 + PH_ATTN);
         {
             Operand<2> x;
             load_operand<2>(VecRef{dptr<const float>(m.attn), 0}, nq, x);
-            run_mat<2>(c, po, x, [&](int u, int i, int, const float* red) {
-                const float v = own[u - r0] + row_sum(red, i);
+            run_mat<2>(c, po, ph0 + PH_O, x, [&](int u, int j, const float* red) {
+                const float v = own[u - r0] + row_sum(red, j);
                 own[u - r0] = v;
                 resid[u] = v;
             });
@@ -382,21 +445,17 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
         {
             Operand<2> x;
             load_normed<2>(VecRef{resid, 0}, bfp(L.post_norm), D, S.eps, x, norm_scratch());
-            run_mat<2>(c, pg, x, [&](int u, int i, int n, const float* red) {
-                const float g = row_sum(red, i), up = row_sum(red, n + i);
+            run_mat<2>(c, pg, ph0 + PH_MLP, x, [&](int u, int j, const float* red) {
+                const float g = row_sum(red, 2 * j), up = row_sum(red, 2 * j + 1);
                 act[u] = (g / (1.f + expf(-g))) * up;
             });
         }
         c.sync(ph0 + PH_MLP);
-        {
-            Operand<6> x;
-            load_operand<6>(VecRef{act, 0}, I, x);
-            run_mat<6>(c, pd, x, [&](int u, int i, int, const float* red) {
-                const float v = own[u - r0] + row_sum(red, i);
-                own[u - r0] = v;
-                resid[u] = v;
-            });
-        }
+        run_down(c, pd, ph0 + PH_DOWN, act, [&](int u, float sum) {
+            const float v = own[u - r0] + sum;
+            own[u - r0] = v;
+            resid[u] = v;
+        });
         c.sync(ph0 + PH_DOWN);
     }
 }
@@ -422,7 +481,7 @@ __device__ void publish_frame(const qmk_model& m, const qmk_frame& f, bool full)
 
 __host__ __device__ __forceinline__ int smem_bytes(int nslot) { return QMK_SMEM_SLOTS + nslot * QMK_SLOT_BYTES; }
 
-__global__ void __launch_bounds__(QMK_THREADS, 1) qmk_frame_kernel(const __grid_constant__ Params P) {
+__global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const __grid_constant__ Params P) {
     const qmk_model& m = P.m;
     const qmk_frame& f = P.f;
     const int tid = threadIdx.x;
@@ -430,22 +489,29 @@ __global__ void __launch_bounds__(QMK_THREADS, 1) qmk_frame_kernel(const __grid_
         const int nt = m.talker.num_layers * (int)(sizeof(qmk_layer) / 8);
         const int np = m.pred.num_layers * (int)(sizeof(qmk_layer) / 8);
         uint64_t* dst = sm<uint64_t>(QMK_SMEM_TABLES);
-        for (int i = tid; i < nt + np; i += QMK_THREADS)
+        for (int i = tid; i < nt + np; i += QMK_BLOCK_THREADS)
             dst[i] = i < nt ? dptr<const uint64_t>(m.talker.layers)[i] : dptr<const uint64_t>(m.pred.layers)[i - nt];
         if (tid == 0) *sm<int>(QMK_SMEM_STAMPS) = 0;
     }
     Ctx c;
     c.F = Frame{&P};
-    c.red_parity = 0;
-    if (tid == 0) {
-        RingState& rs = ring_state();
-        rs.phase = -1;
-        rs.tile = rs.ntiles = 0;
+    if (tid < 16) {
+        const int k = tid % 8;
+        const Phase ph{k, 0, tid < 8 ? -1 : 0};
+        if (k != K_ATTN) sm<Geo>(QMK_SMEM_GEO)[tid] = geo_of(c.F, ph);
+    }
+    if (tid == 0) ring_init(P.nslot);
+    __syncthreads();  // tables, geometry and mbarriers in place for both roles
+    if (tid >= QMK_THREADS) {
+        // The producer warp: lane 0 streams the frame's tiles; the warp then waits at the block
+        // barrier for the consumers to finish (Ring::finish).
+        if (tid == QMK_THREADS) produce(&P);
+        __syncwarp();
+        __syncthreads();
+        return;
     }
     c.ring.nslot = P.nslot;
-    c.ring.init();  // ends with __syncthreads: the tables are in place for the producer
-    if (tid == 0) produce(&P, 0);
-    c.ring.after_produce();
+    c.ring.consumed = 0;
     if (f.trace != 0) c.sync(PH_START);
     const int has_proj = m.proj_w != 0;
 
@@ -465,7 +531,7 @@ __global__ void __launch_bounds__(QMK_THREADS, 1) qmk_frame_kernel(const __grid_
             load_operand<2>(VecRef{dptr<const float>(m.hidden), 0}, Dt, x);
         }
         float* logits = dptr<float>(m.logits);
-        run_mat<2>(c, ph, x, [&](int u, int i, int, const float* red) { logits[u] = row_sum(red, i); });
+        run_mat<2>(c, ph, PH_HEAD, x, [&](int u, int j, const float* red) { logits[u] = row_sum(red, j); });
         c.sync(PH_HEAD);
     }
     BlockReducer sred{sm<float>(QMK_SMEM_SRED), 0};
@@ -477,13 +543,13 @@ __global__ void __launch_bounds__(QMK_THREADS, 1) qmk_frame_kernel(const __grid_
         codes()[0] = c0;
         fed()[0] = force ? (int)force[0] : c0;
     }
-    __syncthreads();
+    block_sync();
     if (fed()[0] == m.eos_id || !f.run_predictor) {
         // No barrier follows sampling on this path: wait for every block to finish reading
         // `seen` before block 0 updates it.
         c.sync(PH_SAMPLE);
         publish_frame(m, f, false);
-        c.ring.drain();
+        c.ring.finish();
         return;
     }
 
@@ -497,8 +563,8 @@ __global__ void __launch_bounds__(QMK_THREADS, 1) qmk_frame_kernel(const __grid_
             Operand<2> x;
             load_operand<2>(src, Dt, x);
             const bf16* bias = bfp(m.proj_b);
-            run_mat<2>(c, Phase{K_PROJ, 0, pp}, x,
-                       [&](int u, int i, int, const float* red) { proj_out[u] = row_sum(red, i) + ld_weight1(bias + u); });
+            run_mat<2>(c, Phase{K_PROJ, 0, pp}, 16 + PH_PROJ, x,
+                       [&](int u, int j, const float* red) { proj_out[u] = row_sum(red, j) + ld_weight1(bias + u); });
             c.sync(16 + PH_PROJ);
             src = VecRef{proj_out, 0};
         }
@@ -509,7 +575,7 @@ __global__ void __launch_bounds__(QMK_THREADS, 1) qmk_frame_kernel(const __grid_
             Operand<2> x;
             load_normed<2>(VecRef{dptr<const float>(m.resid), 0}, bfp(m.pred.final_norm), Dp, m.pred.eps, x, norm_scratch());
             if (blockIdx.x == 0) store_operand<2>(x, Dp, dptr<float>(m.pred_hidden) + (size_t)pp * Dp);
-            run_mat<2>(c, Phase{K_HEAD_P, 0, pp}, x, [&](int u, int i, int, const float* red) { lg[u] = row_sum(red, i); });
+            run_mat<2>(c, Phase{K_HEAD_P, 0, pp}, 16 + PH_HEAD, x, [&](int u, int j, const float* red) { lg[u] = row_sum(red, j); });
         }
         c.sync(16 + PH_HEAD);
         const int code = sample_block<false>(lg, m.pred_vocab, f.pred_s, rules, uniform01(f.seed, (uint32_t)f.frame, pp),
@@ -518,10 +584,10 @@ __global__ void __launch_bounds__(QMK_THREADS, 1) qmk_frame_kernel(const __grid_
             codes()[pp] = code;
             fed()[pp] = force ? (int)force[pp] : code;
         }
-        __syncthreads();
+        block_sync();
     }
     publish_frame(m, f, true);
-    c.ring.drain();
+    c.ring.finish();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -570,13 +636,23 @@ static int grid_config(const qmk_model& m, GridConfig* out) {
     if (nslot < 2) return cudaErrorNotSupported;
     const int widest = m.talker.hidden > m.pred.hidden ? m.talker.hidden : m.pred.hidden;
     if ((widest + sms - 1) / sms > QMK_OWN_MAX) return cudaErrorNotSupported;
+    // Row partials of a block's largest slice (gate/up rows count twice) must fit shared memory.
+    const qmk_stack* st[2] = {&m.talker, &m.pred};
+    const auto rows = [sms](int n) { return (n + sms - 1) / sms; };
+    int most = rows(m.vocab > m.pred_vocab ? m.vocab : m.pred_vocab);
+    for (int i = 0; i < 2; ++i) {
+        const int qkv = rows((st[i]->num_heads + 2 * st[i]->num_kv_heads) * QMK_HD), gu = 2 * rows(st[i]->inter);
+        most = most > qkv ? most : qkv;
+        most = most > gu ? most : gu;
+    }
+    if (most > QMK_RED_ROWS) return cudaErrorNotSupported;
     const int smem = smem_bytes(nslot);
     e = cudaFuncSetAttribute(qmk_frame_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     // The kernel waits on grid barriers, so every block must be resident at once: one block per
     // SM, and only if the occupancy the driver reports allows it.
     int per_sm = 0;
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qmk_frame_kernel, QMK_THREADS, smem);
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qmk_frame_kernel, QMK_BLOCK_THREADS, smem);
     if (e != cudaSuccess) return e;
     if (per_sm < 1) return cudaErrorCooperativeLaunchTooLarge;
     last = GridConfig{dev, misc, sms, smem, nslot};
@@ -602,7 +678,7 @@ extern "C" int qmk_decode_frame(const qmk_model* m, const qmk_frame* f, uint64_t
     p.f = *f;
     p.nslot = g.nslot;
     void* args[] = {&p};
-    return cudaLaunchCooperativeKernel((const void*)qmk_frame_kernel, dim3(g.blocks), dim3(QMK_THREADS), args,
+    return cudaLaunchCooperativeKernel((const void*)qmk_frame_kernel, dim3(g.blocks), dim3(QMK_BLOCK_THREADS), args,
                                        (size_t)g.smem, reinterpret_cast<cudaStream_t>(stream));
 }
 

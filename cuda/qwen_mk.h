@@ -81,16 +81,17 @@ typedef struct {
     int32_t min_new_tokens;
     int32_t suppress_start; /* ids >= this (except EOS) may never be code 0 */
     float rep_penalty;
-    int32_t reserved;
+    int32_t trace_steps;  /* with `trace`: also stamp the steps inside each phase (see qwen_mk.cu) */
     qmk_sampler talker_s, pred_s;
     uint64_t seed;
     uint64_t trailing;    /* bf16 [Dt] text vector added to the next talker input */
     uint64_t force_codes; /* int64 [16] teacher forcing (feedback uses these) or 0 */
     uint64_t codes_out;   /* int64 [16] */
-    uint64_t trace;       /* int64 [3 * QMK_TRACE_MAX] (clock64, globaltimer, phase id) per barrier, or 0 */
+    uint64_t trace;       /* int64 [3 * QMK_TRACE_MAX] (clock64, globaltimer, phase id + 32 * step) of
+                             block 0, at each barrier exit (step 0) and, with trace_steps, inside phases */
 } qmk_frame;
 
-#define QMK_TRACE_MAX 2048
+#define QMK_TRACE_MAX 8192
 
 int qmk_abi_version(void);
 /* sizeof of qmk_layer, qmk_stack, qmk_model, qmk_frame into out[0..3]. */

@@ -37,10 +37,16 @@ logger = logging.getLogger(__name__)
 SOURCE_FILES = ("qwen_mk.h", "mk_util.cuh", "mk_stream.cuh", "mk_matvec.cuh", "mk_attention.cuh", "mk_sample.cuh",
                 "qwen_mk.cu")
 ABI_VERSION = 3
-TRACE_MAX = 2048
+TRACE_MAX = 8192
 MAX_GROUPS = 16
 HEAD_DIM = 128
 NVCC_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "-Xcompiler", "-fPIC")
+
+
+def extra_flags() -> tuple[str, ...]:
+    """QWEN_FAST_MK_DEFINES="QMK_TRACE_STEPS ..." builds a variant (own cache entry), e.g. the
+    profiling build that stamps the steps inside each phase (bench/megakernel_check.py --steps)."""
+    return tuple(f"-D{d}" for d in os.environ.get("QWEN_FAST_MK_DEFINES", "").split())
 
 
 def source_dir() -> Path:
@@ -60,7 +66,7 @@ def source_hash(src: Path | None = None) -> str:
     for name in SOURCE_FILES:
         h.update(name.encode())
         h.update((src / name).read_bytes())
-    h.update(" ".join(NVCC_FLAGS).encode())
+    h.update(" ".join(NVCC_FLAGS + extra_flags()).encode())
     return h.hexdigest()[:16]
 
 
@@ -87,7 +93,7 @@ def gencode_flags(archs: list[str]) -> list[str]:
 def nvcc_command(nvcc: str, archs: list[str], out: Path, shared: bool = True) -> list[str]:
     src = source_dir() / "qwen_mk.cu"
     mode = ["-shared"] if shared else ["-c"]
-    return [nvcc, *NVCC_FLAGS, *mode, *gencode_flags(archs), "-o", str(out), str(src)]
+    return [nvcc, *NVCC_FLAGS, *extra_flags(), *mode, *gencode_flags(archs), "-o", str(out), str(src)]
 
 
 def cache_root() -> Path:
@@ -159,7 +165,7 @@ class QmkFrame(ctypes.Structure):
     _fields_ = [
         ("run_talker", ctypes.c_int32), ("run_predictor", ctypes.c_int32), ("pos", ctypes.c_int32),
         ("frame", ctypes.c_int32), ("min_new_tokens", ctypes.c_int32), ("suppress_start", ctypes.c_int32),
-        ("rep_penalty", ctypes.c_float), ("reserved", ctypes.c_int32),
+        ("rep_penalty", ctypes.c_float), ("trace_steps", ctypes.c_int32),
         ("talker_s", QmkSampler), ("pred_s", QmkSampler),
         ("seed", ctypes.c_uint64), ("trailing", ctypes.c_uint64), ("force_codes", ctypes.c_uint64),
         ("codes_out", ctypes.c_uint64), ("trace", ctypes.c_uint64),
@@ -248,9 +254,10 @@ def launch_unsupported_reason(talker, device: torch.device) -> str | None:
 
 
 # Compile-time limits of the kernel (cuda/qwen_mk.cu, mk_matvec.cuh): matvec operands are held in
-# registers as 1024-wide segments, 2 for hidden-wide inputs and 6 for the MLP's down projection.
+# registers as 1024-wide segments, at most 2 for hidden-wide inputs and 3 for the MLP's down
+# projection (a 6144-wide one runs as two halves).
 MAX_HIDDEN = 2048
-MAX_INTER = 6144
+INTER_SIZES = (1024, 2048, 3072, 6144)  # wider than 3072: streamed as two 3072-wide halves
 MAX_VOCAB = 4096  # sampling keeps 8 logits per thread
 MAX_LAYERS = 48  # layer tables of both stacks in shared memory
 
@@ -264,9 +271,10 @@ def shape_unsupported_reason(talker) -> str | None:
             return f"{name} has {s.num_heads} query / {s.num_kv_heads} kv heads; the megakernel needs 2 query heads per kv head"
         if s.num_heads * HEAD_DIM > MAX_HIDDEN:
             return f"{name} has {s.num_heads} heads; the megakernel supports at most {MAX_HIDDEN // HEAD_DIM}"
-        for what, n, most in (("hidden size", s.hidden_size, MAX_HIDDEN), ("intermediate size", s.intermediate_size, MAX_INTER)):
-            if n % 1024 or n > most:
-                return f"{name} {what} {n} must be a multiple of 1024 and at most {most}"
+        if s.hidden_size % 1024 or s.hidden_size > MAX_HIDDEN:
+            return f"{name} hidden size {s.hidden_size} must be a multiple of 1024 and at most {MAX_HIDDEN}"
+        if s.intermediate_size not in INTER_SIZES:
+            return f"{name} intermediate size {s.intermediate_size} is not one of {INTER_SIZES}"
     if t.num_layers + p.num_layers > MAX_LAYERS:
         return f"{t.num_layers} + {p.num_layers} layers; the megakernel holds at most {MAX_LAYERS}"
     if talker.cfg.vocab_size > MAX_VOCAB or talker.code_predictor.cfg.vocab_size > MAX_VOCAB:
@@ -455,7 +463,7 @@ class MegakernelBackend:
             run_talker=int(run_talker), run_predictor=int(run_predictor),
             pos=state.talker_cache.length if pos is None else pos, frame=t,
             min_new_tokens=p.min_new_tokens, suppress_start=self.tcfg.vocab_size - 1024,
-            rep_penalty=p.repetition_penalty, reserved=0,
+            rep_penalty=p.repetition_penalty, trace_steps=0,
             talker_s=QmkSampler(int(p.do_sample), p.top_k, p.temperature, p.top_p),
             pred_s=QmkSampler(int(p.subtalker_do_sample), p.subtalker_top_k, p.subtalker_temperature, p.subtalker_top_p),
             seed=state.seed, trailing=ptr(trailing), force_codes=ptr(force), codes_out=ptr(out), trace=ptr(trace),
