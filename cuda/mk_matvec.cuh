@@ -42,22 +42,46 @@ __device__ __forceinline__ void unpack8(const uint4 u, float* x) {
     x[7] = bf_hi(u.w);
 }
 
-// This thread's operand chunk of x[0..K).
+__device__ __forceinline__ void load8(VecRef x, int i, float* v) {
+    if (x.is_bf16) {
+        unpack8(ld_weight(static_cast<const bf16*>(x.p) + i), v);
+    } else {
+        const float* p = static_cast<const float*>(x.p) + i;
+        const float4 a = ld_act4(p), b = ld_act4(p + 4);
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    }
+}
+
+__device__ __forceinline__ void store8(float* p, const float* v) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    *reinterpret_cast<float4*>(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+__device__ __forceinline__ void read8(const float* p, float* v) {
+    const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+// This thread's operand chunk of x[0..K). Right after a grid barrier every block reads the same
+// freshly written lines, so only row group 0 reads them from L2 and stages them in `xs` (K
+// floats of shared memory); the other row groups take their chunks from there.
 template <int MS>
-__device__ __forceinline__ void load_operand(VecRef x, int K, Operand<MS>& o) {
+__device__ __forceinline__ void load_operand(VecRef x, int K, Operand<MS>& o, float* xs) {
     const int c = col_thread(), nseg = K >> 10;
+    if (threadIdx.x < QMK_CT) {
+#pragma unroll
+        for (int s = 0; s < MS; ++s)
+            if (s < nseg) {
+                float v[8];
+                load8(x, (s << 10) + c * 8, v);
+                store8(xs + (s << 10) + c * 8, v);
+            }
+    }
+    block_sync();
 #pragma unroll
     for (int s = 0; s < MS; ++s) {
         if (s < nseg) {
-            const int i = (s << 10) + c * 8;
-            if (x.is_bf16) {
-                unpack8(ld_weight(static_cast<const bf16*>(x.p) + i), o.v[s]);
-            } else {
-                const float* p = static_cast<const float*>(x.p) + i;
-                const float4 a = ld_act4(p), b = ld_act4(p + 4);
-                o.v[s][0] = a.x, o.v[s][1] = a.y, o.v[s][2] = a.z, o.v[s][3] = a.w;
-                o.v[s][4] = b.x, o.v[s][5] = b.y, o.v[s][6] = b.z, o.v[s][7] = b.w;
-            }
+            read8(xs + (s << 10) + c * 8, o.v[s]);
         } else {
 #pragma unroll
             for (int e = 0; e < 8; ++e) o.v[s][e] = 0.f;
@@ -66,31 +90,44 @@ __device__ __forceinline__ void load_operand(VecRef x, int K, Operand<MS>& o) {
 }
 
 // Qwen3 RMSNorm in fp32, as the official model computes it: w * (x * rsqrt(mean(x^2) + eps)).
-// `scratch` holds 4 floats; the caller's previous use of it ended before a __syncthreads.
+// Row group 0 loads x and w (staged in xs and ws, K floats each) and the sum of squares
+// (`scratch`, 4 floats); one block barrier, then every thread normalises its own chunk.
 template <int MS>
 __device__ __forceinline__ void load_normed(VecRef x, const bf16* w, int K, float eps, Operand<MS>& o,
-                                            float* scratch) {
-    load_operand(x, K, o);
+                                            float* scratch, float* xs, float* ws) {
     const int c = col_thread(), nseg = K >> 10;
-    float wv[MS][8];
+    if (threadIdx.x < QMK_CT) {
+        float ss = 0.f;
 #pragma unroll
-    for (int s = 0; s < MS; ++s)
-        if (s < nseg) unpack8(ld_weight(w + (s << 10) + c * 8), wv[s]);
-    float ss = 0.f;
+        for (int s = 0; s < MS; ++s)
+            if (s < nseg) {
+                float v[8], wv[8];
+                load8(x, (s << 10) + c * 8, v);
+                unpack8(ld_weight(w + (s << 10) + c * 8), wv);
+                store8(xs + (s << 10) + c * 8, v);
+                store8(ws + (s << 10) + c * 8, wv);
 #pragma unroll
-    for (int s = 0; s < MS; ++s)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) ss = fmaf(o.v[s][e], o.v[s][e], ss);
-    ss = warp_sum(ss);
-    if (threadIdx.x < QMK_CT && (threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = ss;
+                for (int e = 0; e < 8; ++e) ss = fmaf(v[e], v[e], ss);
+            }
+        ss = warp_sum(ss);
+        if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = ss;
+    }
     block_sync();
     const float total = (scratch[0] + scratch[1]) + (scratch[2] + scratch[3]);
     const float r = rsqrtf(total / (float)K + eps);
 #pragma unroll
-    for (int s = 0; s < MS; ++s)
-        if (s < nseg)
+    for (int s = 0; s < MS; ++s) {
+        if (s < nseg) {
+            float v[8], wv[8];
+            read8(xs + (s << 10) + c * 8, v);
+            read8(ws + (s << 10) + c * 8, wv);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) o.v[s][e] = (o.v[s][e] * r) * wv[s][e];
+            for (int e = 0; e < 8; ++e) o.v[s][e] = (v[e] * r) * wv[e];
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o.v[s][e] = 0.f;
+        }
+    }
 }
 
 // Row group 0 writes the operand back (the normalised hidden state the tests and the predictor

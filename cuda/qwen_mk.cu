@@ -28,7 +28,9 @@
 #define QMK_SMEM_OWN (QMK_SMEM_STAMPS + 16)           // float [QMK_OWN_MAX] owned residual rows
 #define QMK_SMEM_ATTN (QMK_SMEM_OWN + 4 * QMK_OWN_MAX)  // float [1120] attention scratch
 #define QMK_SMEM_TABLES (QMK_SMEM_ATTN + 4 * 1120)    // qmk_layer [QMK_MAX_LAYERS]
-#define QMK_SMEM_SLOTS ((QMK_SMEM_TABLES + 88 * QMK_MAX_LAYERS + 127) / 128 * 128)
+#define QMK_SMEM_XS (QMK_SMEM_TABLES + 88 * QMK_MAX_LAYERS)  // float [3072] staged operand
+#define QMK_SMEM_WS (QMK_SMEM_XS + 4 * 3072)          // float [2048] staged norm weight
+#define QMK_SMEM_SLOTS ((QMK_SMEM_WS + 4 * 2048 + 127) / 128 * 128)
 
 #include "mk_attention.cuh"
 #include "mk_matvec.cuh"
@@ -321,6 +323,17 @@ struct Ctx {
 };
 
 __device__ __forceinline__ float* norm_scratch() { return sm<float>(QMK_SMEM_NSCR); }
+
+// Operand loads through the block's staging buffers (mk_matvec.cuh).
+template <int MS>
+__device__ __forceinline__ void load_x(VecRef x, int K, Operand<MS>& o) {
+    load_operand<MS>(x, K, o, sm<float>(QMK_SMEM_XS));
+}
+
+template <int MS>
+__device__ __forceinline__ void load_xn(VecRef x, const bf16* w, int K, float eps, Operand<MS>& o) {
+    load_normed<MS>(x, w, K, eps, o, norm_scratch(), sm<float>(QMK_SMEM_XS), sm<float>(QMK_SMEM_WS));
+}
 __device__ __forceinline__ int* codes() { return sm<int>(QMK_SMEM_CODES); }
 __device__ __forceinline__ int* fed() { return sm<int>(QMK_SMEM_FED); }
 
@@ -368,7 +381,7 @@ __device__ void run_down(Ctx& c, const Phase& ph, int id, const float* act, Epi 
     float* red = sm<float>(QMK_SMEM_RED);
     for (int h = 0; h < g.ksplit; ++h) {
         Operand<3> x;
-        load_operand<3>(VecRef{act + h * g.K, 0}, g.K, x);
+        load_x<3>(VecRef{act + h * g.K, 0}, g.K, x);
         c.stamp(id, STEP_OPERAND);
         dots_tiles<3>(c, g, 1, h * per_half, (h + 1) * per_half, x, red + h * units * 4, id);
     }
@@ -426,7 +439,7 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
         const qmk_layer& L = c.F.layer(pq);
         {
             Operand<2> x;
-            load_normed<2>(l == 0 ? src : VecRef{resid, 0}, bfp(L.input_norm), D, S.eps, x, norm_scratch());
+            load_xn<2>(l == 0 ? src : VecRef{resid, 0}, bfp(L.input_norm), D, S.eps, x);
             run_mat<2>(c, pq, ph0 + PH_QKV, x, [&](int u, int j, const float* red) { qkv[u] = row_sum(red, j); });
         }
         c.sync(ph0 + PH_QKV);
@@ -434,7 +447,7 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
         c.sync(ph0 + PH_ATTN);
         {
             Operand<2> x;
-            load_operand<2>(VecRef{dptr<const float>(m.attn), 0}, nq, x);
+            load_x<2>(VecRef{dptr<const float>(m.attn), 0}, nq, x);
             run_mat<2>(c, po, ph0 + PH_O, x, [&](int u, int j, const float* red) {
                 const float v = own[u - r0] + row_sum(red, j);
                 own[u - r0] = v;
@@ -444,7 +457,7 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
         c.sync(ph0 + PH_O);
         {
             Operand<2> x;
-            load_normed<2>(VecRef{resid, 0}, bfp(L.post_norm), D, S.eps, x, norm_scratch());
+            load_xn<2>(VecRef{resid, 0}, bfp(L.post_norm), D, S.eps, x);
             run_mat<2>(c, pg, ph0 + PH_MLP, x, [&](int u, int j, const float* red) {
                 const float g = row_sum(red, 2 * j), up = row_sum(red, 2 * j + 1);
                 act[u] = (g / (1.f + expf(-g))) * up;
@@ -524,11 +537,10 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
         Operand<2> x;
         if (f.run_talker) {
             run_stack(c, -1, VecRef{dptr<const float>(m.pending), 0});
-            load_normed<2>(VecRef{dptr<const float>(m.resid), 0}, bfp(m.talker.final_norm), Dt, m.talker.eps, x,
-                           norm_scratch());
+            load_xn<2>(VecRef{dptr<const float>(m.resid), 0}, bfp(m.talker.final_norm), Dt, m.talker.eps, x);
             if (blockIdx.x == 0) store_operand<2>(x, Dt, dptr<float>(m.hidden));
         } else {
-            load_operand<2>(VecRef{dptr<const float>(m.hidden), 0}, Dt, x);
+            load_x<2>(VecRef{dptr<const float>(m.hidden), 0}, Dt, x);
         }
         float* logits = dptr<float>(m.logits);
         run_mat<2>(c, ph, PH_HEAD, x, [&](int u, int j, const float* red) { logits[u] = row_sum(red, j); });
@@ -561,7 +573,7 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
         if (pp >= 2) src = VecRef{bfp(m.pred_emb[pp - 2]) + (size_t)fed()[pp - 1] * Dt, 1};
         if (has_proj) {
             Operand<2> x;
-            load_operand<2>(src, Dt, x);
+            load_x<2>(src, Dt, x);
             const bf16* bias = bfp(m.proj_b);
             run_mat<2>(c, Phase{K_PROJ, 0, pp}, 16 + PH_PROJ, x,
                        [&](int u, int j, const float* red) { proj_out[u] = row_sum(red, j) + ld_weight1(bias + u); });
@@ -573,7 +585,7 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
         float* lg = dptr<float>(m.pred_logits) + (size_t)(pp - 1) * m.pred_vocab;
         {
             Operand<2> x;
-            load_normed<2>(VecRef{dptr<const float>(m.resid), 0}, bfp(m.pred.final_norm), Dp, m.pred.eps, x, norm_scratch());
+            load_xn<2>(VecRef{dptr<const float>(m.resid), 0}, bfp(m.pred.final_norm), Dp, m.pred.eps, x);
             if (blockIdx.x == 0) store_operand<2>(x, Dp, dptr<float>(m.pred_hidden) + (size_t)pp * Dp);
             run_mat<2>(c, Phase{K_HEAD_P, 0, pp}, 16 + PH_HEAD, x, [&](int u, int j, const float* red) { lg[u] = row_sum(red, j); });
         }
