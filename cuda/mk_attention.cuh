@@ -9,8 +9,8 @@
 
 #define QMK_HD 128
 #define QMK_CHUNK 32   // positions per item: K and V rows of a full chunk fill one 32 KB slot
-#define QMK_PART 130   // m, l, acc[128] per (kv head, chunk, q head)
-#define QMK_ATTN_SMEM_FLOATS (4 * QMK_HD + 2 * QMK_CHUNK + 32 + 2 * 2 * QMK_HD)
+#define QMK_PART 132   // per (kv head, chunk, q head): m, l, 2 pad, acc[128] (16-byte aligned)
+#define QMK_ATTN_SMEM_FLOATS 4  // the merge flag
 
 struct AttnArgs {
     const float* qkv;  // [H*128 q | KV*128 k | KV*128 v], raw projections
@@ -28,135 +28,130 @@ struct AttnArgs {
 
 __host__ __device__ __forceinline__ int attn_nchunk(int pos) { return (pos + QMK_CHUNK) / QMK_CHUNK; }
 
-// One (kv head, chunk) item; `tile` holds the chunk's cached K rows then V rows (null when the
-// chunk has none). `sm` holds QMK_ATTN_SMEM_FLOATS floats.
-__device__ __noinline__ void attention_item(const AttnArgs& a, int g, int c, int nchunk, const float* tile, float* sm) {
-    float* vecs = sm;                     // [4][128]: q0, q1, k (normed + roped), v (raw)
-    float* sc = vecs + 4 * QMK_HD;        // [2][QMK_CHUNK] scores, then probabilities
-    float* misc = sc + 2 * QMK_CHUNK;     // [0..15] sum of squares per warp, [16..19] m/l, [20] flag
-    float* pv = misc + 32;                // [2 halves][2 heads][128]
-    const int t = threadIdx.x, lane = t & 31, w = t >> 5;
-    const int vi = t >> 7, d = t & (QMK_HD - 1);
+// One (kv head, chunk) item, computed by warps 0 and 1 (query heads 2g and 2g + 1; lane l owns
+// dims 4l .. 4l + 3) with warp shuffles only: the item is a short dependent chain, and block-wide
+// barriers inside it would cost more than its arithmetic. `tile` holds the chunk's cached K rows
+// then V rows (null when the chunk has none). Other warps return at once; the caller's block
+// barrier follows.
+__device__ __forceinline__ float4 ld_f4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float dot4(float4 a, float4 b) {
+    float s = a.x * b.x;
+    s = fmaf(a.y, b.y, s);
+    s = fmaf(a.z, b.z, s);
+    return fmaf(a.w, b.w, s);
+}
+
+// QK-norm then rotate-half RoPE of a 128-dim head held 4 dims per lane: dim d + 64 lives in lane
+// l ^ 16. x * cos + rotate_half(x) * sin unfused, like the reference's three elementwise ops.
+__device__ __forceinline__ float4 norm_rope(float4 x, const bf16* w, const float* rope, float eps, int lane) {
+    const float r = rsqrtf(warp_sum(dot4(x, x)) / (float)QMK_HD + eps);
+    const uint2 wb = __ldg(reinterpret_cast<const uint2*>(w + lane * 4));
+    const float4 n = make_float4((x.x * r) * bf_lo(wb.x), (x.y * r) * bf_hi(wb.x), (x.z * r) * bf_lo(wb.y),
+                                 (x.w * r) * bf_hi(wb.y));
+    const float4 cs = __ldg(reinterpret_cast<const float4*>(rope + ((lane * 4) & 63)));
+    const float4 sn = __ldg(reinterpret_cast<const float4*>(rope + 64 + ((lane * 4) & 63)));
+    const float sign = lane < 16 ? -1.f : 1.f;
+    const float4 p = make_float4(sign * __shfl_xor_sync(0xffffffffu, n.x, 16), sign * __shfl_xor_sync(0xffffffffu, n.y, 16),
+                                 sign * __shfl_xor_sync(0xffffffffu, n.z, 16), sign * __shfl_xor_sync(0xffffffffu, n.w, 16));
+    return make_float4(__fadd_rn(__fmul_rn(n.x, cs.x), __fmul_rn(p.x, sn.x)),
+                       __fadd_rn(__fmul_rn(n.y, cs.y), __fmul_rn(p.y, sn.y)),
+                       __fadd_rn(__fmul_rn(n.z, cs.z), __fmul_rn(p.z, sn.z)),
+                       __fadd_rn(__fmul_rn(n.w, cs.w), __fmul_rn(p.w, sn.w)));
+}
+
+template <int HALF>
+__device__ __forceinline__ void reduce_step(float* part, int lane) {
+    const bool upper = lane & HALF;
+#pragma unroll
+    for (int i = 0; i < HALF; ++i) {
+        const float send = upper ? part[i] : part[i + HALF];
+        const float keep = upper ? part[i + HALF] : part[i];
+        part[i] = keep + __shfl_xor_sync(0xffffffffu, send, HALF);
+    }
+}
+
+__device__ void attention_item(const AttnArgs& a, int g, int c, int nchunk, const float* tile, float* sm) {
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (w >= 2) return;
     const int H = a.num_heads, KV = a.num_kv_heads, pos = a.pos;
     const int j0 = c * QMK_CHUNK, j1 = min(pos + 1, j0 + QMK_CHUNK), n = j1 - j0;
     const int ncached = min(j1, pos) - j0;  // rows in the tile; the new position (if here) is last
     const bool last = c == nchunk - 1;
-
-    // vi 0, 1: the two query heads of kv head g; 2: its key; 3: its value.
-    const int row = vi < 2 ? 2 * g + vi : vi == 2 ? H + g : H + KV + g;
-    const float raw = ld_act(a.qkv + (size_t)row * QMK_HD + d);
-    float wn = 0.f, cs = 0.f, sn = 0.f;
-    if (vi < 3) {
-        wn = ld_weight1((vi < 2 ? a.q_norm : a.k_norm) + d);
-        cs = __ldg(a.rope + (size_t)pos * QMK_HD + (d & 63));
-        sn = __ldg(a.rope + (size_t)pos * QMK_HD + 64 + (d & 63));
+    const float* rope = a.rope + (size_t)pos * QMK_HD;
+    const float4 q = norm_rope(ld_act4(a.qkv + (size_t)(2 * g + w) * QMK_HD + lane * 4), a.q_norm, rope, a.eps, lane);
+    const float4 k = norm_rope(ld_act4(a.qkv + (size_t)(H + g) * QMK_HD + lane * 4), a.k_norm, rope, a.eps, lane);
+    const float4 v = ld_act4(a.qkv + (size_t)(H + KV + g) * QMK_HD + lane * 4);
+    if (last && w == 0) {
+        const size_t row = ((size_t)g * a.max_pos + pos) * QMK_HD + lane * 4;
+        *reinterpret_cast<float4*>(a.kc + row) = k;
+        *reinterpret_cast<float4*>(a.vc + row) = v;
     }
-    const float ss = warp_sum(raw * raw);
-    block_sync();  // the previous item's readers of `sm` are done
-    if (lane == 0) misc[w] = ss;
-    block_sync();
-    if (vi < 3) {
-        const float tot = (misc[vi * 4] + misc[vi * 4 + 1]) + (misc[vi * 4 + 2] + misc[vi * 4 + 3]);
-        vecs[vi * QMK_HD + d] = (raw * rsqrtf(tot / (float)QMK_HD + a.eps)) * wn;
-    }
-    block_sync();
-    float y = raw;
-    if (vi < 3) {
-        // x * cos + rotate_half(x) * sin, unfused like the reference's three elementwise ops.
-        const float x = vecs[vi * QMK_HD + d];
-        const float rot = d < 64 ? -vecs[vi * QMK_HD + d + 64] : vecs[vi * QMK_HD + d - 64];
-        y = __fadd_rn(__fmul_rn(x, cs), __fmul_rn(rot, sn));
-    }
-    block_sync();
-    vecs[vi * QMK_HD + d] = y;
-    if (last && vi >= 2) (vi == 2 ? a.kc : a.vc)[((size_t)g * a.max_pos + pos) * QMK_HD + d] = y;
-    block_sync();
-
-    // Scores: warp w takes positions w and w + 16 of the chunk; lane owns 4 dims.
-    const float scale = 0.08838834764831845f;  // 1 / sqrt(128)
+    // Scores: every lane's partial dot for every position, then a transposing reduction that
+    // leaves position i's full score in lane i (31 shuffles for 32 positions).
     const float* tk = tile;
     const float* tv = tile + (size_t)ncached * QMK_HD;
-    {
-        const float4 q0 = *reinterpret_cast<const float4*>(vecs + lane * 4);
-        const float4 q1 = *reinterpret_cast<const float4*>(vecs + QMK_HD + lane * 4);
-        for (int i = w; i < n; i += QMK_WARPS) {
-            const float* kr = i < ncached ? tk + (size_t)i * QMK_HD : vecs + 2 * QMK_HD;
-            const float4 k = *reinterpret_cast<const float4*>(kr + lane * 4);
-            float s0 = q0.x * k.x;
-            s0 = fmaf(q0.y, k.y, s0);
-            s0 = fmaf(q0.z, k.z, s0);
-            s0 = fmaf(q0.w, k.w, s0);
-            float s1 = q1.x * k.x;
-            s1 = fmaf(q1.y, k.y, s1);
-            s1 = fmaf(q1.z, k.z, s1);
-            s1 = fmaf(q1.w, k.w, s1);
-            s0 = warp_sum(s0);
-            s1 = warp_sum(s1);
-            if (lane == 0) {
-                sc[i] = s0 * scale;
-                sc[QMK_CHUNK + i] = s1 * scale;
-            }
-        }
+    float part[QMK_CHUNK];
+#pragma unroll
+    for (int i = 0; i < QMK_CHUNK; ++i) {
+        part[i] = 0.f;
+        if (i < ncached) part[i] = dot4(q, ld_f4(tk + (size_t)i * QMK_HD + lane * 4));
+        else if (i == ncached && i < n) part[i] = dot4(q, k);
     }
-    block_sync();
-    if (w < 2) {
-        const float s = lane < n ? sc[w * QMK_CHUNK + lane] : -INFINITY;
-        const float m = warp_max(s);
-        const float p = lane < n ? expf(s - m) : 0.f;
-        const float l = warp_sum(p);
-        sc[w * QMK_CHUNK + lane] = p;
-        if (lane == 0) {
-            misc[16 + w * 2] = m;
-            misc[17 + w * 2] = l;
-        }
+    reduce_step<16>(part, lane);
+    reduce_step<8>(part, lane);
+    reduce_step<4>(part, lane);
+    reduce_step<2>(part, lane);
+    reduce_step<1>(part, lane);
+    const float scale = 0.08838834764831845f;  // 1 / sqrt(128)
+    const float s = lane < n ? part[0] * scale : -INFINITY;
+    const float m = warp_max(s);
+    const float p = lane < n ? expf(s - m) : 0.f;
+    const float l = warp_sum(p);
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int i = 0; i < n; ++i) {
+        const float pi = __shfl_sync(0xffffffffu, p, i);
+        const float4 vi = i < ncached ? ld_f4(tv + (size_t)i * QMK_HD + lane * 4) : v;
+        o.x = fmaf(pi, vi.x, o.x);
+        o.y = fmaf(pi, vi.y, o.y);
+        o.z = fmaf(pi, vi.z, o.z);
+        o.w = fmaf(pi, vi.w, o.w);
     }
-    block_sync();
-    {
-        // P.V: thread t takes head (t >> 7) & 1, dim d, positions of parity t >> 8.
-        const int h = (t >> 7) & 1, half = t >> 8;
-        float o = 0.f;
-        for (int i = half; i < n; i += 2) {
-            const float v = i < ncached ? tv[(size_t)i * QMK_HD + d] : vecs[3 * QMK_HD + d];
-            o = fmaf(sc[h * QMK_CHUNK + i], v, o);
-        }
-        pv[half * 2 * QMK_HD + h * QMK_HD + d] = o;
-    }
-    block_sync();
-    const int h = t >> 7;  // for t < 256
-    const float acc = t < 2 * QMK_HD ? pv[t] + pv[2 * QMK_HD + t] : 0.f;
+    const int h = 2 * g + w;
     if (nchunk == 1) {
-        if (t < 2 * QMK_HD) a.out[(size_t)(2 * g + h) * QMK_HD + d] = acc / misc[17 + h * 2];
+        *reinterpret_cast<float4*>(a.out + (size_t)h * QMK_HD + lane * 4) = make_float4(o.x / l, o.y / l, o.z / l, o.w / l);
         return;
     }
-    float* mine = a.part + ((size_t)(g * nchunk + c) * 2) * QMK_PART;
-    if (t < 2 * QMK_HD) {
-        mine[h * QMK_PART + 2 + d] = acc;
-        if (d == 0) {
-            mine[h * QMK_PART] = misc[16 + h * 2];
-            mine[h * QMK_PART + 1] = misc[17 + h * 2];
-        }
+    // Several chunks: publish (m, l, acc); the last item of this kv head to finish merges.
+    float* mine = a.part + ((size_t)(g * nchunk + c) * 2 + w) * QMK_PART;
+    *reinterpret_cast<float4*>(mine + 4 + lane * 4) = o;
+    if (lane == 0) {
+        mine[0] = m;
+        mine[1] = l;
     }
     __threadfence();
-    block_sync();
-    if (t == 0) {
+    asm volatile("bar.sync 2, 64;" ::: "memory");  // warps 0 and 1
+    if (threadIdx.x == 0) {
         const unsigned prev = atomicAdd(a.count + g, 1u);
-        misc[20] = prev == (unsigned)(nchunk - 1) ? 1.f : 0.f;
+        sm[0] = prev == (unsigned)(nchunk - 1) ? 1.f : 0.f;
     }
-    block_sync();
-    if (misc[20] == 0.f) return;
+    asm volatile("bar.sync 2, 64;" ::: "memory");
+    if (sm[0] == 0.f) return;
     __threadfence();
-    if (t < 2 * QMK_HD) {
-        const float* base = a.part + (size_t)g * nchunk * 2 * QMK_PART + h * QMK_PART;
-        float M = -INFINITY;
-        for (int cc = 0; cc < nchunk; ++cc) M = fmaxf(M, __ldcg(base + (size_t)cc * 2 * QMK_PART));
-        float L = 0.f, O = 0.f;
-        for (int cc = 0; cc < nchunk; ++cc) {
-            const float* p = base + (size_t)cc * 2 * QMK_PART;
-            const float e = expf(__ldcg(p) - M);
-            L = fmaf(__ldcg(p + 1), e, L);
-            O = fmaf(__ldcg(p + 2 + d), e, O);
-        }
-        a.out[(size_t)(2 * g + h) * QMK_HD + d] = O / L;
+    const float* base = a.part + (size_t)g * nchunk * 2 * QMK_PART + w * QMK_PART;
+    float M = -INFINITY;
+    for (int cc = 0; cc < nchunk; ++cc) M = fmaxf(M, __ldcg(base + (size_t)cc * 2 * QMK_PART));
+    float L = 0.f;
+    float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int cc = 0; cc < nchunk; ++cc) {
+        const float* pc = base + (size_t)cc * 2 * QMK_PART;
+        const float e = expf(__ldcg(pc) - M);
+        L = fmaf(__ldcg(pc + 1), e, L);
+        const float4 acc = __ldcg(reinterpret_cast<const float4*>(pc + 4 + lane * 4));
+        O.x = fmaf(acc.x, e, O.x);
+        O.y = fmaf(acc.y, e, O.y);
+        O.z = fmaf(acc.z, e, O.z);
+        O.w = fmaf(acc.w, e, O.w);
     }
-    if (t == 0) a.count[g] = 0u;
+    *reinterpret_cast<float4*>(a.out + (size_t)h * QMK_HD + lane * 4) = make_float4(O.x / L, O.y / L, O.z / L, O.w / L);
+    if (threadIdx.x == 0) a.count[g] = 0u;
 }

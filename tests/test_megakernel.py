@@ -333,3 +333,27 @@ def test_same_seed_same_codes(backends):
     c = [c for c, *_ in sampled_frames(mb, talker, params, 10, seed=12)]
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_eos_frame_stops_early_and_the_session_goes_on(backends):
+    """A frame whose code 0 is EOS ends after the codec head: the consumers stop the producer warp
+    mid-stream (its predictor copies already in flight), publish code 0 only, and the next
+    launches run normally (no hang, no stale barrier or ring state)."""
+    talker, cfg, mb = backends.talker, backends.cfg, backends.mb
+    eos = cfg.talker.codec_eos_id
+    st = start(mb, talker, GREEDY, 8)
+    first = mb.decode_frame(st).clone()
+    force = torch.zeros(16, dtype=torch.int64, device="cuda")
+    force[0] = eos
+    out = mb.decode_frame(st, force=force).clone()
+    torch.cuda.synchronize()
+    assert int(out[0]) != eos  # the kernel reports what it sampled (the EOS row is zeroed)
+    assert torch.count_nonzero(out[1:]) == 0, "an EOS frame carries no residual codes"
+    assert bool(st.buffers["seen"][eos]), "the fed-back code 0 (EOS) is marked as seen"
+    for _ in range(3):
+        codes = mb.decode_frame(st)
+        assert int(codes[0]) < 2048 and bool(((codes[1:] >= 0) & (codes[1:] < 2048)).all())
+    torch.cuda.synchronize()
+    assert int(first[0]) < 2048
