@@ -306,6 +306,19 @@ def print_engine(r: dict) -> None:
           f"worst underrun {stream['underrun_ms']:.1f} ms")
 
 
+def timing_state(mb, D: int, max_pos: int, params: SamplingParams):
+    """A state for timing at fixed positions: random K/V everywhere (never zeros), an 8-position
+    prefill and frame 0 done, so the next launches run the talker."""
+    st = mb.new_state(max_positions=max_pos, params=params, seed=1,
+                      trailing=torch.randn((4, D), device="cuda").to(torch.bfloat16) * 0.05,
+                      pad_vec=torch.randn(D, device="cuda").to(torch.bfloat16) * 0.05)
+    st.talker_cache.k.normal_(0, 0.5)
+    st.talker_cache.v.normal_(0, 0.5)
+    mb.prefill(st, (torch.randn((8, D), device="cuda") * 0.05).to(torch.bfloat16))
+    mb.decode_frame(st)
+    return st
+
+
 def time_size(size: str, bw: float, iters: int, positions: list[int]) -> dict:
     ref = load_reference()
     talker, cfg = ref.random_talker(size, "cuda", seed=0)
@@ -318,13 +331,7 @@ def time_size(size: str, bw: float, iters: int, positions: list[int]) -> dict:
     wb = out["weight_bytes"]
     for sampling in (False, True):
         params = SamplingParams(do_sample=sampling, subtalker_do_sample=sampling)
-        st = mb.new_state(max_positions=max_pos, params=params, seed=1,
-                          trailing=torch.randn((4, D), device="cuda").to(torch.bfloat16) * 0.05,
-                          pad_vec=torch.randn(D, device="cuda").to(torch.bfloat16) * 0.05)
-        st.talker_cache.k.normal_(0, 0.5)
-        st.talker_cache.v.normal_(0, 0.5)
-        mb.prefill(st, (torch.randn((8, D), device="cuda") * 0.05).to(torch.bfloat16))
-        mb.decode_frame(st)
+        st = timing_state(mb, D, max_pos, params)
         mb.decode_frame(st)
         tag = "sampling" if sampling else "greedy"
         for pos in positions:
@@ -382,14 +389,7 @@ def run_steps(out_dir: Path) -> int:
     os.environ["QWEN_FAST_MK_DEFINES"] = "QMK_TRACE_STEPS"
     talker, cfg = load_reference().random_talker("0.6b", "cuda", seed=0)
     mb = mk.MegakernelBackend(talker, torch.device("cuda"), torch.bfloat16)
-    D = cfg.talker.hidden_size
-    st = mb.new_state(max_positions=128, params=SamplingParams(), seed=1,
-                      trailing=torch.randn((4, D), device="cuda").to(torch.bfloat16) * 0.05,
-                      pad_vec=torch.randn(D, device="cuda").to(torch.bfloat16) * 0.05)
-    st.talker_cache.k.normal_(0, 0.5)
-    st.talker_cache.v.normal_(0, 0.5)
-    mb.prefill(st, (torch.randn((8, D), device="cuda") * 0.05).to(torch.bfloat16))
-    mb.decode_frame(st)
+    st = timing_state(mb, cfg.talker.hidden_size, 128, SamplingParams())
     frames = {"talker_pos100": mb.frame_args(st, run_talker=True, run_predictor=False, pos=100)[0],
               "predictor": mb.frame_args(st, run_talker=False)[0]}
     result = {}

@@ -26,7 +26,7 @@
 #define QMK_SMEM_FED (QMK_SMEM_CODES + 64)            // int [16] codes fed back
 #define QMK_SMEM_STAMPS (QMK_SMEM_FED + 64)           // int [4] trace stamp counter
 #define QMK_SMEM_OWN (QMK_SMEM_STAMPS + 16)           // float [QMK_OWN_MAX] owned residual rows
-#define QMK_SMEM_ATTN (QMK_SMEM_OWN + 4 * QMK_OWN_MAX)  // float [1120] attention scratch
+#define QMK_SMEM_ATTN (QMK_SMEM_OWN + 4 * QMK_OWN_MAX)  // float [1120] attention scratch (v12 uses 4)
 #define QMK_SMEM_TABLES (QMK_SMEM_ATTN + 4 * 1120)    // qmk_layer [QMK_MAX_LAYERS]
 #define QMK_SMEM_XS (QMK_SMEM_TABLES + 88 * QMK_MAX_LAYERS)  // float [3072] staged operand
 #define QMK_SMEM_WS (QMK_SMEM_XS + 4 * 3072)          // float [2048] staged norm weight
