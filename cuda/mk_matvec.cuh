@@ -14,8 +14,9 @@
 #define QMK_RG 4        // row groups
 #define QMK_TILE_ROWS 16  // K >= 1024 and 32 KB slots
 
-// MS: the most 1024-wide segments the operand can have (2 for hidden-wide inputs, 6 for the
-// MLP's down projection); sized at compile time so the operand stays in registers.
+// MS: the most 1024-wide segments the operand can have (2 for hidden-wide inputs, 3 for the
+// MLP's down projection, run in halves when wider); sized at compile time so the operand stays
+// in registers.
 template <int MS>
 struct Operand {
     float v[MS][8];

@@ -47,9 +47,9 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Block reductions over a [2][QMK_WARPS] scratch with alternating halves: a half is rewritten
-// only two calls later, after a barrier every thread passed once done reading it, so one
-// __syncthreads per reduction suffices.
+// Block reductions (consumer threads) over a [2][QMK_WARPS] scratch with alternating halves: a
+// half is rewritten only two calls later, after a barrier every thread passed once done reading
+// it, so one block_sync per reduction suffices.
 struct BlockReducer {
     float* buf;  // 2 * QMK_WARPS floats
     int parity;
@@ -131,11 +131,10 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
     return v;
 }
 
-// Split in two so the arriving thread can do useful work (issue the next copies) while the
-// other blocks catch up. Thread 0 only, after a __syncthreads: the release orders the whole
-// block's earlier writes (bar.sync made them visible to thread 0) before the arrival; the
-// acquire that sees the flip orders the other blocks' writes before what follows the next
-// __syncthreads.
+// Arrive and wait are separate so a trace can stamp the arrival. Thread 0 only, after a
+// block_sync: the release orders the whole block's earlier writes (the barrier made them visible
+// to thread 0) before the arrival; the acquire that sees the flip orders the other blocks'
+// writes before what follows the next block_sync.
 __device__ __forceinline__ unsigned grid_arrive(unsigned* counter) {
     const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
     unsigned old;
@@ -149,10 +148,10 @@ __device__ __forceinline__ void grid_wait(const unsigned* counter, unsigned arri
 }
 
 // ---------------------------------------------------------------------------------------------
-// Shared-memory tiles filled asynchronously and completed on an mbarrier. On Hopper one thread
-// issues a bulk copy per contiguous range (the copy engine, no registers, no L1); on sm_80 every
-// thread issues 16-byte cp.async pieces and its arrival is counted when they land. Consumers wait
-// the same way on both.
+// Shared-memory tiles filled asynchronously and completed on an mbarrier. On Hopper the producer
+// lane issues a bulk copy per contiguous range (the copy engine, no registers, no L1); on sm_80 it
+// issues 16-byte cp.async pieces and its arrival counts once they have landed. Consumers wait the
+// same way on both.
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 

@@ -26,8 +26,8 @@
 #define QMK_SMEM_FED (QMK_SMEM_CODES + 64)            // int [16] codes fed back
 #define QMK_SMEM_STAMPS (QMK_SMEM_FED + 64)           // int [4] trace stamp counter
 #define QMK_SMEM_OWN (QMK_SMEM_STAMPS + 16)           // float [QMK_OWN_MAX] owned residual rows
-#define QMK_SMEM_ATTN (QMK_SMEM_OWN + 4 * QMK_OWN_MAX)  // float [1120] attention scratch (v12 uses 4)
-#define QMK_SMEM_TABLES (QMK_SMEM_ATTN + 4 * 1120)    // qmk_layer [QMK_MAX_LAYERS]
+#define QMK_SMEM_ATTN (QMK_SMEM_OWN + 4 * QMK_OWN_MAX)  // float [4] attention merge flag
+#define QMK_SMEM_TABLES (QMK_SMEM_ATTN + 16)          // qmk_layer [QMK_MAX_LAYERS]
 #define QMK_SMEM_XS (QMK_SMEM_TABLES + 88 * QMK_MAX_LAYERS)  // float [3072] staged operand
 #define QMK_SMEM_WS (QMK_SMEM_XS + 4 * 3072)          // float [2048] staged norm weight
 #define QMK_SMEM_SLOTS ((QMK_SMEM_WS + 4 * 2048 + 127) / 128 * 128)
@@ -42,7 +42,8 @@
 static_assert(sizeof(RingState) <= 512, "ring state");
 static_assert(QMK_TILE_ROWS / QMK_RG * QMK_RG == QMK_TILE_ROWS, "tile rows");
 static_assert(QMK_RED_ROWS >= QMK_TILE_ROWS, "row partials");
-static_assert(QMK_ATTN_SMEM_FLOATS <= 1120, "attention scratch");
+static_assert(QMK_ATTN_SMEM_FLOATS <= 4, "attention scratch");
+static_assert(QMK_SMEM_XS % 16 == 0 && QMK_SMEM_WS % 16 == 0, "staged operands are read as float4");
 static_assert(sizeof(qmk_layer) == 88, "layer table entry");
 
 template <class T>
@@ -133,6 +134,10 @@ struct Frame {
 // each streamed as half rows, so the operand held in registers is never wider than 3072.
 struct Geo {
     int u0, u1, per_tile, K, ntiles, ksplit;  // K: columns per half; ntiles over both halves
+
+    // A slice longer than the ring (the 1.7B's MLP) frees each tile as soon as it is done, so the
+    // producer can refill its slot mid-phase; otherwise all tiles are freed after the phase.
+    __device__ bool frees_each_tile(int nslot) const { return ntiles > nslot; }
 };
 
 __device__ __forceinline__ const Geo& geo(const Phase& ph) {
@@ -296,7 +301,10 @@ struct Ctx {
         if (step != 0 && step != STEP_DONE) return;  // steps are compiled in for profiling builds only
 #endif
         long long* trace = dptr<long long>(F.f().trace);
-        if (trace == nullptr || blockIdx.x != 0 || threadIdx.x != 0 || (step && !F.f().trace_steps)) return;
+        // A plain trace keeps the barrier exits and each block-0 "work done" (the phase profile's
+        // wait for the other blocks); trace_steps adds the rest.
+        const bool wanted = step == 0 || step == STEP_DONE || F.f().trace_steps;
+        if (trace == nullptr || blockIdx.x != 0 || threadIdx.x != 0 || !wanted) return;
         int* stamps = sm<int>(QMK_SMEM_STAMPS);
         if (*stamps >= QMK_TRACE_MAX) return;
         long long gt;
@@ -338,12 +346,11 @@ __device__ __forceinline__ int* codes() { return sm<int>(QMK_SMEM_CODES); }
 __device__ __forceinline__ int* fed() { return sm<int>(QMK_SMEM_FED); }
 
 // Dot products of tiles [t0, t1) of a matrix phase (tile t covers units
-// (t % per_half) * per_tile ...) into red. A slice longer than the ring (the 1.7B's MLP)
-// releases each tile as soon as it is done, so the producer can refill its slot mid-phase.
+// (t % per_half) * per_tile ...) into red.
 template <int MS>
 __device__ void dots_tiles(Ctx& c, const Geo& g, int rpu, int t0, int t1, const Operand<MS>& x, float* red, int id) {
     const int per_half = g.ntiles / g.ksplit;
-    const bool within = g.ntiles > c.ring.nslot;
+    const bool within = g.frees_each_tile(c.ring.nslot);
     for (int t = t0; t < t1; ++t) {
         const int tt = t % per_half;
         const int n = min(g.per_tile, g.u1 - g.u0 - tt * g.per_tile);
@@ -357,6 +364,13 @@ __device__ void dots_tiles(Ctx& c, const Geo& g, int rpu, int t0, int t1, const 
     }
 }
 
+// Every consumer is done with the phase's tiles: partials complete, slots free.
+__device__ __forceinline__ void end_tiles(Ctx& c, const Geo& g, int id) {
+    block_sync();
+    c.stamp(id, STEP_DOTS);
+    if (!g.frees_each_tile(c.ring.nslot)) c.ring.release(g.ntiles);
+}
+
 // One matrix phase: dot products of every tile of the block's slice from shared memory, one
 // barrier, then `epi(unit, index in the slice, partials)` on one thread per unit.
 template <int MS, class Epi>
@@ -366,14 +380,13 @@ __device__ void run_mat(Ctx& c, const Phase& ph, int id, const Operand<MS>& x, E
     const int rpu = ph.kind == K_GU ? 2 : 1;
     float* red = sm<float>(QMK_SMEM_RED);
     dots_tiles<MS>(c, g, rpu, 0, g.ntiles, x, red, id);
-    block_sync();
-    c.stamp(id, STEP_DOTS);
-    if (g.ntiles <= c.ring.nslot) c.ring.release(g.ntiles);
+    end_tiles(c, g, id);
     for (int j = threadIdx.x; j < g.u1 - g.u0; j += QMK_THREADS) epi(g.u0 + j, j, red);
     c.stamp(id, STEP_EPILOGUE);
 }
 
-// The MLP's down projection: `epi(unit, sum)` after both halves when the matrix is split.
+// The MLP's down projection: `epi(unit, index in the slice, sum)` after both halves when the
+// matrix is split.
 template <class Epi>
 __device__ void run_down(Ctx& c, const Phase& ph, int id, const float* act, Epi epi) {
     const Geo g = geo(ph);
@@ -385,13 +398,11 @@ __device__ void run_down(Ctx& c, const Phase& ph, int id, const float* act, Epi 
         c.stamp(id, STEP_OPERAND);
         dots_tiles<3>(c, g, 1, h * per_half, (h + 1) * per_half, x, red + h * units * 4, id);
     }
-    block_sync();
-    c.stamp(id, STEP_DOTS);
-    if (g.ntiles <= c.ring.nslot) c.ring.release(g.ntiles);
+    end_tiles(c, g, id);
     for (int j = threadIdx.x; j < units; j += QMK_THREADS) {
         float v = row_sum(red, j);
         if (g.ksplit == 2) v += row_sum(red + units * 4, j);
-        epi(g.u0 + j, v);
+        epi(g.u0 + j, j, v);
     }
     c.stamp(id, STEP_EPILOGUE);
 }
@@ -429,10 +440,13 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
     float* own = sm<float>(QMK_SMEM_OWN);
     // The o_proj and down phases both have D output rows, so a block owns the same residual rows
     // in both and keeps them in shared memory between the two.
-    const int r0 = (int)((long long)D * blockIdx.x / gridDim.x);
-    for (int i = tid; i < (int)((long long)D * (blockIdx.x + 1) / gridDim.x) - r0; i += QMK_THREADS)
-        own[i] = src.is_bf16 ? ld_weight1(static_cast<const bf16*>(src.p) + r0 + i)
-                             : ld_act(static_cast<const float*>(src.p) + r0 + i);
+    // (Both phases' epilogues index `own` by the unit's index in the slice.)
+    {
+        const Geo& rows = geo(Phase{K_O, 0, pass});
+        for (int i = tid; i < rows.u1 - rows.u0; i += QMK_THREADS)
+            own[i] = src.is_bf16 ? ld_weight1(static_cast<const bf16*>(src.p) + rows.u0 + i)
+                                 : ld_act(static_cast<const float*>(src.p) + rows.u0 + i);
+    }
     for (int l = 0; l < S.num_layers; ++l) {
         const Phase pq{K_QKV, l, pass}, pa{K_ATTN, l, pass}, po{K_O, l, pass}, pg{K_GU, l, pass},
             pd{K_DOWN, l, pass};
@@ -449,8 +463,8 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
             Operand<2> x;
             load_x<2>(VecRef{dptr<const float>(m.attn), 0}, nq, x);
             run_mat<2>(c, po, ph0 + PH_O, x, [&](int u, int j, const float* red) {
-                const float v = own[u - r0] + row_sum(red, j);
-                own[u - r0] = v;
+                const float v = own[j] + row_sum(red, j);
+                own[j] = v;
                 resid[u] = v;
             });
         }
@@ -464,9 +478,9 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
             });
         }
         c.sync(ph0 + PH_MLP);
-        run_down(c, pd, ph0 + PH_DOWN, act, [&](int u, float sum) {
-            const float v = own[u - r0] + sum;
-            own[u - r0] = v;
+        run_down(c, pd, ph0 + PH_DOWN, act, [&](int u, int j, float sum) {
+            const float v = own[j] + sum;
+            own[j] = v;
             resid[u] = v;
         });
         c.sync(ph0 + PH_DOWN);
@@ -619,57 +633,59 @@ extern "C" int64_t qmk_attn_part_floats(int32_t max_pos, int32_t kv_heads) {
 }
 
 struct GridConfig {
-    int dev = -1, misc = -1, blocks = 0, smem = 0, nslot = 0;
+    int dev = -1, blocks = 0, smem = 0, nslot = 0;
 };
 
-// Blocks, shared memory and ring slots for this model on the current device. The answer depends
-// only on the device and the model's shared-memory needs: remember the last one so a launch
-// costs no attribute or occupancy queries.
-static int grid_config(const qmk_model& m, GridConfig* out) {
-    static thread_local GridConfig last;
-    int dev = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e != cudaSuccess) return e;
-    const int misc = QMK_SMEM_SLOTS;
+// The model must fit the kernel's fixed shared-memory areas on a grid of `blocks` blocks.
+static int model_fits(const qmk_model& m, int blocks) {
     if (m.talker.num_layers + m.pred.num_layers > QMK_MAX_LAYERS) return cudaErrorNotSupported;
-    if (dev == last.dev && misc == last.misc) {
-        *out = last;
-        return cudaSuccess;
-    }
-    int coop = 0, sms = 0, optin = 0;
-    if ((e = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev)) != cudaSuccess) return e;
-    if (!coop) return cudaErrorNotSupported;
-    if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
-    if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)) != cudaSuccess) return e;
-    // As many 32 KB slots as shared memory allows: the deeper the ring, the further ahead of the
-    // barriers the weight reads run.
-    int nslot = (optin - misc) / QMK_SLOT_BYTES;
-    if (nslot > QMK_MAX_SLOTS) nslot = QMK_MAX_SLOTS;
-    if (nslot < 2) return cudaErrorNotSupported;
+    const auto rows = [blocks](int n) { return (n + blocks - 1) / blocks; };
     const int widest = m.talker.hidden > m.pred.hidden ? m.talker.hidden : m.pred.hidden;
-    if ((widest + sms - 1) / sms > QMK_OWN_MAX) return cudaErrorNotSupported;
-    // Row partials of a block's largest slice (gate/up rows count twice) must fit shared memory.
+    if (rows(widest) > QMK_OWN_MAX) return cudaErrorNotSupported;
+    // Row partials of a block's largest slice (gate/up rows count twice).
     const qmk_stack* st[2] = {&m.talker, &m.pred};
-    const auto rows = [sms](int n) { return (n + sms - 1) / sms; };
     int most = rows(m.vocab > m.pred_vocab ? m.vocab : m.pred_vocab);
     for (int i = 0; i < 2; ++i) {
         const int qkv = rows((st[i]->num_heads + 2 * st[i]->num_kv_heads) * QMK_HD), gu = 2 * rows(st[i]->inter);
         most = most > qkv ? most : qkv;
         most = most > gu ? most : gu;
     }
-    if (most > QMK_RED_ROWS) return cudaErrorNotSupported;
-    const int smem = smem_bytes(nslot);
-    e = cudaFuncSetAttribute(qmk_frame_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    return most > QMK_RED_ROWS ? cudaErrorNotSupported : cudaSuccess;
+}
+
+// Blocks, shared memory and ring slots on the current device (the shared-memory layout is fixed,
+// so this depends on the device alone and is remembered per thread: a launch costs no attribute
+// or occupancy query), then whether this model fits (cheap, every call: models differ).
+static int grid_config(const qmk_model& m, GridConfig* out) {
+    static thread_local GridConfig last;
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
     if (e != cudaSuccess) return e;
-    // The kernel waits on grid barriers, so every block must be resident at once: one block per
-    // SM, and only if the occupancy the driver reports allows it.
-    int per_sm = 0;
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qmk_frame_kernel, QMK_BLOCK_THREADS, smem);
-    if (e != cudaSuccess) return e;
-    if (per_sm < 1) return cudaErrorCooperativeLaunchTooLarge;
-    last = GridConfig{dev, misc, sms, smem, nslot};
+    if (dev != last.dev) {
+        int coop = 0, sms = 0, optin = 0;
+        if ((e = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev)) != cudaSuccess) return e;
+        if (!coop) return cudaErrorNotSupported;
+        if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
+        if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)) != cudaSuccess)
+            return e;
+        // As many 32 KB slots as shared memory allows: the deeper the ring, the further ahead of
+        // the barriers the weight reads run.
+        int nslot = (optin - QMK_SMEM_SLOTS) / QMK_SLOT_BYTES;
+        if (nslot > QMK_MAX_SLOTS) nslot = QMK_MAX_SLOTS;
+        if (nslot < 2) return cudaErrorNotSupported;
+        const int smem = smem_bytes(nslot);
+        e = cudaFuncSetAttribute(qmk_frame_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        if (e != cudaSuccess) return e;
+        // The kernel waits on grid barriers, so every block must be resident at once: one block
+        // per SM, and only if the occupancy the driver reports allows it.
+        int per_sm = 0;
+        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qmk_frame_kernel, QMK_BLOCK_THREADS, smem);
+        if (e != cudaSuccess) return e;
+        if (per_sm < 1) return cudaErrorCooperativeLaunchTooLarge;
+        last = GridConfig{dev, sms, smem, nslot};
+    }
     *out = last;
-    return cudaSuccess;
+    return model_fits(m, last.blocks);
 }
 
 extern "C" int qmk_grid_size(const qmk_model* m, int32_t* blocks, int32_t* smem_bytes) {
