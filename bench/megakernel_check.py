@@ -113,7 +113,7 @@ def summary(ms: list[float]) -> dict[str, float]:
 PHASES = ["qkv", "attention", "o_proj", "mlp_in", "down", "head", "proj", "sample_sync", "start"]
 
 
-STEPS = ["exit", "operand", "tile", "dots", "epilogue", "done", "arrived", "produced"]
+STEPS = ["exit", "operand", "tile", "dots", "epilogue", "done", "arrived"]  # cuda/qwen_mk.cu STEP_*
 
 
 def read_trace(mb, st, f, steps: bool):
@@ -169,8 +169,8 @@ def step_profile(mb, st, f) -> dict:
     """Profiling build only (QMK_TRACE_STEPS): block 0's time per step inside each phase kind. The
     time between two stamps goes to the later one: operand = barrier exit -> operand loaded,
     tile = waiting for a tile (plus the previous tile's dot products), dots = last tile's dot
-    products + block barrier, epilogue, done = block barrier, arrived = grid arrival, produced =
-    issuing the next copies, exit = waiting for the other blocks."""
+    products + block barrier, epilogue, done = block barrier, arrived = grid arrival, exit =
+    waiting for the other blocks."""
     rows, clock_hz = read_trace(mb, st, f, steps=True)
     out: dict[str, dict[str, float]] = {}
     for i in range(1, rows.shape[0]):
@@ -184,53 +184,13 @@ def step_profile(mb, st, f) -> dict:
     return out
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm())
-
-
-def start_pair(tb, mb, D: int, frames: int):
-    """A greedy fp32 reference state after its own prefill, and a megakernel state adopting that
-    prefill (same fp32 K/V and hidden), so every difference is the decode's own. Prompt, trailing
-    and pad values are bf16 (what the engine makes and the kernel reads)."""
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    embeds = (torch.randn((12, D), device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
-    trailing = (torch.randn((4, D), device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
-    pad = (torch.randn(D, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
-    ts = tb.new_state(max_positions=embeds.shape[0] + frames + 2, params=GREEDY, seed=0, trailing=trailing,
-                      pad_vec=pad)
-    tb.prefill(ts, embeds.float())
-    ms = mb.new_state(max_positions=ts.talker_cache.max_len, params=GREEDY, seed=0, trailing=trailing, pad_vec=pad)
-    mb.load_prefill(ms, ts.talker_cache.k, ts.talker_cache.v, ts.talker_cache.length, ts.hidden)
-    return ts, ms
-
-
-@torch.no_grad()
-def teacher_forced(tb, mb, talker32, frames: int) -> dict:
-    """The reference decodes freely, the kernel is fed its codes; predictor hidden every 25 frames."""
-    ref = load_reference()
-    ts, ms = start_pair(tb, mb, talker32.cfg.hidden_size, frames)
-    agree = total = 0
-    worst_t = worst_p = 0.0
-    for t in range(frames):
-        codes_ref = tb.decode_frame(ts)
-        codes = mb.decode_frame(ms, force=codes_ref)
-        worst_t = max(worst_t, rel_err(ms.buffers["hidden"], ts.hidden))
-        if t % 25 == 0:
-            pred = ref.torch_predictor_hidden(talker32, ts.hidden, codes_ref)
-            worst_p = max(worst_p, rel_err(ms.buffers["pred_hidden"][1:], pred[1:]))
-        agree += int((codes == codes_ref).sum())
-        total += codes.numel()
-    mb.release(ms)
-    tb.release(ts)
-    return {"teacher_forced_frames": frames, "talker_hidden_rel_err_max": worst_t,
-            "predictor_hidden_rel_err_max": worst_p, "argmax_agreement": agree / total}
-
-
 @torch.no_grad()
 def greedy_identity(tb, mb, D: int, frames: int) -> dict:
-    """Both decode freely (greedy): how many leading frames carry identical codes."""
-    ts, ms = start_pair(tb, mb, D, frames)
+    """Both decode freely (greedy) from the same prefill: how many leading frames carry identical
+    codes."""
+    ref = load_reference()
+    ts = ref.start_reference(tb, D, GREEDY, frames)
+    ms = ref.start_kernel_from(mb, ts, GREEDY)
     ref_codes = torch.stack([tb.decode_frame(ts).clone() for _ in range(frames)])
     codes = torch.stack([mb.decode_frame(ms).clone() for _ in range(frames)])
     mb.release(ms)
@@ -248,7 +208,7 @@ def quick_check(talker, mb, frames: int, greedy_frames: int = 50) -> dict:
     talker32 = copy.deepcopy(talker).float()
     tb = TorchBackend(talker32, torch.device("cuda"), torch.float32)
     out = {"reference": "TorchBackend, fp32 copy of the weights",
-           **teacher_forced(tb, mb, talker32, frames),
+           **load_reference().teacher_forced(tb, mb, talker32, GREEDY, frames),
            **greedy_identity(tb, mb, talker.cfg.hidden_size, greedy_frames)}
     del tb, talker32
     torch.cuda.empty_cache()

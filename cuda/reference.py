@@ -106,6 +106,70 @@ def torch_predictor_hidden(talker, h: Tensor, codes: Tensor) -> Tensor:
     return torch.cat(outs)
 
 
+# ---------------------------------------------------------------------------------------------
+# Kernel against the fp32 PyTorch path (shared by tests/test_megakernel.py and
+# bench/megakernel_check.py)
+
+PROMPT_LEN = 12
+
+
+def rel_err(a: Tensor, b: Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm())
+
+
+def prompt_inputs(D: int, prompt_len: int = PROMPT_LEN, seed: int = 1):
+    """Prompt embeds, trailing text vectors and pad vector, all bf16 values (what the engine makes
+    and what the kernel reads for the text vectors)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    embeds = (torch.randn((prompt_len, D), device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+    trailing = (torch.randn((4, D), device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+    pad = (torch.randn(D, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+    return embeds, trailing, pad
+
+
+def start_reference(tb, D: int, params, frames: int, seed: int = 0, prompt_len: int = PROMPT_LEN):
+    """An fp32 TorchBackend state after its own fp32 prefill of the bf16-valued prompt."""
+    embeds, trailing, pad = prompt_inputs(D, prompt_len)
+    ts = tb.new_state(max_positions=prompt_len + frames + 2, params=params, seed=seed, trailing=trailing,
+                      pad_vec=pad)
+    tb.prefill(ts, embeds.float())
+    return ts
+
+
+def start_kernel_from(mb, ts, params, seed: int = 0):
+    """A megakernel state that adopts the reference's prefill (call before the reference decodes):
+    both then start from the very same fp32 KV cache and hidden state, so any difference is the
+    decode's own."""
+    ms = mb.new_state(max_positions=ts.talker_cache.max_len, params=params, seed=seed, trailing=ts.trailing,
+                      pad_vec=ts.pad_vec)
+    mb.load_prefill(ms, ts.talker_cache.k, ts.talker_cache.v, ts.talker_cache.length, ts.hidden)
+    return ms
+
+
+@torch.no_grad()
+def teacher_forced(tb, mb, talker32, params, frames: int) -> dict:
+    """The fp32 reference decodes freely, the kernel is fed its codes: worst talker hidden error
+    (every frame), worst predictor hidden error (every 25 frames), argmax agreement."""
+    ts = start_reference(tb, talker32.cfg.hidden_size, params, frames)
+    ms = start_kernel_from(mb, ts, params)
+    agree = total = 0
+    worst_t = worst_p = 0.0
+    for t in range(frames):
+        codes_ref = tb.decode_frame(ts)
+        codes = mb.decode_frame(ms, force=codes_ref)
+        worst_t = max(worst_t, rel_err(ms.buffers["hidden"], ts.hidden))
+        if t % 25 == 0:
+            pred = torch_predictor_hidden(talker32, ts.hidden, codes_ref)
+            worst_p = max(worst_p, rel_err(ms.buffers["pred_hidden"][1:], pred[1:]))
+        agree += int((codes == codes_ref).sum())
+        total += codes.numel()
+    mb.release(ms)
+    tb.release(ts)
+    return {"teacher_forced_frames": frames, "talker_hidden_rel_err_max": worst_t,
+            "predictor_hidden_rel_err_max": worst_p, "argmax_agreement": agree / total}
+
+
 class ReplicaDecoder:
     """Greedy frames through the replica: talker step, codec head, spec §6 processing, 15
     predictor passes (run as 16 single positions, like the kernel), next input, all fp32. Starts

@@ -24,7 +24,6 @@ NVCC = mk.find_nvcc()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (set NVCC or CUDA_HOME)")
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: megakernel GPU tests skipped")
 
-PROMPT_LEN = 12
 TF_FRAMES = 500
 GREEDY_FRAMES = 50
 
@@ -34,6 +33,11 @@ def load_reference():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+REF = load_reference()
+rel_err = REF.rel_err
+PROMPT_LEN = REF.PROMPT_LEN
 
 
 @needs_nvcc
@@ -92,9 +96,8 @@ class Backends(NamedTuple):
 def backends():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU: megakernel GPU tests skipped")
-    ref = load_reference()
     dev = torch.device("cuda")
-    talker, cfg = ref.random_talker("0.6b", dev, seed=0)
+    talker, cfg = REF.random_talker("0.6b", dev, seed=0)
     talker32 = copy.deepcopy(talker).float()
     return Backends(talker, talker32, cfg, TorchBackend(talker32, dev, torch.float32),
                     mk.MegakernelBackend(talker, dev, torch.bfloat16))
@@ -110,47 +113,12 @@ def test_supported_on_this_gpu(backends):
 GREEDY = SamplingParams(do_sample=False, subtalker_do_sample=False)
 
 
-def prompt_inputs(talker, prompt_len=PROMPT_LEN, prompt_seed=1):
-    """Prompt embeds, trailing text vectors and pad vector, all bf16 values (what the engine makes
-    and what the kernel reads for the text vectors)."""
-    D = talker.cfg.hidden_size
-    gen = torch.Generator(device="cuda").manual_seed(prompt_seed)
-    embeds = (torch.randn((prompt_len, D), device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
-    trailing = (torch.randn((4, D), device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
-    pad = (torch.randn(D, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
-    return embeds, trailing, pad
-
-
 def start(mb, talker, params, frames, seed=0, prompt_len=PROMPT_LEN):
     """A megakernel state after its own prefill (the engine's path: bf16 torch prefill, fp32 cache)."""
-    embeds, trailing, pad = prompt_inputs(talker, prompt_len)
+    embeds, trailing, pad = REF.prompt_inputs(talker.cfg.hidden_size, prompt_len)
     st = mb.new_state(max_positions=prompt_len + frames + 2, params=params, seed=seed, trailing=trailing, pad_vec=pad)
     mb.prefill(st, embeds)
     return st
-
-
-def start_reference(b: Backends, params, frames, seed=0, prompt_len=PROMPT_LEN):
-    """The fp32 reference after its own fp32 prefill of the bf16-valued prompt."""
-    embeds, trailing, pad = prompt_inputs(b.talker, prompt_len)
-    ts = b.tb.new_state(max_positions=prompt_len + frames + 2, params=params, seed=seed, trailing=trailing,
-                        pad_vec=pad)
-    b.tb.prefill(ts, embeds.float())
-    return ts
-
-
-def start_kernel_from(b: Backends, ts, params, seed=0):
-    """A megakernel state that adopts the reference's prefill (call before the reference decodes):
-    both then start from the very same fp32 KV cache and hidden state, so any difference is the
-    decode's own."""
-    ms = b.mb.new_state(max_positions=ts.talker_cache.max_len, params=params, seed=seed, trailing=ts.trailing,
-                        pad_vec=ts.pad_vec)
-    b.mb.load_prefill(ms, ts.talker_cache.k, ts.talker_cache.v, ts.talker_cache.length, ts.hidden)
-    return ms
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm())
 
 
 @needs_gpu
@@ -158,28 +126,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.slow
 def test_teacher_forced_against_torch_backend(backends):
     """500 frames: the fp32 reference decodes freely, the kernel is fed the reference's codes."""
-    ref = load_reference()
     b = backends
-    ts = start_reference(b, GREEDY, TF_FRAMES)
-    ms = start_kernel_from(b, ts, GREEDY)
-    agree = total = 0
-    worst_talker = worst_pred = 0.0
-    for t in range(TF_FRAMES):
-        ref_codes = b.tb.decode_frame(ts)
-        codes = b.mb.decode_frame(ms, force=ref_codes)
-        worst_talker = max(worst_talker, rel_err(ms.buffers["hidden"], ts.hidden))
-        if t % 25 == 0:
-            ref_pred = ref.torch_predictor_hidden(b.talker32, ts.hidden, ref_codes)
-            worst_pred = max(worst_pred, rel_err(ms.buffers["pred_hidden"][1:], ref_pred[1:]))
-        agree += int((codes == ref_codes).sum())
-        total += codes.numel()
-    b.mb.release(ms)
-    b.tb.release(ts)
+    r = REF.teacher_forced(b.tb, b.mb, b.talker32, GREEDY, TF_FRAMES)
+    worst_talker, worst_pred, agreement = (r["talker_hidden_rel_err_max"], r["predictor_hidden_rel_err_max"],
+                                           r["argmax_agreement"])
     print(f"vs fp32 TorchBackend, {TF_FRAMES} teacher-forced frames: talker hidden rel err max {worst_talker:.2e}; "
-          f"predictor {worst_pred:.2e}; argmax agreement {agree / total:.4f}")
+          f"predictor {worst_pred:.2e}; argmax agreement {agreement:.4f}")
     assert worst_talker < TF_HIDDEN_BAR
     assert worst_pred < TF_HIDDEN_BAR
-    assert agree / total >= TF_AGREEMENT_BAR
+    assert agreement >= TF_AGREEMENT_BAR
 
 
 @needs_gpu
@@ -188,8 +143,8 @@ def test_greedy_frames(backends):
     """50 free-running greedy frames: the kernel's codes equal the fp32 reference's in every frame,
     and two kernel runs are identical (determinism)."""
     b = backends
-    ts = start_reference(b, GREEDY, GREEDY_FRAMES)
-    kernel_states = [start_kernel_from(b, ts, GREEDY) for _ in range(2)]
+    ts = REF.start_reference(b.tb, b.talker.cfg.hidden_size, GREEDY, GREEDY_FRAMES)
+    kernel_states = [REF.start_kernel_from(b.mb, ts, GREEDY) for _ in range(2)]
     reference = torch.stack([b.tb.decode_frame(ts).clone() for _ in range(GREEDY_FRAMES)])
     runs = [torch.stack([b.mb.decode_frame(ms).clone() for _ in range(GREEDY_FRAMES)]) for ms in kernel_states]
     for ms in kernel_states:
@@ -222,15 +177,14 @@ def torch_module_step(talker32, x, kc, vc, pos, layers):
 
 @needs_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("prompt_len", [PROMPT_LEN, 100], ids=["local-attention", "split-attention"])
+@pytest.mark.parametrize("prompt_len", [PROMPT_LEN, 100], ids=["one-chunk", "split-chunks"])
 def test_kernel_stream_matches_phase_reference(backends, prompt_len):
     """Talker steps of 1..28 layers against cuda/reference.py's phase-by-phase fp32 replica, at a
-    position below 16 (attention inside every block) and at 100 (attention split over position
+    position inside the first 32-position attention chunk and at 100 (attention split over position
     chunks and merged). The fp32 torch modules are held to the same bar: the replica is their
     math, so a failure there means the replica, not the kernel, went wrong."""
-    ref = load_reference()
     b = backends
-    freq = ref.inv_freq(b.cfg.talker.stack.rope_theta, "cuda")
+    freq = REF.inv_freq(b.cfg.talker.stack.rope_theta, "cuda")
     rows = []
     for layers in (1, 2, 4, 8, 16, 28):
         ms = start(b.mb, b.talker, GREEDY, 4, prompt_len=prompt_len)
@@ -240,7 +194,7 @@ def test_kernel_stream_matches_phase_reference(backends, prompt_len):
         pos = ms.talker_cache.length
         x = ms.buffers["pending"].clone()
         b.mb.decode_frame(ms)
-        _, hidden = ref.stack_step(b.talker.model, x, kc.clone(), vc.clone(), pos, freq, layers=layers)
+        _, hidden = REF.stack_step(b.talker.model, x, kc.clone(), vc.clone(), pos, freq, layers=layers)
         torch_hidden = torch_module_step(b.talker32, x, kc, vc, pos, layers)
         rows.append((layers, rel_err(ms.buffers["hidden"], hidden), rel_err(torch_hidden, hidden)))
         b.mb.release(ms)
@@ -255,12 +209,11 @@ def test_kernel_stream_matches_phase_reference(backends, prompt_len):
 @needs_gpu
 @pytest.mark.gpu
 def test_predictor_matches_phase_reference(backends):
-    """The predictor's 16 single-position passes (projection, local attention, heads) against the
+    """The predictor's 16 single-position passes (projection, attention, heads) against the
     replica's, over 3 teacher-forced frames (the first without a talker step)."""
-    ref = load_reference()
     b = backends
     ms = start(b.mb, b.talker, GREEDY, 4)
-    rep = ref.ReplicaDecoder(b.talker, ms.talker_cache.k, ms.talker_cache.v, ms.talker_cache.length,
+    rep = REF.ReplicaDecoder(b.talker, ms.talker_cache.k, ms.talker_cache.v, ms.talker_cache.length,
                              ms.buffers["hidden"], ms.trailing, ms.pad_vec)
     errs = []
     for _ in range(3):
