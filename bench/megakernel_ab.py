@@ -1,0 +1,105 @@
+"""A/B timing of megakernel build variants in one device call (compile-time switches).
+
+    python bench/megakernel_ab.py [--out DIR] NAME=DEFINES ...      e.g.  base= poll100=QMK_POLL_NS=100
+    NAME=@DIR: another checkout (e.g. a `git worktree` of an older commit, carried to the device)
+
+Each variant runs in its own process (the library is loaded once per process) with
+QWEN_FAST_MK_DEFINES set to its defines (own cache entry), or with another checkout's package,
+kernel and bench helpers, on the same random full-size 0.6B
+talker as bench/megakernel_check.py: CUDA-event medians of single launches (frame and talker
+alone at talker position 100, the predictor alone) for greedy and sampling, a greedy-codes
+identity check against the variant's own first run, and the plain per-phase profile. Variants run
+in the order given and then again in reverse, so drift over the call shows in the two medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_one(iters: int, root: Path) -> dict:
+    import torch
+
+    sys.path.insert(0, str(root))
+    sys.path.insert(0, str(root / "bench"))
+    import megakernel_check as mc
+
+    from pipecat_qwen_fast import megakernel as mk
+    from pipecat_qwen_fast.sampling import SamplingParams
+
+    talker, cfg = mc.load_reference().random_talker("0.6b", "cuda", seed=0)
+    mb = mk.MegakernelBackend(talker, torch.device("cuda"), torch.bfloat16)
+    D = cfg.talker.hidden_size
+    out: dict = {"modes": {}}
+    for sampling in (False, True):
+        params = SamplingParams(do_sample=sampling, subtalker_do_sample=sampling)
+        torch.manual_seed(0)  # the same prefill and K/V in every variant
+        st = mc.timing_state(mb, D, 104, params)
+        tag = "sampling" if sampling else "greedy"
+        if not sampling:
+            out["greedy_codes"] = torch.stack([mb.decode_frame(st).clone() for _ in range(8)]).tolist()
+        rows = {
+            f"frame_{tag}_pos100": mb.frame_args(st, run_talker=True, pos=100)[0],
+            f"talker_only_{tag}_pos100": mb.frame_args(st, run_talker=True, run_predictor=False, pos=100)[0],
+            f"predictor_only_{tag}": mb.frame_args(st, run_talker=False)[0],
+        }
+        for name, f in rows.items():
+            mc.time_launches(mb, st, f, 20)
+            out["modes"][name] = mc.summary(mc.time_launches(mb, st, f, iters))
+        out[f"profile_{tag}_pos100"] = mc.phase_profile(mb, st, mb.frame_args(st, run_talker=True, pos=100)[0])
+        mb.release(st)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--root", default=str(ROOT), help=argparse.SUPPRESS)
+    ap.add_argument("variants", nargs="*")
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(run_one(args.iters, Path(args.root))))
+        return 0
+    variants = [v.split("=", 1) for v in args.variants]
+    result = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "commit": os.environ.get("BENCH_COMMIT", "unknown"), "script": "bench/megakernel_ab.py",
+              "variants": {name: {"defines": d, "runs": []} for name, d in variants}}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, defines in variants + variants[::-1]:
+        root = Path(defines[1:]).resolve() if defines.startswith("@") else ROOT
+        env = dict(os.environ, QWEN_FAST_MK_DEFINES="" if defines.startswith("@") else defines.replace(",", " "))
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, __file__, "--one", "--iters", str(args.iters), "--root", str(root)],
+                              cwd=root, env=env, capture_output=True, text=True, timeout=300)
+        run = {"seconds": time.perf_counter() - t0}
+        if proc.returncode != 0:
+            run["error"] = proc.stderr[-3000:]
+        else:
+            run.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+        result["variants"][name]["runs"].append(run)
+        modes = run.get("modes", {})
+        print(f"{name:14} {defines:36} " + "  ".join(f"{k} {v['median_ms']:.4f}" for k, v in modes.items())
+              + (f"  ERROR {run['error'][-400:]}" if "error" in run else ""), flush=True)
+        (out_dir / "megakernel_ab.json").write_text(json.dumps(result, indent=2))
+    base = result["variants"][variants[0][0]]["runs"][0].get("greedy_codes")
+    for name, v in result["variants"].items():
+        same = [r.get("greedy_codes") == base for r in v["runs"]]
+        print(f"{name:14} greedy codes identical to {variants[0][0]}: {same}")
+        v["greedy_codes_identical_to_first"] = same
+    (out_dir / "megakernel_ab.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
