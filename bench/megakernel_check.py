@@ -137,28 +137,26 @@ def phase_name(ident: int) -> str:
 
 
 def phase_profile(mb, st, f) -> dict:
-    """Block 0's time per phase, phase end to phase end, summed per (stack, phase); and how much of
-    it block 0 spent waiting for its input (phase start -> operand in shared memory: the other
-    blocks' tagged writes landing, plus the read itself). Phases hand vectors over through tagged
-    words, not barriers; "barriers" counts the phase ends.
+    """Block 0's time per phase, barrier exit to barrier exit, summed per (stack, phase); and how
+    much of it block 0 spent waiting for the other blocks (its own work done -> barrier exit).
 
-    The sampling after a head has no operand stamp of its own, so it lands in the next phase
-    (predictor qkv / proj)."""
+    The sampling after a head has no barrier, so it lands in the next phase (predictor qkv /
+    proj)."""
     rows, clock_hz = read_trace(mb, st, f, steps=False)
     out: dict[str, dict[str, float]] = {}
     last_exit = int(rows[0, 0])
-    operand_at = None
+    done_at = None
     for i in range(1, rows.shape[0]):
         ident, cyc = int(rows[i, 2]), int(rows[i, 0])
-        if ident // 32 == STEPS.index("operand"):
-            operand_at = cyc
+        if ident // 32 == STEPS.index("done"):
+            done_at = cyc
             continue
         e = out.setdefault(phase_name(ident), {"count": 0, "total_us": 0.0, "waiting_us": 0.0})
         e["count"] += 1
         e["total_us"] += (cyc - last_exit) / clock_hz * 1e6
-        if operand_at is not None:
-            e["waiting_us"] += (operand_at - last_exit) / clock_hz * 1e6
-        last_exit, operand_at = cyc, None
+        if done_at is not None:
+            e["waiting_us"] += (cyc - done_at) / clock_hz * 1e6
+        last_exit, done_at = cyc, None
     for e in out.values():
         e["mean_us"] = e["total_us"] / e["count"]
         e["mean_waiting_us"] = e["waiting_us"] / e["count"]
@@ -169,10 +167,10 @@ def phase_profile(mb, st, f) -> dict:
 
 def step_profile(mb, st, f) -> dict:
     """Profiling build only (QMK_TRACE_STEPS): block 0's time per step inside each phase kind. The
-    time between two stamps goes to the later one: operand = previous phase end -> operand loaded
-    (the wait for the other blocks' tagged writes), tile = waiting for a tile (plus the previous
-    tile's dot products), dots = last tile's dot products + block barrier, epilogue, exit = phase
-    end (done and arrived: the grid barrier of the EOS path and a traced launch's start)."""
+    time between two stamps goes to the later one: operand = barrier exit -> operand loaded,
+    tile = waiting for a tile (plus the previous tile's dot products), dots = last tile's dot
+    products + block barrier, epilogue, done = block barrier, arrived = grid arrival, exit =
+    waiting for the other blocks."""
     rows, clock_hz = read_trace(mb, st, f, steps=True)
     out: dict[str, dict[str, float]] = {}
     for i in range(1, rows.shape[0]):
@@ -460,7 +458,7 @@ def main() -> int:
                       "SM MHz", round(prof["sm_clock_mhz"]))
                 for name, e in sorted(prof["phases"].items()):
                     print(f"   {name:26} n={e['count']:4d} mean {e['mean_us']:7.2f} us  total {e['total_us']:8.1f} us"
-                          f"  waiting for input {e['mean_waiting_us']:6.2f} us")
+                          f"  waiting for other blocks {e['mean_waiting_us']:6.2f} us")
     (out_dir / "megakernel_results.json").write_text(json.dumps(result, indent=2))
     return 0 if result.get("tests", {"rc": 0})["rc"] == 0 else 1
 

@@ -11,19 +11,17 @@
 #define QMK_CHUNK 32   // positions per item: K and V rows of a full chunk fill one 32 KB slot
 #define QMK_PART 132   // per (kv head, chunk, q head): m, l, 2 pad, acc[128] (16-byte aligned)
 #define QMK_ATTN_SMEM_FLOATS 4  // the merge flag
-#define QMK_MAX_KV 16  // kv heads per layer (the merge counters are [layer][QMK_MAX_KV])
 
 struct AttnArgs {
-    const uint64_t* qkv;  // tagged [H*128 q | KV*128 k | KV*128 v], raw projections
-    uint64_t* out;        // tagged [H*128]
-    uint32_t tag_in, tag_out;
+    const float* qkv;  // [H*128 q | KV*128 k | KV*128 v], raw projections
+    float* out;        // [H*128]
     float* kc;         // this layer's [KV][max_pos][128]
     float* vc;
     const bf16* q_norm;
     const bf16* k_norm;
     const float* rope;  // [max_pos][2][64]
     float* part;
-    unsigned* count;  // this layer's [KV] arrival counters (zero at launch start, reset by the merger)
+    unsigned* count;
     int pos, num_heads, num_kv_heads, max_pos;
     float eps;
 };
@@ -36,17 +34,6 @@ __host__ __device__ __forceinline__ int attn_nchunk(int pos) { return (pos + QMK
 // then V rows (null when the chunk has none). Other warps return at once; the caller's block
 // barrier follows.
 __device__ __forceinline__ float4 ld_f4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-__device__ __forceinline__ float4 ld_tagged4(const uint64_t* p, uint32_t tag) {
-    float v[4];
-    ld_tagged<4>(p, tag, v);
-    return make_float4(v[0], v[1], v[2], v[3]);
-}
-__device__ __forceinline__ void st_tagged4(uint64_t* p, float4 v, uint32_t tag) {
-    st_tagged(p, 0, v.x, tag);
-    st_tagged(p, 1, v.y, tag);
-    st_tagged(p, 2, v.z, tag);
-    st_tagged(p, 3, v.w, tag);
-}
 __device__ __forceinline__ float dot4(float4 a, float4 b) {
     float s = a.x * b.x;
     s = fmaf(a.y, b.y, s);
@@ -91,11 +78,9 @@ __device__ void attention_item(const AttnArgs& a, int g, int c, int nchunk, cons
     const int ncached = min(j1, pos) - j0;  // rows in the tile; the new position (if here) is last
     const bool last = c == nchunk - 1;
     const float* rope = a.rope + (size_t)pos * QMK_HD;
-    const float4 q = norm_rope(ld_tagged4(a.qkv + (size_t)(2 * g + w) * QMK_HD + lane * 4, a.tag_in), a.q_norm, rope,
-                               a.eps, lane);
-    const float4 k = norm_rope(ld_tagged4(a.qkv + (size_t)(H + g) * QMK_HD + lane * 4, a.tag_in), a.k_norm, rope, a.eps,
-                               lane);
-    const float4 v = ld_tagged4(a.qkv + (size_t)(H + KV + g) * QMK_HD + lane * 4, a.tag_in);
+    const float4 q = norm_rope(ld_act4(a.qkv + (size_t)(2 * g + w) * QMK_HD + lane * 4), a.q_norm, rope, a.eps, lane);
+    const float4 k = norm_rope(ld_act4(a.qkv + (size_t)(H + g) * QMK_HD + lane * 4), a.k_norm, rope, a.eps, lane);
+    const float4 v = ld_act4(a.qkv + (size_t)(H + KV + g) * QMK_HD + lane * 4);
     if (last && w == 0) {
         const size_t row = ((size_t)g * a.max_pos + pos) * QMK_HD + lane * 4;
         *reinterpret_cast<float4*>(a.kc + row) = k;
@@ -133,7 +118,7 @@ __device__ void attention_item(const AttnArgs& a, int g, int c, int nchunk, cons
     }
     const int h = 2 * g + w;
     if (nchunk == 1) {
-        st_tagged4(a.out + (size_t)h * QMK_HD + lane * 4, make_float4(o.x / l, o.y / l, o.z / l, o.w / l), a.tag_out);
+        *reinterpret_cast<float4*>(a.out + (size_t)h * QMK_HD + lane * 4) = make_float4(o.x / l, o.y / l, o.z / l, o.w / l);
         return;
     }
     // Several chunks: publish (m, l, acc); the last item of this kv head to finish merges.
@@ -167,7 +152,6 @@ __device__ void attention_item(const AttnArgs& a, int g, int c, int nchunk, cons
         O.z = fmaf(acc.z, e, O.z);
         O.w = fmaf(acc.w, e, O.w);
     }
-    st_tagged4(a.out + (size_t)h * QMK_HD + lane * 4, make_float4(O.x / L, O.y / L, O.z / L, O.w / L), a.tag_out);
-    // Each layer has its own counters, used once per launch: the next use is in the next launch.
+    *reinterpret_cast<float4*>(a.out + (size_t)h * QMK_HD + lane * 4) = make_float4(O.x / L, O.y / L, O.z / L, O.w / L);
     if (threadIdx.x == 0) a.count[g] = 0u;
 }

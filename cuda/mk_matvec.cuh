@@ -22,32 +22,11 @@ struct Operand {
     float v[MS][8];
 };
 
-// A vector in device memory:
-//   TAGGED: written earlier in this launch as tagged words (mk_util.cuh); read once `tag` shows;
-//   TAGGED_DONE: tagged words written before this launch (or by the host): values only;
-//   F32: fp32 written before this launch; BF16: a bf16 embedding row (read-only).
-enum VecKind { VEC_TAGGED = 0, VEC_TAGGED_DONE, VEC_F32, VEC_BF16 };
-
+// A vector in device memory: fp32 activations (written in this launch: L2 loads) or a bf16
+// embedding row (read-only).
 struct VecRef {
     const void* p;
-    int kind;
-    uint32_t tag;
-
-    __device__ static VecRef tagged(const uint64_t* p, uint32_t tag) { return {p, VEC_TAGGED, tag}; }
-    __device__ static VecRef tagged_done(const uint64_t* p) { return {p, VEC_TAGGED_DONE, 0u}; }
-    __device__ static VecRef f32(const float* p) { return {p, VEC_F32, 0u}; }
-    __device__ static VecRef bf16(const bf16* p) { return {p, VEC_BF16, 0u}; }
-
-    // Element i (the stack's own residual rows at its start).
-    __device__ float at(int i) const {
-        switch (kind) {
-            case VEC_TAGGED: return ld_tagged1(static_cast<const uint64_t*>(p) + i, tag);
-            case VEC_TAGGED_DONE:
-                return __uint_as_float((uint32_t)__ldcg(reinterpret_cast<const unsigned long long*>(p) + i));
-            case VEC_F32: return ld_act(static_cast<const float*>(p) + i);
-            default: return ld_weight1(static_cast<const ::bf16*>(p) + i);
-        }
-    }
+    int is_bf16;
 };
 
 __device__ __forceinline__ int col_thread() { return threadIdx.x & (QMK_CT - 1); }
@@ -64,22 +43,13 @@ __device__ __forceinline__ void unpack8(const uint4 u, float* x) {
     x[7] = bf_hi(u.w);
 }
 
-__device__ __forceinline__ void load8(const VecRef& x, int i, float* v) {
-    if (x.kind == VEC_TAGGED) {
-        ld_tagged<8>(static_cast<const uint64_t*>(x.p) + i, x.tag, v);
-    } else if (x.kind == VEC_BF16) {
+__device__ __forceinline__ void load8(VecRef x, int i, float* v) {
+    if (x.is_bf16) {
         unpack8(ld_weight(static_cast<const bf16*>(x.p) + i), v);
-    } else if (x.kind == VEC_F32) {
+    } else {
         const float* p = static_cast<const float*>(x.p) + i;
         const float4 a = ld_act4(p), b = ld_act4(p + 4);
         v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-    } else {
-        const float4* p = reinterpret_cast<const float4*>(static_cast<const uint64_t*>(x.p) + i);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const float4 w = __ldcg(p + k);  // {value, tag, value, tag}
-            v[2 * k] = w.x, v[2 * k + 1] = w.z;
-        }
     }
 }
 
@@ -97,7 +67,7 @@ __device__ __forceinline__ void read8(const float* p, float* v) {
 // freshly written lines, so only row group 0 reads them from L2 and stages them in `xs` (K
 // floats of shared memory); the other row groups take their chunks from there.
 template <int MS>
-__device__ __forceinline__ void load_operand(const VecRef& x, int K, Operand<MS>& o, float* xs) {
+__device__ __forceinline__ void load_operand(VecRef x, int K, Operand<MS>& o, float* xs) {
     const int c = col_thread(), nseg = K >> 10;
     if (threadIdx.x < QMK_CT) {
 #pragma unroll
@@ -124,7 +94,7 @@ __device__ __forceinline__ void load_operand(const VecRef& x, int K, Operand<MS>
 // Row group 0 loads x and w (staged in xs and ws, K floats each) and the sum of squares
 // (`scratch`, 4 floats); one block barrier, then every thread normalises its own chunk.
 template <int MS>
-__device__ __forceinline__ void load_normed(const VecRef& x, const bf16* w, int K, float eps, Operand<MS>& o,
+__device__ __forceinline__ void load_normed(VecRef x, const bf16* w, int K, float eps, Operand<MS>& o,
                                             float* scratch, float* xs, float* ws) {
     const int c = col_thread(), nseg = K >> 10;
     if (threadIdx.x < QMK_CT) {
@@ -174,18 +144,6 @@ __device__ __forceinline__ void store_operand(const Operand<MS>& o, int K, float
             *reinterpret_cast<float4*>(p) = make_float4(o.v[s][0], o.v[s][1], o.v[s][2], o.v[s][3]);
             *reinterpret_cast<float4*>(p + 4) = make_float4(o.v[s][4], o.v[s][5], o.v[s][6], o.v[s][7]);
         }
-}
-
-// The same, as tagged words (a vector the next phases wait for).
-template <int MS>
-__device__ __forceinline__ void store_operand_tagged(const Operand<MS>& o, int K, uint64_t* dst, uint32_t tag) {
-    if (row_group() != 0) return;
-    const int c = col_thread(), nseg = K >> 10;
-#pragma unroll
-    for (int s = 0; s < MS; ++s)
-        if (s < nseg)
-#pragma unroll
-            for (int e = 0; e < 8; ++e) st_tagged(dst, (s << 10) + c * 8 + e, o.v[s][e], tag);
 }
 
 // Dot products of the tile's rows (bf16, K wide, row-major in smem) with the operand. The tile

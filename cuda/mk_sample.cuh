@@ -44,43 +44,20 @@ __device__ __forceinline__ float block_exclusive_scan(float local, float* scratc
 }
 
 // Thread t owns ids [t*E, t*E + E): contiguous ranges keep the draw in id order.
-// This thread's logits [base, base + E) as tagged words: every load is issued before any is
-// checked, so waiting costs one round trip, not E.
-__device__ __forceinline__ void load_logits(const uint64_t* logits, uint32_t tag, int base, int E, int n,
-                                            float* x) {
-    uint64_t w[QMK_MAX_PER_THREAD] = {};
-    for (unsigned spins = 0;; ++spins) {
-#pragma unroll
-        for (int e = 0; e < QMK_MAX_PER_THREAD; ++e)
-            if (e < E && base + e < n)
-                asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w[e]) : "l"(logits + base + e) : "memory");
-        bool ok = true;
-#pragma unroll
-        for (int e = 0; e < QMK_MAX_PER_THREAD; ++e)
-            if (e < E && base + e < n) ok &= (uint32_t)(w[e] >> 32) == tag;
-        if (ok) break;
-        if (spins > QMK_SPIN_LIMIT) __trap();
-        poll_pause();
-    }
-#pragma unroll
-    for (int e = 0; e < QMK_MAX_PER_THREAD; ++e) x[e] = __uint_as_float((uint32_t)w[e]);
-}
-
 template <bool TALKER>
-__device__ int sample_block(const uint64_t* logits, uint32_t tag, int n, const qmk_sampler& cfg,
-                            const TalkerRules& rules, float u, BlockReducer& red, float* scan_scratch) {
+__device__ int sample_block(const float* logits, int n, const qmk_sampler& cfg, const TalkerRules& rules, float u,
+                            BlockReducer& red, float* scan_scratch) {
     const int E = (n + QMK_THREADS - 1) / QMK_THREADS;
     const int base = threadIdx.x * E;
     float v[QMK_MAX_PER_THREAD];
     unsigned key[QMK_MAX_PER_THREAD];
-    load_logits(logits, tag, base, E, n, v);
 #pragma unroll
     for (int e = 0; e < QMK_MAX_PER_THREAD; ++e) {
         const int i = base + e;
         const bool valid = e < E && i < n;
         float x = -INFINITY;
         if (valid) {
-            x = v[e];
+            x = __ldcg(logits + i);
             if (TALKER) {
                 // repetition penalty -> EOS mask for the first frames -> suppression, HF order.
                 if (__ldcg(rules.seen + i)) x = x < 0.f ? x * rules.penalty : x / rules.penalty;

@@ -35,67 +35,6 @@ __device__ __forceinline__ float ld_weight1(const bf16* p) {
 __device__ __forceinline__ float ld_act(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ float4 ld_act4(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
 
-// ---------------------------------------------------------------------------------------------
-// Tagged values (the "LL" protocol of NCCL's low-latency channels). A vector that one phase
-// writes and the next phase reads lives as 64-bit words {fp32 value, 32-bit phase tag}; an aligned
-// 64-bit store is single-copy atomic, so a reader that sees the tag it expects also sees that
-// phase's value. Readers spin on the words they need instead of meeting at a grid barrier: no
-// release fence, no barrier counter, and the wait and the read are one L2 round trip. Tags are
-// never 0, and the buffers are zero-initialised, so a word from an unrelated write never matches.
-
-__device__ __forceinline__ void st_tagged(uint64_t* buf, int i, float v, uint32_t tag) {
-    const uint64_t w = ((uint64_t)tag << 32) | __float_as_uint(v);
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(buf + i), "l"(w) : "memory");
-}
-
-__device__ __forceinline__ void ld_tagged2(const uint64_t* p, uint64_t& a, uint64_t& b) {
-    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
-}
-
-// A spin that should end within microseconds traps after seconds instead of hanging the GPU (a
-// kernel bug, or a writer that failed): the launch then fails with an error the host reports.
-#define QMK_SPIN_LIMIT (1u << 24)
-
-// Pause between polls of words that were not there yet (ns; 0: poll back to back). Every block
-// polls the same few lines the writers are storing to, so polling less often may let them land
-// sooner (bench/megakernel_ab.py measures it).
-#ifndef QMK_POLL_NS
-#define QMK_POLL_NS 0
-#endif
-__device__ __forceinline__ void poll_pause() {
-#if QMK_POLL_NS > 0
-    __nanosleep(QMK_POLL_NS);
-#endif
-}
-
-// N tagged values p[0..N) (16-byte aligned, N even) once every one carries `tag`.
-template <int N>
-__device__ __forceinline__ void ld_tagged(const uint64_t* p, uint32_t tag, float* v) {
-    uint64_t w[N];
-    for (unsigned spins = 0;; ++spins) {
-        bool ok = true;
-#pragma unroll
-        for (int i = 0; i < N; i += 2) ld_tagged2(p + i, w[i], w[i + 1]);
-#pragma unroll
-        for (int i = 0; i < N; ++i) ok &= (uint32_t)(w[i] >> 32) == tag;
-        if (ok) break;
-        if (spins > QMK_SPIN_LIMIT) __trap();
-        poll_pause();
-    }
-#pragma unroll
-    for (int i = 0; i < N; ++i) v[i] = __uint_as_float((uint32_t)w[i]);
-}
-
-__device__ __forceinline__ float ld_tagged1(const uint64_t* p, uint32_t tag) {
-    for (unsigned spins = 0;; ++spins) {
-        uint64_t w;
-        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
-        if ((uint32_t)(w >> 32) == tag) return __uint_as_float((uint32_t)w);
-        if (spins > QMK_SPIN_LIMIT) __trap();
-        poll_pause();
-    }
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -204,8 +143,8 @@ __device__ __forceinline__ unsigned grid_arrive(unsigned* counter) {
 }
 
 __device__ __forceinline__ void grid_wait(const unsigned* counter, unsigned arrived) {
-    for (unsigned spins = 0; ((arrived ^ ld_acquire(counter)) & 0x80000000u) == 0; ++spins)
-        if (spins > QMK_SPIN_LIMIT) __trap();
+    while (((arrived ^ ld_acquire(counter)) & 0x80000000u) == 0) {
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

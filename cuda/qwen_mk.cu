@@ -1,16 +1,14 @@
 // Qwen3-TTS frame megakernel: one cooperative launch per 80 ms frame, fp32 arithmetic on bf16
 // weights.
 //
-// The frame is a fixed list of phases (next_phase); each phase's output vector is published as
-// tagged words (mk_util.cuh) that the next phase's readers wait for, so phases meet without a
-// grid barrier:
+// The frame is a fixed list of phases (next_phase), each ended by a grid barrier:
 //   talker layer: q/k/v | attention | o_proj + residual | gate/up + SiLU | down + residual
 //   codec head, code-0 sampling (every block, redundantly: no barrier)
 //   15 predictor passes: [2048->1024 projection] 5 layers as above, LM head, sampling
 // Each block owns a contiguous slice of every matrix's rows. Because the list is known at launch,
 // a block streams its slices (and the K/V rows its attention items read) into a ring of
-// shared-memory slots ahead of time (mk_stream.cuh); a phase then costs the wait for its input
-// vector (one L2 round trip once the slowest writer's words land) and a matvec from shared memory.
+// shared-memory slots ahead of time (mk_stream.cuh); a phase then costs the barrier, one L2 read
+// of its input vector and a matvec from shared memory.
 #include <cuda_runtime.h>
 
 // Shared-memory layout (bytes): fixed offsets, so scratch addresses are immediates. Literals here
@@ -18,7 +16,6 @@
 #define QMK_MAX_LAYERS 48  // talker + predictor layers
 #define QMK_OWN_MAX 256    // residual rows one block may own (hidden / blocks)
 #define QMK_RED_ROWS 192   // matrix rows one block may own in a phase (gate and up count twice)
-#define QMK_TAGS_PER_LAUNCH 2048  // tags a launch may use (one per phase): launch n uses n * 2048 + 1 ...
 #define QMK_SMEM_RING 0                               // RingState (mbarriers, producer cursor)
 #define QMK_SMEM_GEO (QMK_SMEM_RING + 512)            // Geo [16]: this block's slice per matrix kind
 #define QMK_SMEM_RED (QMK_SMEM_GEO + 384)             // float [QMK_RED_ROWS][4] row partials
@@ -27,7 +24,7 @@
 #define QMK_SMEM_SCAN (QMK_SMEM_SRED + 128)           // float [16] sampling scan
 #define QMK_SMEM_CODES (QMK_SMEM_SCAN + 64)           // int [16] sampled codes
 #define QMK_SMEM_FED (QMK_SMEM_CODES + 64)            // int [16] codes fed back
-#define QMK_SMEM_STAMPS (QMK_SMEM_FED + 64)           // int [4]: trace stamp counter, launch sequence
+#define QMK_SMEM_STAMPS (QMK_SMEM_FED + 64)           // int [4] trace stamp counter
 #define QMK_SMEM_OWN (QMK_SMEM_STAMPS + 16)           // float [QMK_OWN_MAX] owned residual rows
 #define QMK_SMEM_ATTN (QMK_SMEM_OWN + 4 * QMK_OWN_MAX)  // float [4] attention merge flag
 #define QMK_SMEM_TABLES (QMK_SMEM_ATTN + 16)          // qmk_layer [QMK_MAX_LAYERS]
@@ -296,18 +293,17 @@ __device__ __noinline__ void produce(const Params* P) {
 struct Ctx {
     Frame F;
     Ring ring;
-    uint32_t tag;  // the current phase's tag: what it publishes, and (minus 1) what it reads
 
-    // Block 0's thread 0 records (clock, global timer, id): at every phase end (step 0) and
-    // operand arrival, and with trace_steps also at the other steps inside a phase (STEP_*).
+    // Block 0's thread 0 records (clock, global timer, id): at every barrier exit (step 0), and
+    // with trace_steps also at the steps inside a phase (STEP_*), for the per-step profile.
     __device__ void stamp(int id, int step) const {
 #ifndef QMK_TRACE_STEPS
-        if (step != 0 && step != STEP_OPERAND) return;  // steps are compiled in for profiling builds only
+        if (step != 0 && step != STEP_DONE) return;  // steps are compiled in for profiling builds only
 #endif
         long long* trace = dptr<long long>(F.f().trace);
-        // A plain trace keeps the phase ends and each operand arrival (the phase profile's wait for
-        // the other blocks' writes); trace_steps adds the rest.
-        const bool wanted = step == 0 || step == STEP_OPERAND || F.f().trace_steps;
+        // A plain trace keeps the barrier exits and each block-0 "work done" (the phase profile's
+        // wait for the other blocks); trace_steps adds the rest.
+        const bool wanted = step == 0 || step == STEP_DONE || F.f().trace_steps;
         if (trace == nullptr || blockIdx.x != 0 || threadIdx.x != 0 || !wanted) return;
         int* stamps = sm<int>(QMK_SMEM_STAMPS);
         if (*stamps >= QMK_TRACE_MAX) return;
@@ -319,21 +315,8 @@ struct Ctx {
         ++*stamps;
     }
 
-    // The phase is over: what this block publishes next carries the next tag. No waiting here:
-    // the next phase's reads wait for exactly the words they need.
-    __device__ void next(int phase) {
-#ifdef QMK_HANDOFF_BARRIER
-        // Comparison build (bench/megakernel_ab.py): a grid barrier at every phase end as well.
-        grid_sync(phase);
-#else
-        stamp(phase, 0);
-#endif
-        ++tag;
-    }
-
-    // Grid barrier over the consumer threads of every block (the EOS path and a traced launch's
-    // start only: everything else meets through tags).
-    __device__ void grid_sync(int phase) {
+    // Grid barrier over the consumer threads of every block.
+    __device__ void sync(int phase) {
         block_sync();
         if (threadIdx.x == 0) {
             stamp(phase, STEP_DONE);
@@ -360,7 +343,6 @@ __device__ __forceinline__ void load_xn(VecRef x, const bf16* w, int K, float ep
     load_normed<MS>(x, w, K, eps, o, norm_scratch(), sm<float>(QMK_SMEM_XS), sm<float>(QMK_SMEM_WS));
 }
 __device__ __forceinline__ int* codes() { return sm<int>(QMK_SMEM_CODES); }
-__device__ __forceinline__ unsigned launch_seq() { return sm<unsigned>(QMK_SMEM_STAMPS)[1]; }
 __device__ __forceinline__ int* fed() { return sm<int>(QMK_SMEM_FED); }
 
 // Dot products of tiles [t0, t1) of a matrix phase (tile t covers units
@@ -406,13 +388,13 @@ __device__ void run_mat(Ctx& c, const Phase& ph, int id, const Operand<MS>& x, E
 // The MLP's down projection: `epi(unit, index in the slice, sum)` after both halves when the
 // matrix is split.
 template <class Epi>
-__device__ void run_down(Ctx& c, const Phase& ph, int id, const uint64_t* act, Epi epi) {
+__device__ void run_down(Ctx& c, const Phase& ph, int id, const float* act, Epi epi) {
     const Geo g = geo(ph);
     const int units = g.u1 - g.u0, per_half = g.ntiles / g.ksplit;
     float* red = sm<float>(QMK_SMEM_RED);
     for (int h = 0; h < g.ksplit; ++h) {
         Operand<3> x;
-        load_x<3>(VecRef::tagged(act + h * g.K, c.tag - 1), g.K, x);
+        load_x<3>(VecRef{act + h * g.K, 0}, g.K, x);
         c.stamp(id, STEP_OPERAND);
         dots_tiles<3>(c, g, 1, h * per_half, (h + 1) * per_half, x, red + h * units * 4, id);
     }
@@ -431,23 +413,10 @@ __device__ void run_attention(Ctx& c, const Phase& ph, int id) {
     const qmk_layer& L = c.F.layer(ph);
     const AttnItems A = attn_items(c.F, ph);
     const size_t off = (size_t)ph.layer * S.num_kv_heads * S.max_pos * QMK_HD;
-    const int layer_index = (ph.pass < 0 ? 0 : m.talker.num_layers) + ph.layer;
-    const AttnArgs a{dptr<const uint64_t>(m.qkv),
-                     dptr<uint64_t>(m.attn),
-                     c.tag - 1,
-                     c.tag,
-                     dptr<float>(S.k_cache) + off,
-                     dptr<float>(S.v_cache) + off,
-                     bfp(L.q_norm),
-                     bfp(L.k_norm),
-                     dptr<const float>(S.rope),
-                     dptr<float>(m.attn_part),
-                     dptr<unsigned>(m.attn_count) + (size_t)layer_index * QMK_MAX_KV,
-                     A.pos,
-                     S.num_heads,
-                     S.num_kv_heads,
-                     S.max_pos,
-                     S.eps};
+    const AttnArgs a{dptr<const float>(m.qkv), dptr<float>(m.attn),   dptr<float>(S.k_cache) + off,
+                     dptr<float>(S.v_cache) + off, bfp(L.q_norm), bfp(L.k_norm), dptr<const float>(S.rope),
+                     dptr<float>(m.attn_part), dptr<unsigned>(m.attn_count), A.pos, S.num_heads,
+                     S.num_kv_heads, S.max_pos, S.eps};
     for (int it = blockIdx.x; it < A.items; it += gridDim.x) {
         const bool has = A.has_tile(it);
         const float* tile = has ? reinterpret_cast<const float*>(c.ring.wait(0)) : nullptr;
@@ -465,16 +434,18 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
     const qmk_stack& S = c.F.stack(probe);
     const int D = S.hidden, nq = S.num_heads * QMK_HD, tid = threadIdx.x;
     const int ph0 = pass < 0 ? 0 : 16;
-    uint64_t* resid = dptr<uint64_t>(m.resid);
-    uint64_t* qkv = dptr<uint64_t>(m.qkv);
-    uint64_t* act = dptr<uint64_t>(m.act);
+    float* resid = dptr<float>(m.resid);
+    float* qkv = dptr<float>(m.qkv);
+    float* act = dptr<float>(m.act);
     float* own = sm<float>(QMK_SMEM_OWN);
     // The o_proj and down phases both have D output rows, so a block owns the same residual rows
     // in both and keeps them in shared memory between the two.
     // (Both phases' epilogues index `own` by the unit's index in the slice.)
     {
         const Geo& rows = geo(Phase{K_O, 0, pass});
-        for (int i = tid; i < rows.u1 - rows.u0; i += QMK_THREADS) own[i] = src.at(rows.u0 + i);
+        for (int i = tid; i < rows.u1 - rows.u0; i += QMK_THREADS)
+            own[i] = src.is_bf16 ? ld_weight1(static_cast<const bf16*>(src.p) + rows.u0 + i)
+                                 : ld_act(static_cast<const float*>(src.p) + rows.u0 + i);
     }
     for (int l = 0; l < S.num_layers; ++l) {
         const Phase pq{K_QKV, l, pass}, pa{K_ATTN, l, pass}, po{K_O, l, pass}, pg{K_GU, l, pass},
@@ -482,44 +453,37 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
         const qmk_layer& L = c.F.layer(pq);
         {
             Operand<2> x;
-            load_xn<2>(l == 0 ? src : VecRef::tagged(resid, c.tag - 1), bfp(L.input_norm), D, S.eps, x);
-            const uint32_t tag = c.tag;
-            run_mat<2>(c, pq, ph0 + PH_QKV, x,
-                       [&](int u, int j, const float* red) { st_tagged(qkv, u, row_sum(red, j), tag); });
+            load_xn<2>(l == 0 ? src : VecRef{resid, 0}, bfp(L.input_norm), D, S.eps, x);
+            run_mat<2>(c, pq, ph0 + PH_QKV, x, [&](int u, int j, const float* red) { qkv[u] = row_sum(red, j); });
         }
-        c.next(ph0 + PH_QKV);
+        c.sync(ph0 + PH_QKV);
         run_attention(c, pa, ph0 + PH_ATTN);
-        c.next(ph0 + PH_ATTN);
+        c.sync(ph0 + PH_ATTN);
         {
             Operand<2> x;
-            load_x<2>(VecRef::tagged(dptr<const uint64_t>(m.attn), c.tag - 1), nq, x);
-            const uint32_t tag = c.tag;
+            load_x<2>(VecRef{dptr<const float>(m.attn), 0}, nq, x);
             run_mat<2>(c, po, ph0 + PH_O, x, [&](int u, int j, const float* red) {
                 const float v = own[j] + row_sum(red, j);
                 own[j] = v;
-                st_tagged(resid, u, v, tag);
+                resid[u] = v;
             });
         }
-        c.next(ph0 + PH_O);
+        c.sync(ph0 + PH_O);
         {
             Operand<2> x;
-            load_xn<2>(VecRef::tagged(resid, c.tag - 1), bfp(L.post_norm), D, S.eps, x);
-            const uint32_t tag = c.tag;
+            load_xn<2>(VecRef{resid, 0}, bfp(L.post_norm), D, S.eps, x);
             run_mat<2>(c, pg, ph0 + PH_MLP, x, [&](int u, int j, const float* red) {
                 const float g = row_sum(red, 2 * j), up = row_sum(red, 2 * j + 1);
-                st_tagged(act, u, (g / (1.f + expf(-g))) * up, tag);
+                act[u] = (g / (1.f + expf(-g))) * up;
             });
         }
-        c.next(ph0 + PH_MLP);
-        {
-            const uint32_t tag = c.tag;
-            run_down(c, pd, ph0 + PH_DOWN, act, [&](int u, int j, float sum) {
-                const float v = own[j] + sum;
-                own[j] = v;
-                st_tagged(resid, u, v, tag);
-            });
-        }
-        c.next(ph0 + PH_DOWN);
+        c.sync(ph0 + PH_MLP);
+        run_down(c, pd, ph0 + PH_DOWN, act, [&](int u, int j, float sum) {
+            const float v = own[j] + sum;
+            own[j] = v;
+            resid[u] = v;
+        });
+        c.sync(ph0 + PH_DOWN);
     }
 }
 
@@ -529,12 +493,7 @@ __device__ void publish_frame(const qmk_model& m, const qmk_frame& f, bool full)
     const int G = m.num_groups;
     if (blockIdx.x == 0 && (int)threadIdx.x < G)
         dptr<long long>(f.codes_out)[threadIdx.x] = (threadIdx.x == 0 || full) ? codes()[threadIdx.x] : 0;
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        dptr<uint8_t>(m.seen)[fed()[0]] = 1;
-        // The next launch's tags start past this one's. Every block read the sequence at its
-        // start, before it published anything block 0 has waited for since.
-        dptr<unsigned>(m.barrier)[1] = launch_seq() + 1u;
-    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) dptr<uint8_t>(m.seen)[fed()[0]] = 1;
     if (!full) return;
     // Next talker input: the 16 embeddings summed in order, then the text vector (fp32, the
     // reference's `total = total + emb` chain).
@@ -559,10 +518,7 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
         uint64_t* dst = sm<uint64_t>(QMK_SMEM_TABLES);
         for (int i = tid; i < nt + np; i += QMK_BLOCK_THREADS)
             dst[i] = i < nt ? dptr<const uint64_t>(m.talker.layers)[i] : dptr<const uint64_t>(m.pred.layers)[i - nt];
-        if (tid == 0) {
-            sm<int>(QMK_SMEM_STAMPS)[0] = 0;
-            sm<unsigned>(QMK_SMEM_STAMPS)[1] = __ldcg(dptr<const unsigned>(m.barrier) + 1);
-        }
+        if (tid == 0) *sm<int>(QMK_SMEM_STAMPS) = 0;
     }
     Ctx c;
     c.F = Frame{&P};
@@ -583,8 +539,7 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
     }
     c.ring.nslot = P.nslot;
     c.ring.consumed = 0;
-    c.tag = launch_seq() * QMK_TAGS_PER_LAUNCH + 1u;  // never 0
-    if (f.trace != 0) c.grid_sync(PH_START);
+    if (f.trace != 0) c.sync(PH_START);
     const int has_proj = m.proj_w != 0;
 
     const int G = m.num_groups, Dt = m.talker.hidden, Dp = m.pred.hidden;
@@ -595,27 +550,20 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
         const Phase ph{K_HEAD_T, 0, -1};
         Operand<2> x;
         if (f.run_talker) {
-            run_stack(c, -1, VecRef::f32(dptr<const float>(m.pending)));
-            load_xn<2>(VecRef::tagged(dptr<const uint64_t>(m.resid), c.tag - 1), bfp(m.talker.final_norm), Dt,
-                       m.talker.eps, x);
-            if (blockIdx.x == 0) store_operand_tagged<2>(x, Dt, dptr<uint64_t>(m.hidden), c.tag);
+            run_stack(c, -1, VecRef{dptr<const float>(m.pending), 0});
+            load_xn<2>(VecRef{dptr<const float>(m.resid), 0}, bfp(m.talker.final_norm), Dt, m.talker.eps, x);
+            if (blockIdx.x == 0) store_operand<2>(x, Dt, dptr<float>(m.hidden));
         } else {
-            load_x<2>(VecRef::tagged_done(dptr<const uint64_t>(m.hidden)), Dt, x);
+            load_x<2>(VecRef{dptr<const float>(m.hidden), 0}, Dt, x);
         }
-        uint64_t* logits = dptr<uint64_t>(m.logits);
-        const uint32_t tag = c.tag;
-        run_mat<2>(c, ph, PH_HEAD, x,
-                   [&](int u, int j, const float* red) { st_tagged(logits, u, row_sum(red, j), tag); });
-        c.next(PH_HEAD);
+        float* logits = dptr<float>(m.logits);
+        run_mat<2>(c, ph, PH_HEAD, x, [&](int u, int j, const float* red) { logits[u] = row_sum(red, j); });
+        c.sync(PH_HEAD);
     }
-    // The talker hidden the first predictor pass starts from: this launch's (tagged by the head
-    // phase) or the prefill's.
-    const VecRef hidden = f.run_talker ? VecRef::tagged(dptr<const uint64_t>(m.hidden), c.tag - 1)
-                                       : VecRef::tagged_done(dptr<const uint64_t>(m.hidden));
     BlockReducer sred{sm<float>(QMK_SMEM_SRED), 0};
     const TalkerRules rules{dptr<const uint8_t>(m.seen), f.rep_penalty, f.frame < f.min_new_tokens, m.eos_id,
                             f.suppress_start};
-    const int c0 = sample_block<true>(dptr<const uint64_t>(m.logits), c.tag - 1, m.vocab, f.talker_s, rules,
+    const int c0 = sample_block<true>(dptr<const float>(m.logits), m.vocab, f.talker_s, rules,
                                       uniform01(f.seed, (uint32_t)f.frame, 0), sred, sm<float>(QMK_SMEM_SCAN));
     if (tid == 0) {
         codes()[0] = c0;
@@ -625,44 +573,39 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
     if (fed()[0] == m.eos_id || !f.run_predictor) {
         // No barrier follows sampling on this path: wait for every block to finish reading
         // `seen` before block 0 updates it.
-        c.grid_sync(PH_SAMPLE);
+        c.sync(PH_SAMPLE);
         publish_frame(m, f, false);
         c.ring.finish();
         return;
     }
 
     // 15 code-predictor steps (positions 0..15; position 0 is the talker hidden, no head).
-    uint64_t* proj_out = dptr<uint64_t>(m.proj_out);
+    float* proj_out = dptr<float>(m.proj_out);
     for (int pp = 0; pp < G; ++pp) {
-        VecRef src = hidden;
-        if (pp == 1) src = VecRef::bf16(bfp(m.talker_emb) + (size_t)fed()[0] * Dt);
-        if (pp >= 2) src = VecRef::bf16(bfp(m.pred_emb[pp - 2]) + (size_t)fed()[pp - 1] * Dt);
+        VecRef src{dptr<const float>(m.hidden), 0};
+        if (pp == 1) src = VecRef{bfp(m.talker_emb) + (size_t)fed()[0] * Dt, 1};
+        if (pp >= 2) src = VecRef{bfp(m.pred_emb[pp - 2]) + (size_t)fed()[pp - 1] * Dt, 1};
         if (has_proj) {
             Operand<2> x;
             load_x<2>(src, Dt, x);
             const bf16* bias = bfp(m.proj_b);
-            const uint32_t tag = c.tag;
-            run_mat<2>(c, Phase{K_PROJ, 0, pp}, 16 + PH_PROJ, x, [&](int u, int j, const float* red) {
-                st_tagged(proj_out, u, row_sum(red, j) + ld_weight1(bias + u), tag);
-            });
-            c.next(16 + PH_PROJ);
-            src = VecRef::tagged(proj_out, c.tag - 1);
+            run_mat<2>(c, Phase{K_PROJ, 0, pp}, 16 + PH_PROJ, x,
+                       [&](int u, int j, const float* red) { proj_out[u] = row_sum(red, j) + ld_weight1(bias + u); });
+            c.sync(16 + PH_PROJ);
+            src = VecRef{proj_out, 0};
         }
         run_stack(c, pp, src);
         if (pp == 0) continue;
-        uint64_t* lg = dptr<uint64_t>(m.pred_logits) + (size_t)(pp - 1) * m.pred_vocab;
+        float* lg = dptr<float>(m.pred_logits) + (size_t)(pp - 1) * m.pred_vocab;
         {
             Operand<2> x;
-            load_xn<2>(VecRef::tagged(dptr<const uint64_t>(m.resid), c.tag - 1), bfp(m.pred.final_norm), Dp,
-                       m.pred.eps, x);
+            load_xn<2>(VecRef{dptr<const float>(m.resid), 0}, bfp(m.pred.final_norm), Dp, m.pred.eps, x);
             if (blockIdx.x == 0) store_operand<2>(x, Dp, dptr<float>(m.pred_hidden) + (size_t)pp * Dp);
-            const uint32_t tag = c.tag;
-            run_mat<2>(c, Phase{K_HEAD_P, 0, pp}, 16 + PH_HEAD, x,
-                       [&](int u, int j, const float* red) { st_tagged(lg, u, row_sum(red, j), tag); });
+            run_mat<2>(c, Phase{K_HEAD_P, 0, pp}, 16 + PH_HEAD, x, [&](int u, int j, const float* red) { lg[u] = row_sum(red, j); });
         }
-        c.next(16 + PH_HEAD);
-        const int code = sample_block<false>(lg, c.tag - 1, m.pred_vocab, f.pred_s, rules,
-                                             uniform01(f.seed, (uint32_t)f.frame, pp), sred, sm<float>(QMK_SMEM_SCAN));
+        c.sync(16 + PH_HEAD);
+        const int code = sample_block<false>(lg, m.pred_vocab, f.pred_s, rules, uniform01(f.seed, (uint32_t)f.frame, pp),
+                                             sred, sm<float>(QMK_SMEM_SCAN));
         if (tid == 0) {
             codes()[pp] = code;
             fed()[pp] = force ? (int)force[pp] : code;
@@ -689,8 +632,6 @@ extern "C" int64_t qmk_attn_part_floats(int32_t max_pos, int32_t kv_heads) {
     return (int64_t)attn_nchunk(max_pos - 1) * kv_heads * 2 * QMK_PART;
 }
 
-extern "C" int64_t qmk_attn_count_words(int32_t layers) { return (int64_t)layers * QMK_MAX_KV; }
-
 struct GridConfig {
     int dev = -1, blocks = 0, smem = 0, nslot = 0;
 };
@@ -698,12 +639,6 @@ struct GridConfig {
 // The model must fit the kernel's fixed shared-memory areas on a grid of `blocks` blocks.
 static int model_fits(const qmk_model& m, int blocks) {
     if (m.talker.num_layers + m.pred.num_layers > QMK_MAX_LAYERS) return cudaErrorNotSupported;
-    if (m.talker.num_kv_heads > QMK_MAX_KV || m.pred.num_kv_heads > QMK_MAX_KV) return cudaErrorNotSupported;
-    // The predictor's attention is one chunk per head (no merge): positions 0..num_groups - 1.
-    if (m.num_groups > QMK_CHUNK) return cudaErrorNotSupported;
-    const int phases = 5 * m.talker.num_layers + 1 +
-                       m.num_groups * ((m.proj_w != 0) + 5 * m.pred.num_layers) + (m.num_groups - 1);
-    if (phases >= QMK_TAGS_PER_LAUNCH) return cudaErrorNotSupported;
     const auto rows = [blocks](int n) { return (n + blocks - 1) / blocks; };
     const int widest = m.talker.hidden > m.pred.hidden ? m.talker.hidden : m.pred.hidden;
     if (rows(widest) > QMK_OWN_MAX) return cudaErrorNotSupported;

@@ -18,7 +18,7 @@
 extern "C" {
 #endif
 
-#define QMK_ABI_VERSION 4
+#define QMK_ABI_VERSION 3
 #define QMK_MAX_GROUPS 16
 #define QMK_HEAD_DIM 128
 
@@ -56,21 +56,20 @@ typedef struct {
     uint64_t lm_head[QMK_MAX_GROUPS - 1];  /* bf16 [pred_vocab][Dp] */
     /* session state */
     uint64_t pending;     /* fp32 [Dt] next talker input (16-way embedding sum + text vector) */
-    uint64_t hidden;      /* tagged [Dt] post-norm talker hidden at the newest position */
+    uint64_t hidden;      /* fp32 [Dt] post-norm talker hidden at the newest position */
     uint64_t seen;        /* uint8 [vocab] code-0 ids generated so far */
-    /* scratch. "tagged": 64-bit words {fp32 value (low half), uint32 phase tag (high half)},
-       zero-initialised; the kernel's phases hand vectors to each other through them. */
-    uint64_t resid;       /* tagged [max(Dt, Dp)] */
-    uint64_t qkv;         /* tagged [(H + 2 KV) * 128], raw projections */
-    uint64_t attn;        /* tagged [H * 128] attention output */
-    uint64_t act;         /* tagged [max(It, Ip)] */
-    uint64_t proj_out;    /* tagged [Dp] */
-    uint64_t logits;      /* tagged [vocab] codec-head logits */
-    uint64_t pred_logits; /* tagged [num_groups - 1][pred_vocab] */
-    uint64_t pred_hidden; /* fp32 [num_groups][Dp] post-norm predictor hidden per position */
-    uint64_t attn_part;   /* fp32 split-attention partials, qmk_attn_part_floats() */
-    uint64_t attn_count;  /* uint32 [qmk_attn_count_words(talker + predictor layers)], zeroed, self-resetting */
-    uint64_t barrier;     /* uint32 [2], zero-initialised: the grid barrier's counter, the launch sequence */
+    /* scratch (fp32 unless noted) */
+    uint64_t resid;       /* [max(Dt, Dp)] */
+    uint64_t qkv;         /* [(H + 2 KV) * 128], raw projections */
+    uint64_t attn;        /* [H * 128] attention output */
+    uint64_t act;         /* [max(It, Ip)] */
+    uint64_t proj_out;    /* [Dp] */
+    uint64_t logits;      /* [vocab] codec-head logits */
+    uint64_t pred_logits; /* [num_groups - 1][pred_vocab] */
+    uint64_t pred_hidden; /* [num_groups][Dp] post-norm predictor hidden per position */
+    uint64_t attn_part;   /* split-attention partials, qmk_attn_part_floats() */
+    uint64_t attn_count;  /* uint32 [max KV heads], zero-initialised, self-resetting */
+    uint64_t barrier;     /* uint32 [1], zero-initialised: the grid barrier's counter */
 } qmk_model;
 
 /* Per-frame arguments. */
@@ -99,8 +98,6 @@ int qmk_abi_version(void);
 void qmk_struct_sizes(int32_t* out);
 /* Floats needed by attn_part for a stack of max_pos positions and kv_heads heads. */
 int64_t qmk_attn_part_floats(int32_t max_pos, int32_t kv_heads);
-/* Words needed by attn_count for `layers` layers (talker + predictor). */
-int64_t qmk_attn_count_words(int32_t layers);
 /* Blocks and dynamic shared memory of the cooperative grid on the current device; returns a
  * cudaError_t (cudaErrorCooperativeLaunchTooLarge / cudaErrorNotSupported when co-residency
  * cannot be guaranteed). */

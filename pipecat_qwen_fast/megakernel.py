@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_FILES = ("qwen_mk.h", "mk_util.cuh", "mk_stream.cuh", "mk_matvec.cuh", "mk_attention.cuh", "mk_sample.cuh",
                 "qwen_mk.cu")
-ABI_VERSION = 4
+ABI_VERSION = 3
 TRACE_MAX = 8192
 MAX_GROUPS = 16
 HEAD_DIM = 128
@@ -181,8 +181,6 @@ def load_library(path: Path) -> ctypes.CDLL:
     lib.qmk_struct_sizes.argtypes = [ctypes.POINTER(ctypes.c_int32)]
     lib.qmk_attn_part_floats.argtypes = [ctypes.c_int32, ctypes.c_int32]
     lib.qmk_attn_part_floats.restype = ctypes.c_int64
-    lib.qmk_attn_count_words.argtypes = [ctypes.c_int32]
-    lib.qmk_attn_count_words.restype = ctypes.c_int64
     lib.qmk_grid_size.argtypes = [ctypes.POINTER(QmkModel), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)]
     lib.qmk_decode_frame.argtypes = [ctypes.POINTER(QmkModel), ctypes.POINTER(QmkFrame), ctypes.c_uint64]
     lib.qmk_error_string.restype = ctypes.c_char_p
@@ -377,30 +375,23 @@ class MegakernelBackend:
         pv = torch.empty_like(pk)
         part = max(self.lib.qmk_attn_part_floats(max_positions, ts.num_kv_heads),
                    self.lib.qmk_attn_part_floats(G, ps.num_kv_heads))
-
-        def tagged(*shape: int) -> Tensor:
-            # The kernel's {fp32 value, uint32 tag} words (qwen_mk.h); the view is the values. Zeroed:
-            # tag 0 is never waited for, so stale memory from an earlier state can never match.
-            return torch.zeros((*shape, 2), device=dev, dtype=f32)[..., 0]
-
         buf = {
             "pending": torch.zeros(Dt, device=dev, dtype=f32),
-            "hidden": tagged(Dt),
+            "hidden": torch.zeros(Dt, device=dev, dtype=f32),
             "seen": torch.zeros(self.tcfg.vocab_size, device=dev, dtype=torch.uint8),
-            "resid": tagged(max(Dt, Dp)),
-            "qkv": tagged(max(ts.num_heads + 2 * ts.num_kv_heads, ps.num_heads + 2 * ps.num_kv_heads) * HEAD_DIM),
-            "attn": tagged(max(ts.num_heads, ps.num_heads) * HEAD_DIM),
-            "act": tagged(max(ts.intermediate_size, ps.intermediate_size)),
-            "proj_out": tagged(Dp),
-            "logits": tagged(self.tcfg.vocab_size),
-            "pred_logits": tagged(G - 1, self.pcfg.vocab_size),
+            "resid": torch.empty(max(Dt, Dp), device=dev, dtype=f32),
+            "qkv": torch.empty(max(ts.num_heads + 2 * ts.num_kv_heads, ps.num_heads + 2 * ps.num_kv_heads) * HEAD_DIM,
+                               device=dev, dtype=f32),
+            "attn": torch.empty(max(ts.num_heads, ps.num_heads) * HEAD_DIM, device=dev, dtype=f32),
+            "act": torch.empty(max(ts.intermediate_size, ps.intermediate_size), device=dev, dtype=f32),
+            "proj_out": torch.empty(Dp, device=dev, dtype=f32),
+            "logits": torch.empty(self.tcfg.vocab_size, device=dev, dtype=f32),
+            "pred_logits": torch.empty((G - 1, self.pcfg.vocab_size), device=dev, dtype=f32),
             "pred_hidden": torch.zeros((G, Dp), device=dev, dtype=f32),
             "attn_part": torch.empty(part, device=dev, dtype=f32),
-            "attn_count": torch.zeros(self.lib.qmk_attn_count_words(ts.num_layers + ps.num_layers), device=dev,
-                                      dtype=torch.int32),
-            # The grid barrier's counter and the launch sequence the tags derive from; one per state,
-            # so two sessions never share them.
-            "barrier": torch.zeros(2, device=dev, dtype=torch.int32),
+            "attn_count": torch.zeros(max(ts.num_kv_heads, ps.num_kv_heads), device=dev, dtype=torch.int32),
+            # The grid barrier counts arrivals from zero; one per state, so two sessions never share it.
+            "barrier": torch.zeros(1, device=dev, dtype=torch.int32),
             # Text vectors stay bf16: the ABI reads them at that width (the engine makes them in bf16).
             "trailing": trailing.to(dev, bf).contiguous(),
             "pad_vec": pad_vec.to(dev, bf).contiguous(),
