@@ -6,6 +6,7 @@
 #pragma once
 
 #include "mk_util.cuh"
+#include "qwen_mk.h"
 
 #define QMK_HD 128
 #define QMK_CHUNK 32   // positions per item: K and V rows of a full chunk fill one 32 KB slot
@@ -154,4 +155,134 @@ __device__ void attention_item(const AttnArgs& a, int g, int c, int nchunk, cons
     }
     *reinterpret_cast<float4*>(a.out + (size_t)h * QMK_HD + lane * 4) = make_float4(O.x / L, O.y / L, O.z / L, O.w / L);
     if (threadIdx.x == 0) a.count[g] = 0u;
+}
+
+// The code predictor's attention, every query head, computed by every block: its context is at
+// most QMK_MAX_GROUPS positions, so instead of an attention phase (items on 8 blocks, then a grid
+// barrier before o_proj) each block reads the few cached K/V rows from L2 itself and leaves all
+// heads' outputs in shared memory, where they become the o_proj operand. The whole block works
+// on it, so the cached rows arrive in two round trips (K with the q/k/v read, V during the
+// softmax), not one per position. Layout: QMK_PRED_KV kv heads of 2 query heads each.
+//   `qs` (H * 128 floats): normalised, rotated q, then the output (all heads);
+//   `cur` (2 * KV * 128 floats): the new position's k (normalised, rotated) and v;
+//   `ps` (H * 16 floats): scores, then probabilities.
+// `store_kv`: this block appends the new position's k and v to the cache (one block does; the
+// others read them from the next pass on, after grid barriers).
+#define QMK_PRED_KV 8
+__device__ __forceinline__ float4 ld_row4(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
+
+__device__ __noinline__ void attention_all_heads(const AttnArgs& a, bool store_kv, float* qs, float* cur, float* ps) {
+    constexpr int KV = QMK_PRED_KV, H = 2 * KV, P = QMK_MAX_GROUPS;
+    static_assert(KV * P * 4 == QMK_THREADS && KV * 64 == QMK_THREADS, "one thread per (kv head, position, quarter)");
+    const int t = threadIdx.x, w = t >> 5, lane = t & 31, pos = a.pos;
+    const size_t head_rows = (size_t)a.max_pos * QMK_HD;  // one kv head's cache rows
+    // Scores layout: thread (g, j, quarter) dots dims [32 quarter, 32 quarter + 32) of position j.
+    const int sg = t / (P * 4), sj = (t / 4) % P, sq = t % 4;
+    float4 kr[8];
+    if (sj < pos) {
+        const float* row = a.kc + sg * head_rows + (size_t)sj * QMK_HD + sq * 32;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) kr[i] = ld_row4(row + 4 * i);
+    }
+    // The new position: q of head w, k and v of kv head w (warps < KV).
+    const float* rope = a.rope + (size_t)pos * QMK_HD;
+    {
+        const float4 q = norm_rope(ld_act4(a.qkv + (size_t)w * QMK_HD + lane * 4), a.q_norm, rope, a.eps, lane);
+        *reinterpret_cast<float4*>(qs + w * QMK_HD + lane * 4) = q;
+        if (w < KV) {
+            const float4 k = norm_rope(ld_act4(a.qkv + (size_t)(H + w) * QMK_HD + lane * 4), a.k_norm, rope, a.eps, lane);
+            const float4 v = ld_act4(a.qkv + (size_t)(H + KV + w) * QMK_HD + lane * 4);
+            *reinterpret_cast<float4*>(cur + w * QMK_HD + lane * 4) = k;
+            *reinterpret_cast<float4*>(cur + (KV + w) * QMK_HD + lane * 4) = v;
+            if (store_kv) {
+                const size_t row = w * head_rows + (size_t)pos * QMK_HD + lane * 4;
+                *reinterpret_cast<float4*>(a.kc + row) = k;
+                *reinterpret_cast<float4*>(a.vc + row) = v;
+            }
+        }
+    }
+    block_sync();
+    if (sj == pos) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) kr[i] = *reinterpret_cast<const float4*>(cur + sg * QMK_HD + sq * 32 + 4 * i);
+    }
+    float s0 = 0.f, s1 = 0.f;
+    if (sj <= pos) {
+        const float* q0 = qs + (2 * sg) * QMK_HD + sq * 32;
+        const float* q1 = q0 + QMK_HD;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            s0 += dot4(*reinterpret_cast<const float4*>(q0 + 4 * i), kr[i]);
+            s1 += dot4(*reinterpret_cast<const float4*>(q1 + 4 * i), kr[i]);
+        }
+    }
+    s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+    s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+    const float scale = 0.08838834764831845f;  // 1 / sqrt(128)
+    if (sq == 0 && sj <= pos) {
+        ps[(2 * sg) * P + sj] = s0 * scale;
+        ps[(2 * sg + 1) * P + sj] = s1 * scale;
+    }
+    block_sync();
+    // V rows for the weighted sum, in flight during the softmax (after the barrier, so they never
+    // hold registers while kr does): thread (g, dim pair) reads its two dims of every cached row.
+    const int vg = t / 64, vd = (t % 64) * 2;
+#ifndef QMK_PRED_V_HALVES
+    float2 vr[P];
+#pragma unroll
+    for (int j = 0; j < P; ++j)
+        if (j < pos) vr[j] = __ldcg(reinterpret_cast<const float2*>(a.vc + vg * head_rows + (size_t)j * QMK_HD + vd));
+#endif
+    {  // softmax of head w over positions 0..pos (lanes 0..15)
+        const bool in = lane < P && lane <= pos;
+        const float s = in ? ps[w * P + lane] : -INFINITY;
+        const float m = warp_max(s);
+        const float e = in ? expf(s - m) : 0.f;
+        const float l = warp_sum(e);
+        if (in) ps[w * P + lane] = e / l;
+    }
+    block_sync();
+    {
+        const float2 vn = *reinterpret_cast<const float2*>(cur + (KV + vg) * QMK_HD + vd);
+        const float* p0 = ps + (2 * vg) * P;
+        const float* p1 = p0 + P;
+        float2 o0 = make_float2(0.f, 0.f), o1 = make_float2(0.f, 0.f);
+#ifdef QMK_PRED_V_HALVES
+        // Comparison build: V rows in two batches of 8 (fewer registers, one more round trip).
+#pragma unroll
+        for (int h = 0; h < P; h += 8) {
+            float2 vr[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                if (h + j < pos)
+                    vr[j] = __ldcg(reinterpret_cast<const float2*>(a.vc + vg * head_rows + (size_t)(h + j) * QMK_HD + vd));
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                if (h + j <= pos) {
+                    const float2 v = h + j < pos ? vr[j] : vn;
+                    o0.x = fmaf(p0[h + j], v.x, o0.x);
+                    o0.y = fmaf(p0[h + j], v.y, o0.y);
+                    o1.x = fmaf(p1[h + j], v.x, o1.x);
+                    o1.y = fmaf(p1[h + j], v.y, o1.y);
+                }
+            }
+        }
+#else
+#pragma unroll
+        for (int j = 0; j < P; ++j) {
+            if (j <= pos) {
+                const float2 v = j < pos ? vr[j] : vn;
+                o0.x = fmaf(p0[j], v.x, o0.x);
+                o0.y = fmaf(p0[j], v.y, o0.y);
+                o1.x = fmaf(p1[j], v.x, o1.x);
+                o1.y = fmaf(p1[j], v.y, o1.y);
+            }
+        }
+#endif
+        // qs is free: every thread passed the barrier after its last read of q.
+        *reinterpret_cast<float2*>(qs + (2 * vg) * QMK_HD + vd) = o0;
+        *reinterpret_cast<float2*>(qs + (2 * vg + 1) * QMK_HD + vd) = o1;
+    }
 }
