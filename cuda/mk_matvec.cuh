@@ -63,22 +63,6 @@ __device__ __forceinline__ void read8(const float* p, float* v) {
     v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 
-// This thread's operand chunk of x[0..K) from shared memory (after a block barrier since it was
-// written).
-template <int MS>
-__device__ __forceinline__ void read_operand(const float* xs, int K, Operand<MS>& o) {
-    const int c = col_thread(), nseg = K >> 10;
-#pragma unroll
-    for (int s = 0; s < MS; ++s) {
-        if (s < nseg) {
-            read8(xs + (s << 10) + c * 8, o.v[s]);
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) o.v[s][e] = 0.f;
-        }
-    }
-}
-
 // This thread's operand chunk of x[0..K). Right after a grid barrier every block reads the same
 // freshly written lines, so only row group 0 reads them from L2 and stages them in `xs` (K
 // floats of shared memory); the other row groups take their chunks from there.
@@ -95,7 +79,15 @@ __device__ __forceinline__ void load_operand(VecRef x, int K, Operand<MS>& o, fl
             }
     }
     block_sync();
-    read_operand<MS>(xs, K, o);
+#pragma unroll
+    for (int s = 0; s < MS; ++s) {
+        if (s < nseg) {
+            read8(xs + (s << 10) + c * 8, o.v[s]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o.v[s][e] = 0.f;
+        }
+    }
 }
 
 // Qwen3 RMSNorm in fp32, as the official model computes it: w * (x * rsqrt(mean(x^2) + eps)).

@@ -60,12 +60,13 @@ __device__ __forceinline__ void ring_init(int nslot) {
 #endif
 }
 
-// Producer lane: copy tile number `i` into its slot. Every source was written before this launch
-// (weights, the talker's cached K/V rows), so no proxy fence is needed.
-__device__ __forceinline__ void issue_tile(const Tile& t, uint32_t i, int nslot) {
+// Producer lane: copy tile number `i` into its slot. `written_here`: the source was written by
+// generic stores earlier in this launch (K/V rows of the code predictor).
+__device__ __forceinline__ void issue_tile(const Tile& t, uint32_t i, int nslot, bool written_here) {
     uint64_t* bar = ring_state().full + i % nslot;
     unsigned char* dst = slot_ptr(i, nslot);
 #if __CUDA_ARCH__ >= 900
+    if (written_here) fence_proxy_async_global();
     uint32_t total = 0;
     for (int k = 0; k < t.n; ++k) total += t.r[k].bytes;
     mbar_expect_tx(bar, total);
@@ -74,6 +75,7 @@ __device__ __forceinline__ void issue_tile(const Tile& t, uint32_t i, int nslot)
         dst += t.r[k].bytes;
     }
 #else
+    (void)written_here;  // cp.async reads through the generic proxy
     for (int k = 0; k < t.n; ++k) {
         const unsigned char* src = static_cast<const unsigned char*>(t.r[k].src);
         for (uint32_t o = 0; o < t.r[k].bytes; o += 16) cp_async16(dst + o, src + o);

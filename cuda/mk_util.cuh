@@ -187,6 +187,9 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
 }
 
 #if __CUDA_ARCH__ >= 900
+// Orders global memory this thread has seen written through the generic proxy (K/V rows another
+// block stored in this launch, acquired through the grid barrier) before its async-proxy copies.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 // Makes freshly initialised mbarriers visible to the async proxy.
 __device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 

@@ -4,8 +4,7 @@
 // The frame is a fixed list of phases (next_phase), each ended by a grid barrier:
 //   talker layer: q/k/v | attention | o_proj + residual | gate/up + SiLU | down + residual
 //   codec head, code-0 sampling (every block, redundantly: no barrier)
-//   15 predictor passes: [2048->1024 projection] 5 layers as above but without the attention
-//   phase (every block computes the short attention itself before o_proj), LM head, sampling
+//   15 predictor passes: [2048->1024 projection] 5 layers as above, LM head, sampling
 // Each block owns a contiguous slice of every matrix's rows. Because the list is known at launch,
 // a block streams its slices (and the K/V rows its attention items read) into a ring of
 // shared-memory slots ahead of time (mk_stream.cuh); a phase then costs the barrier, one L2 read
@@ -99,10 +98,7 @@ __device__ bool next_phase(const qmk_model& m, const qmk_frame& f, Phase& ph) {
             return true;
         case K_PROJ: ph = Phase{K_QKV, 0, ph.pass}; return true;
         case K_DOWN: break;
-        case K_QKV:  // the predictor's attention runs inside its o_proj phase
-            ph.kind = ph.pass < 0 ? K_ATTN : K_O;
-            return true;
-        default: ++ph.kind; return true;  // attention -> o -> gate/up -> down
+        default: ++ph.kind; return true;  // q/k/v -> attention -> o -> gate/up -> down
     }
     if (ph.layer + 1 < (ph.pass < 0 ? m.talker.num_layers : m.pred.num_layers)) {
         ph = Phase{K_QKV, ph.layer + 1, ph.pass};
@@ -285,7 +281,8 @@ __device__ __noinline__ void produce(const Params* P) {
             continue;  // a phase may have no tiles for this block
         }
         if (!wait_slot_free(i, nslot)) break;
-        issue_tile(phase_tile(F, ph, tile++), i++, nslot);
+        // The predictor's K/V rows were stored by other blocks earlier in this launch.
+        issue_tile(phase_tile(F, ph, tile++), i++, nslot, ph.kind == K_ATTN && ph.pass >= 0);
     }
     *reinterpret_cast<volatile uint32_t*>(&ring_state().issued) = i;
 }
@@ -410,21 +407,16 @@ __device__ void run_down(Ctx& c, const Phase& ph, int id, const float* act, Epi 
     c.stamp(id, STEP_EPILOGUE);
 }
 
-__device__ AttnArgs attn_args(const Ctx& c, const Phase& ph, int pos) {
+__device__ void run_attention(Ctx& c, const Phase& ph, int id) {
     const qmk_model& m = c.F.m();
     const qmk_stack& S = c.F.stack(ph);
     const qmk_layer& L = c.F.layer(ph);
-    const size_t off = (size_t)ph.layer * S.num_kv_heads * S.max_pos * QMK_HD;
-    return AttnArgs{dptr<const float>(m.qkv), dptr<float>(m.attn),   dptr<float>(S.k_cache) + off,
-                    dptr<float>(S.v_cache) + off, bfp(L.q_norm), bfp(L.k_norm), dptr<const float>(S.rope),
-                    dptr<float>(m.attn_part), dptr<unsigned>(m.attn_count), pos, S.num_heads,
-                    S.num_kv_heads, S.max_pos, S.eps};
-}
-
-// The talker's attention phase: (kv head, chunk) items dealt to blocks, K/V rows from the ring.
-__device__ void run_attention(Ctx& c, const Phase& ph, int id) {
     const AttnItems A = attn_items(c.F, ph);
-    const AttnArgs a = attn_args(c, ph, A.pos);
+    const size_t off = (size_t)ph.layer * S.num_kv_heads * S.max_pos * QMK_HD;
+    const AttnArgs a{dptr<const float>(m.qkv), dptr<float>(m.attn),   dptr<float>(S.k_cache) + off,
+                     dptr<float>(S.v_cache) + off, bfp(L.q_norm), bfp(L.k_norm), dptr<const float>(S.rope),
+                     dptr<float>(m.attn_part), dptr<unsigned>(m.attn_count), A.pos, S.num_heads,
+                     S.num_kv_heads, S.max_pos, S.eps};
     for (int it = blockIdx.x; it < A.items; it += gridDim.x) {
         const bool has = A.has_tile(it);
         const float* tile = has ? reinterpret_cast<const float*>(c.ring.wait(0)) : nullptr;
@@ -465,25 +457,17 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
             run_mat<2>(c, pq, ph0 + PH_QKV, x, [&](int u, int j, const float* red) { qkv[u] = row_sum(red, j); });
         }
         c.sync(ph0 + PH_QKV);
-        Operand<2> x;
-        if (pass < 0) {
-            run_attention(c, pa, ph0 + PH_ATTN);
-            c.sync(ph0 + PH_ATTN);
+        run_attention(c, pa, ph0 + PH_ATTN);
+        c.sync(ph0 + PH_ATTN);
+        {
+            Operand<2> x;
             load_x<2>(VecRef{dptr<const float>(m.attn), 0}, nq, x);
-        } else {
-            // Block 0 appends the new K/V row; every block reads it from the next pass on. The
-            // staging buffers are free: the q/k/v phase's operand is in registers.
-            float* xs = sm<float>(QMK_SMEM_XS);
-            attention_all_heads(attn_args(c, pa, pass), blockIdx.x == 0, xs, sm<float>(QMK_SMEM_WS),
-                                sm<float>(QMK_SMEM_RED));
-            block_sync();
-            read_operand<2>(xs, nq, x);
+            run_mat<2>(c, po, ph0 + PH_O, x, [&](int u, int j, const float* red) {
+                const float v = own[j] + row_sum(red, j);
+                own[j] = v;
+                resid[u] = v;
+            });
         }
-        run_mat<2>(c, po, ph0 + PH_O, x, [&](int u, int j, const float* red) {
-            const float v = own[j] + row_sum(red, j);
-            own[j] = v;
-            resid[u] = v;
-        });
         c.sync(ph0 + PH_O);
         {
             Operand<2> x;
@@ -655,9 +639,6 @@ struct GridConfig {
 // The model must fit the kernel's fixed shared-memory areas on a grid of `blocks` blocks.
 static int model_fits(const qmk_model& m, int blocks) {
     if (m.talker.num_layers + m.pred.num_layers > QMK_MAX_LAYERS) return cudaErrorNotSupported;
-    // The predictor's attention (attention_all_heads): one thread per (kv head, position, quarter).
-    if (m.num_groups > QMK_MAX_GROUPS || m.pred.num_kv_heads != QMK_PRED_KV || m.pred.num_heads != 2 * QMK_PRED_KV)
-        return cudaErrorNotSupported;
     const auto rows = [blocks](int n) { return (n + blocks - 1) / blocks; };
     const int widest = m.talker.hidden > m.pred.hidden ? m.talker.hidden : m.pred.hidden;
     if (rows(widest) > QMK_OWN_MAX) return cudaErrorNotSupported;
