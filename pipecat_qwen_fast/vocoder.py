@@ -334,14 +334,20 @@ class Vocoder(nn.Module):
         """
         codes = self._check_codes(codes, check_values)
         self._check_stream(codes, stream)
+        wav = self.stream_step(codes, stream)
+        stream.frames += codes.shape[-1]
+        return wav
+
+    def stream_step(self, codes: Tensor, stream: VocoderStream) -> Tensor:
+        """The device work of ``decode_stream`` on checked inputs: reads and advances only the
+        stream's tensors, never its host-side ``frames``, so a CUDA graph or ``torch.compile`` can
+        take it as it is (vocoder_graphs.py)."""
         h = self.pre_conv.step(self.embed_codes(codes), stream)
         h = self.pre_transformer.step(h.transpose(1, 2), stream).transpose(1, 2)
         for stage in self.upsample:
             h = stage.step(h, stream)
         wav = self.decoder.step(h, stream).clamp(-1.0, 1.0)
-        n = codes.shape[-1]
-        stream.position.add_(n)
-        stream.frames += n
+        stream.position.add_(codes.shape[-1])
         return wav
 
     def prime_stream(self, ref_codes: Tensor, stream: VocoderStream) -> None:

@@ -4,10 +4,21 @@ An eager `decode_stream` call launches ~800 small kernels and costs ~13 ms on th
 chunk size (bench/NOTES.md, "Vocoder"). A captured call replays them in one go. The graph works on
 a static stream state: the session's state is copied in before the replay and out after it (a few
 MB, two fused copies), so every session shares one graph per chunk size.
+
+The chunk sizes captured at warm-up can be captured from `torch.compile`d code instead: inductor
+fuses the ~450 elementwise and copy kernels of a call into ~30, which takes a 1-frame call on the
+H200 from 2.6 to 1.9 ms and a 4-frame call from 3.2 to 2.2 ms (bench/NOTES.md, "Vocoder graphs").
+Compiling costs ~20 s per chunk size on a cold inductor cache (~6 s warm), so only
+`COMPILED_SIZES` are compiled; it is skipped, with the reason logged, where it cannot run
+(no triton, no compiler), and `QWEN_FAST_COMPILE_VOCODER=0` turns it off.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +27,10 @@ from torch import Tensor
 from .cuda_graphs import GraphCapturer
 from .vocoder import Vocoder, VocoderStream
 
+logger = logging.getLogger(__name__)
+
 MAX_GRAPHS = 32  # chunk sizes captured at most; other sizes run eagerly
+COMPILED_SIZES = (1, 4)  # the default first chunk and the default later chunk
 
 
 def copy_stream(dst: VocoderStream, src: VocoderStream) -> None:
@@ -39,14 +53,42 @@ class _Entry:
     graph: torch.cuda.CUDAGraph | None = None
 
 
+def compile_unavailable_reason(device: torch.device) -> str | None:
+    """Why the vocoder step will not be compiled here, or None."""
+    if os.environ.get("QWEN_FAST_COMPILE_VOCODER", "1") == "0":
+        return "QWEN_FAST_COMPILE_VOCODER=0"
+    if device.type != "cuda":
+        return "not on CUDA"
+    try:
+        import triton  # noqa: F401 - inductor's CUDA code generator
+    except ImportError as e:
+        return f"triton is not importable ({e})"
+    return None
+
+
+def _recompile_limit_patch(n: int):
+    """A scope in which dynamo compiles up to `n` variants of one function (one per chunk size,
+    per vocoder in the process) instead of falling back to eager after its default 8."""
+    cfg = torch._dynamo.config
+    key = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    return cfg.patch(**{key: max(n, getattr(cfg, key))})
+
+
 class GraphedVocoder:
-    def __init__(self, vocoder: Vocoder, device: torch.device, dtype: torch.dtype, use_graphs: bool | None = None):
+    def __init__(self, vocoder: Vocoder, device: torch.device, dtype: torch.dtype, use_graphs: bool | None = None,
+                 compile_sizes: tuple[int, ...] | None = None):
         self.vocoder = vocoder
         self.device = device
         self.dtype = dtype
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.entries: dict[int, _Entry] = {}
         self.capturer = GraphCapturer(device) if self.use_graphs else None
+        reason = compile_unavailable_reason(device) if self.use_graphs else "no CUDA graphs"
+        self.compile_sizes = set(COMPILED_SIZES if compile_sizes is None else compile_sizes) if reason is None else set()
+        if reason is not None:
+            logger.info("vocoder step not compiled: %s", reason)
+        self._compiled: Callable | None = None
+        self.compiled_sizes: set[int] = set()  # sizes whose graph holds compiled code
 
     def decode_stream(self, codes: Tensor, stream: VocoderStream) -> Tensor:
         """Same result as `vocoder.decode_stream(codes, stream)` for batch-1 streams."""
@@ -69,12 +111,15 @@ class GraphedVocoder:
         return out.clone()
 
     def capture(self, sizes: list[int]) -> None:
+        """Capture the graphs of these chunk sizes now (warm-up); those in `compile_sizes` from
+        compiled code. Sizes first seen later are captured then, never compiled (no compile stall
+        in the middle of a stream)."""
         for n in sizes:
             if n not in self.entries:
-                self._make(n)
+                self._make(n, compile_step=n in self.compile_sizes)
 
     @torch.no_grad()
-    def _make(self, n: int) -> _Entry:
+    def _make(self, n: int, compile_step: bool = False) -> _Entry:
         voc = self.vocoder
         q = voc.cfg.num_quantizers
         entry = _Entry(
@@ -82,8 +127,26 @@ class GraphedVocoder:
             stream=voc.new_stream(batch=1, device=self.device, dtype=self.dtype),
         )
         if self.capturer is not None:
-            entry.graph, entry.out = self.capturer.capture(
-                lambda: voc.decode_stream(entry.codes, entry.stream, check_values=False)
-            )
+            step: Callable = voc.stream_step
+            compiled = False
+            if compile_step:
+                try:
+                    t0 = time.perf_counter()
+                    if self._compiled is None:
+                        self._compiled = torch.compile(voc.stream_step, dynamic=False)
+                    with _recompile_limit_patch(64):
+                        self._compiled(entry.codes, entry.stream)  # compiles now, outside any capture
+                    entry.stream.reset()
+                    step, compiled = self._compiled, True
+                    logger.info("vocoder step for %d-frame chunks compiled in %.1f s", n, time.perf_counter() - t0)
+                except Exception as e:  # noqa: BLE001 - any compiler failure: the plain graph still works
+                    logger.warning("compiling the vocoder step failed (%s: %s); using the plain graph",
+                                   type(e).__name__, str(e)[:300])
+                    self.compile_sizes.clear()
+                    entry.stream.reset()
+            with _recompile_limit_patch(64):
+                entry.graph, entry.out = self.capturer.capture(lambda: step(entry.codes, entry.stream))
+            if compiled:
+                self.compiled_sizes.add(n)
         self.entries[n] = entry
         return entry

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pipecat_qwen_fast import QwenTTSEngine
-from pipecat_qwen_fast.vocoder_graphs import GraphedVocoder
+from pipecat_qwen_fast.vocoder_graphs import GraphedVocoder, compile_unavailable_reason
 
 
 def test_graphed_wrapper_equals_plain_stream(tiny_checkpoint):
@@ -31,3 +32,43 @@ def test_graphed_wrapper_equals_plain_stream(tiny_checkpoint):
         assert shared[i].frames == plain[i].frames == 30
         assert int(shared[i].position) == 30
     assert sorted(wrapped.entries) == [1, 3, 4, 8, 10]
+
+
+@pytest.mark.gpu
+def test_compiled_graphs_match_plain_graphs_on_cuda(tiny_checkpoint):
+    """Captured from torch.compile'd code (the warm-up sizes) vs captured from the plain step: the
+    same audio up to fp32 rounding (TF32 convolutions off, so only the fusions differ)."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA not available: compiled vocoder graphs run on CUDA only")
+    reason = compile_unavailable_reason(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(f"vocoder step not compiled here: {reason}")
+    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cuda", dtype="float32",
+                                           warmup=False)
+    voc = engine.vocoder
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        compiled = GraphedVocoder(voc, engine.device, engine.dtype, compile_sizes=(1, 4))
+        plain = GraphedVocoder(voc, engine.device, engine.dtype, compile_sizes=())
+        compiled.capture([1, 4])
+        plain.capture([1, 4])
+        assert compiled.compiled_sizes == {1, 4} and plain.compiled_sizes == set()
+        g = torch.Generator().manual_seed(1)
+        codes = torch.randint(0, 2048, (1, 16, 25), generator=g).cuda()
+        streams = [voc.new_stream(), voc.new_stream()]
+        outs: list[list[torch.Tensor]] = [[], []]
+        start = 0
+        for n in (1, 4, 4, 1, 4, 4, 4, 1, 1, 1):
+            chunk = codes[..., start : start + n]
+            for i, wrapper in enumerate((compiled, plain)):
+                outs[i].append(wrapper.decode_stream(chunk, streams[i]))
+            start += n
+        a, b = torch.cat(outs[0], -1), torch.cat(outs[1], -1)
+        peak = float(b.abs().max())
+        assert peak > 0
+        assert float((a - b).abs().max()) <= 1e-4 * max(1.0, peak)
+        assert streams[0].frames == streams[1].frames == 25
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+        engine.close()

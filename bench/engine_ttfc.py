@@ -1,0 +1,30 @@
+"""The megakernel engine's TTFC and streaming RTF alone (megakernel_check.py's engine stage), with
+the load time: `python bench/engine_ttfc.py [--json FILE]`. Random 0.6B CustomVoice checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import megakernel_check as mc  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    r = mc.measure_engine()
+    mc.print_engine(r)
+    print(f"load (checkpoint on disk -> warm engine) {r.get('load_s', float('nan')):.1f} s")
+    if args.json:
+        args.json.write_text(json.dumps(r, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Where a captured streaming-vocoder call spends its time: `python bench/vocoder_graph_profile.py`.
+
+Full-size released vocoder config with random weights (bench/vocoder_bench.py's `build`), the
+engine's `GraphedVocoder`, chunk sizes 1 and 4. Prints and writes (--json) per chunk size: the
+replay time (CUDA-event median of 50, state copies included, as the engine calls it), the number
+of kernels one call runs, the sum of their durations (the rest of the replay is launch gaps), and
+the kernels grouped by name with their count and total time: for the plain captured step, and
+(unless --no-compile) for the step captured from torch.compile'd code as the engine's warm-up
+does it (GraphedVocoder's compile_sizes), with its compile + capture time and the largest
+difference from the plain graph's audio over 20 consecutive calls from the same state (and the
+plain graph's difference from eager, for scale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from vocoder_bench import build  # noqa: E402
+
+from pipecat_qwen_fast.vocoder_graphs import GraphedVocoder  # noqa: E402
+
+
+def time_calls(gv: GraphedVocoder, codes: torch.Tensor, stream, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        gv.decode_stream(codes, stream)
+        e.record()
+        e.synchronize()
+        out.append(s.elapsed_time(e))
+    return out
+
+
+def profile_calls(gv: GraphedVocoder, codes: torch.Tensor, stream, n: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            gv.decode_stream(codes, stream)
+        torch.cuda.synchronize()
+    groups: dict[str, list[float]] = defaultdict(list)
+    total_us, count = 0.0, 0
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            dur = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            groups[ev.name[:90]].append(dur)
+            total_us += dur
+            count += 1
+    rows = sorted(((k, len(v) / n, sum(v) / n) for k, v in groups.items()), key=lambda r: -r[2])
+    return {"kernels_per_call": count / n, "kernel_us_per_call": total_us / n,
+            "by_name": [{"name": k, "per_call": c, "us_per_call": t} for k, c, t in rows]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--chunks", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--top", type=int, default=25, help="kernel groups printed per variant")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    torch.backends.cudnn.allow_tf32 = True
+    voc = build(None, "cuda")
+    gv = GraphedVocoder(voc, torch.device("cuda"), torch.float32, compile_sizes=())
+    q = voc.cfg.num_quantizers
+    out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError as e:
+        out["triton"] = f"not importable: {e}"
+    variants = [("plain", gv)]
+    if args.compile:
+        variants.append(("compiled", GraphedVocoder(voc, torch.device("cuda"), torch.float32,
+                                                    compile_sizes=tuple(args.chunks))))
+    for name, g in variants:
+        for n in args.chunks:
+            t0 = time.perf_counter() if name == "compiled" else None
+            g.capture([n])
+            if name == "compiled" and n not in g.compiled_sizes:
+                raise SystemExit(f"chunk {n} was not compiled (see the log)")
+            stream = voc.new_stream(batch=1, device=torch.device("cuda"), dtype=torch.float32)
+            codes = torch.randint(0, voc.cfg.codebook_size, (1, q, n), device="cuda")
+            time_calls(g, codes, stream, 5)
+            ms = time_calls(g, codes, stream, 50)
+            prof = profile_calls(g, codes, stream, 20)
+            row = {"replay_ms_median": statistics.median(ms), **prof}
+            if t0 is not None:
+                row["compile_and_capture_s"] = time.perf_counter() - t0
+            out[f"{name}_chunk{n}"] = row
+            print(f"{name} chunk {n}: {statistics.median(ms):.3f} ms per call, {prof['kernels_per_call']:.0f} kernels, "
+                  f"{prof['kernel_us_per_call']:.0f} us of kernel time"
+                  + (f", compile + capture {row['compile_and_capture_s']:.1f} s" if t0 is not None else ""))
+            for r in prof["by_name"][: args.top]:
+                print(f"   {r['per_call']:6.1f} x  {r['us_per_call']:8.1f} us  {r['name']}")
+    if args.compile:
+        g_plain, g_comp = variants[0][1], variants[1][1]
+        for n in args.chunks:
+            s_plain = voc.new_stream(batch=1, device=torch.device("cuda"), dtype=torch.float32)
+            s_comp = voc.new_stream(batch=1, device=torch.device("cuda"), dtype=torch.float32)
+            s_eager = voc.new_stream(batch=1, device=torch.device("cuda"), dtype=torch.float32)
+            worst = worst_eager = peak = 0.0
+            gen = torch.Generator(device="cuda").manual_seed(n)
+            with torch.no_grad():
+                for _ in range(20):
+                    codes = torch.randint(0, voc.cfg.codebook_size, (1, q, n), device="cuda", generator=gen)
+                    a = g_plain.decode_stream(codes, s_plain)
+                    b = g_comp.decode_stream(codes, s_comp)
+                    c = voc.decode_stream(codes, s_eager, check_values=False)
+                    worst = max(worst, float((a - b).abs().max()))
+                    worst_eager = max(worst_eager, float((a - c).abs().max()))
+                    peak = max(peak, float(a.abs().max()))
+            out[f"chunk{n}_max_abs"] = {"compiled_vs_plain_graph": worst, "plain_graph_vs_eager": worst_eager,
+                                        "peak": peak}
+            print(f"chunk {n}: max |diff| over 20 calls: compiled vs plain graph {worst:.3e}, plain graph vs "
+                  f"eager {worst_eager:.3e} (peak {peak:.3f})")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    print("triton:", out["triton"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
