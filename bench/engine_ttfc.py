@@ -12,19 +12,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import megakernel_check as mc  # noqa: E402
 
-from pipecat_qwen_fast.vocoder_layers import CausalTransConv  # noqa: E402
-
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--tconv", choices=["gemm", "cudnn"], default="gemm",
-                    help="streaming step of the vocoder's transposed convs (CausalTransConv.use_gemm)")
     args = ap.parse_args()
-    CausalTransConv.use_gemm = args.tconv == "gemm"
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     r = mc.measure_engine()
-    r["tconv"] = args.tconv
     mc.print_engine(r)
     print(f"load (checkpoint on disk -> warm engine) {r.get('load_s', float('nan')):.1f} s")
     if args.json:

@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vocoder_bench import build  # noqa: E402
 
 from pipecat_qwen_fast.vocoder_graphs import GraphedVocoder  # noqa: E402
-from pipecat_qwen_fast.vocoder_layers import CausalTransConv  # noqa: E402
 
 
 def time_calls(gv: GraphedVocoder, codes: torch.Tensor, stream, n: int) -> list[float]:
@@ -70,18 +69,13 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--top", type=int, default=25, help="kernel groups printed per variant")
-    ap.add_argument("--tconv", choices=["gemm", "cudnn"], default="gemm",
-                    help="streaming step of the kernel-2*stride transposed convs (CausalTransConv.use_gemm)")
-    ap.add_argument("--no-tf32", action="store_true", help="cuDNN TF32 convolutions off")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    torch.backends.cudnn.allow_tf32 = not args.no_tf32
-    CausalTransConv.use_gemm = args.tconv == "gemm"
+    torch.backends.cudnn.allow_tf32 = True
     voc = build(None, "cuda")
     gv = GraphedVocoder(voc, torch.device("cuda"), torch.float32, compile_sizes=())
     q = voc.cfg.num_quantizers
-    out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "tconv": args.tconv,
-           "cudnn_tf32": not args.no_tf32}
+    out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
     try:
         import triton
 

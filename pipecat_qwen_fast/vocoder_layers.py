@@ -70,39 +70,15 @@ class CausalTransConv(nn.Module):
         y = self.conv(x)
         return y[..., : y.shape[-1] - self.trim]
 
-    # The streaming step of a kernel-2*stride layer as one GEMM and an add (below) instead of
-    # cuDNN's transposed convolution, which runs as a dgrad kernel of ~70 us for a 1-frame chunk
-    # on the H200 (bench/NOTES.md, "Vocoder graphs"). Class-wide switch for A/B benchmarks.
-    use_gemm = True
-
     def step(self, x: Tensor, stream: VocoderStream) -> Tensor:
         if self.context == 0:
             return self.forward(x)
         history = stream.histories[self.slot]
         joined = torch.cat((history, x), dim=-1)
         history.copy_(joined[..., joined.shape[-1] - self.context :])
-        if self.use_gemm and self.trim == self.stride and self.conv.groups == 1:
-            return self._step_gemm(joined)
         y = self.conv(joined)
         start = self.context * self.stride
         return y[..., start : start + x.shape[-1] * self.stride]
-
-    def _step_gemm(self, joined: Tensor) -> Tensor:
-        """Outputs [s, s + T*s) of the transposed conv of ``joined`` (T + 1 columns, kernel 2s).
-
-        Column t contributes W[:, :, kk] . x_t to output t*s + kk, so output s*(m + 1) + j gets
-        the first kernel half (kk = j) of column m + 1 and the second (kk = s + j) of column m.
-        The weight [C_in, C_out, 2s] read as a [C_out * 2s, C_in] matrix is a transposed view:
-        no copy.
-        """
-        w = self.conv.weight
-        c_in, c_out, k = w.shape
-        s = self.stride
-        b, _, t1 = joined.shape
-        z = torch.matmul(w.reshape(c_in, c_out * k).t(), joined).view(b, c_out, 2, s, t1)
-        out = z[:, :, 0, :, 1:] + z[:, :, 1, :, :-1]  # [B, C_out, s, T]
-        out = out.transpose(2, 3).reshape(b, c_out, (t1 - 1) * s)
-        return out + self.conv.bias[None, :, None] if self.conv.bias is not None else out
 
 
 class SnakeBeta(nn.Module):

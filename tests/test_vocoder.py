@@ -16,7 +16,6 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,8 +24,6 @@ from pipecat_qwen_fast.config import VocoderConfig, parse_vocoder_config
 from pipecat_qwen_fast.errors import ConfigError, InvalidInputError, ModelLoadError
 from pipecat_qwen_fast.tiny_configs import speech_tokenizer_config_dict
 from pipecat_qwen_fast.vocoder import Vocoder
-from pipecat_qwen_fast.vocoder_layers import CausalTransConv
-
 OFFICIAL_NAMES = Path(__file__).parent / "data" / "official_vocoder_state_dict.json"
 SPF = 1920
 
@@ -359,19 +356,3 @@ def test_bad_codes_are_rejected(voc):
 def test_config_needs_divisible_decoder_dim():
     with pytest.raises(ConfigError, match="decoder_dim"):
         Vocoder(dataclasses.replace(TINY, decoder_dim=40))
-
-
-def test_transposed_conv_step_gemm_equals_conv(monkeypatch):
-    """The GEMM form of the kernel-2*stride streaming step against cuDNN's/ATen's transposed conv."""
-    torch.manual_seed(0)
-    layer = CausalTransConv(6, 4, kernel=6, stride=3).double()
-    layer.slot = 0
-    chunks = [torch.randn(2, 6, n, dtype=torch.float64) for n in (1, 4, 2, 1)]
-    outs = {}
-    for use_gemm in (True, False):
-        monkeypatch.setattr(CausalTransConv, "use_gemm", use_gemm)
-        stream = SimpleNamespace(histories=[torch.zeros(2, 6, 1, dtype=torch.float64)])
-        outs[use_gemm] = torch.cat([layer.step(x, stream) for x in chunks], -1)
-    assert outs[True].shape == (2, 4, 8 * 3)
-    assert (outs[True] - outs[False]).abs().max() <= EXACT
-
