@@ -1,7 +1,8 @@
 """Where a captured streaming-vocoder call spends its time: `python bench/vocoder_graph_profile.py`.
 
-Full-size released vocoder config with random weights (bench/vocoder_bench.py's `build`), the
-engine's `GraphedVocoder`, chunk sizes 1 and 4. Prints and writes (--json) per chunk size: the
+Full-size released vocoder config with random weights (bench/vocoder_bench.py's `build`), in the
+engine's dtype (bfloat16 by default; the files of 2026-11-22 were taken in float32, before this
+option), the engine's `GraphedVocoder`, chunk sizes 1 and 4. Prints and writes (--json) per chunk size: the
 replay time (CUDA-event median of 50, state copies included, as the engine calls it), the number
 of kernels one call runs, the sum of their durations (the rest of the replay is launch gaps), and
 the kernels grouped by name with their count and total time: for the plain captured step, and
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vocoder_bench import build  # noqa: E402
 
+from pipecat_qwen_fast.vocoder import Vocoder  # noqa: E402
 from pipecat_qwen_fast.vocoder_graphs import GraphedVocoder  # noqa: E402
 
 
@@ -69,13 +71,17 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--top", type=int, default=25, help="kernel groups printed per variant")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="the vocoder's dtype (the engine runs it in bfloat16 on CUDA)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     torch.backends.cudnn.allow_tf32 = True
-    voc = build(None, "cuda")
-    gv = GraphedVocoder(voc, torch.device("cuda"), torch.float32, compile_sizes=())
+    dtype = getattr(torch, args.dtype)
+    base = build(None, "cuda")
+    voc = Vocoder.from_state_dict(base.cfg, base.state_dict(), device="cuda", dtype=dtype)  # as the engine loads it
+    gv = GraphedVocoder(voc, torch.device("cuda"), dtype, compile_sizes=())
     q = voc.cfg.num_quantizers
-    out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtype": args.dtype}
     try:
         import triton
 
@@ -84,7 +90,7 @@ def main() -> int:
         out["triton"] = f"not importable: {e}"
     variants = [("plain", gv)]
     if args.compile:
-        variants.append(("compiled", GraphedVocoder(voc, torch.device("cuda"), torch.float32,
+        variants.append(("compiled", GraphedVocoder(voc, torch.device("cuda"), dtype,
                                                     compile_sizes=tuple(args.chunks))))
     for name, g in variants:
         for n in args.chunks:
@@ -92,7 +98,7 @@ def main() -> int:
             g.capture([n])
             if name == "compiled" and n not in g.compiled_sizes:
                 raise SystemExit(f"chunk {n} was not compiled (see the log)")
-            stream = voc.new_stream(batch=1, device=torch.device("cuda"), dtype=torch.float32)
+            stream = voc.new_stream(batch=1, device=torch.device("cuda"), dtype=dtype)
             codes = torch.randint(0, voc.cfg.codebook_size, (1, q, n), device="cuda")
             time_calls(g, codes, stream, 5)
             ms = time_calls(g, codes, stream, 50)
@@ -109,9 +115,9 @@ def main() -> int:
     if args.compile:
         g_plain, g_comp = variants[0][1], variants[1][1]
         for n in args.chunks:
-            s_plain = voc.new_stream(batch=1, device=torch.device("cuda"), dtype=torch.float32)
-            s_comp = voc.new_stream(batch=1, device=torch.device("cuda"), dtype=torch.float32)
-            s_eager = voc.new_stream(batch=1, device=torch.device("cuda"), dtype=torch.float32)
+            s_plain = voc.new_stream(batch=1, device=torch.device("cuda"), dtype=dtype)
+            s_comp = voc.new_stream(batch=1, device=torch.device("cuda"), dtype=dtype)
+            s_eager = voc.new_stream(batch=1, device=torch.device("cuda"), dtype=dtype)
             worst = worst_eager = peak = 0.0
             gen = torch.Generator(device="cuda").manual_seed(n)
             with torch.no_grad():
