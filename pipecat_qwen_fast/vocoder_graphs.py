@@ -6,8 +6,8 @@ a static stream state: the session's state is copied in before the replay and ou
 MB, two fused copies), so every session shares one graph per chunk size.
 
 The chunk sizes captured at warm-up can be captured from `torch.compile`d code instead: inductor
-fuses the ~450 elementwise and copy kernels of a call into ~30, which takes a 1-frame call on the
-H200 from 2.6 to 1.9 ms and a 4-frame call from 3.2 to 2.2 ms (bench/NOTES.md, "Vocoder graphs").
+fuses ~400 of a call's elementwise and copy kernels, which takes a bfloat16 1-frame call on the
+H200 from 2.5 to 1.7 ms and a 4-frame call from 2.9 to 1.8 ms (bench/NOTES.md, "Vocoder graphs").
 Compiling costs ~20 s per chunk size on a cold inductor cache (~6 s warm), so only
 `COMPILED_SIZES` are compiled; it is skipped, with the reason logged, where it cannot run
 (no triton, no compiler), and `QWEN_FAST_COMPILE_VOCODER=0` turns it off.
