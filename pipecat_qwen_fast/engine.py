@@ -153,8 +153,11 @@ class QwenTTSEngine:
         self.backend = backend
         self.model_dir = model_dir
         self.closed = False
-        # On a GPU the streaming vocoder step replays one CUDA graph per chunk size.
-        self.vocoder_graphs = GraphedVocoder(vocoder, device, dtype) if device.type == "cuda" else None
+        # On a GPU the streaming vocoder step replays one CUDA graph per chunk size; those of the
+        # default chunk sizes are captured from compiled code.
+        defaults = (SynthesisRequest.first_chunk_frames, SynthesisRequest.chunk_frames)
+        self.vocoder_graphs = (GraphedVocoder(vocoder, device, dtype, compile_sizes=defaults)
+                               if device.type == "cuda" else None)
 
     # ------------------------------------------------------------------ loading
 

@@ -5,12 +5,12 @@ chunk size (bench/NOTES.md, "Vocoder"). A captured call replays them in one go. 
 a static stream state: the session's state is copied in before the replay and out after it (a few
 MB, two fused copies), so every session shares one graph per chunk size.
 
-The chunk sizes captured at warm-up can be captured from `torch.compile`d code instead: inductor
-fuses ~400 of a call's elementwise and copy kernels, which takes a bfloat16 1-frame call on the
-H200 from 2.5 to 1.7 ms and a 4-frame call from 2.9 to 1.8 ms (bench/NOTES.md, "Vocoder graphs").
-Compiling costs ~20 s per chunk size on a cold inductor cache (~6 s warm), so only
-`COMPILED_SIZES` are compiled; it is skipped, with the reason logged, where it cannot run
-(no triton, no compiler), and `QWEN_FAST_COMPILE_VOCODER=0` turns it off.
+The sizes in `compile_sizes` (the engine passes its default chunk sizes) are captured at warm-up
+from `torch.compile`d code instead: inductor fuses ~400 of a call's elementwise and copy kernels,
+which takes a bfloat16 1-frame call on the H200 from 2.5 to 1.7 ms and a 4-frame call from 2.9 to
+1.8 ms (bench/NOTES.md, "Vocoder graphs"). Compiling costs 23-37 s per chunk size on a cold
+inductor cache (~6 s warm), hence only those sizes; it is skipped, with the reason logged, where
+it cannot run (no triton, no compiler), and `QWEN_FAST_COMPILE_VOCODER=0` turns it off.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from .vocoder import Vocoder, VocoderStream
 logger = logging.getLogger(__name__)
 
 MAX_GRAPHS = 32  # chunk sizes captured at most; other sizes run eagerly
-COMPILED_SIZES = (1, 4)  # the default first chunk and the default later chunk
 
 
 def copy_stream(dst: VocoderStream, src: VocoderStream) -> None:
@@ -76,7 +75,7 @@ def _recompile_limit_patch(n: int):
 
 class GraphedVocoder:
     def __init__(self, vocoder: Vocoder, device: torch.device, dtype: torch.dtype, use_graphs: bool | None = None,
-                 compile_sizes: tuple[int, ...] | None = None):
+                 compile_sizes: tuple[int, ...] = ()):
         self.vocoder = vocoder
         self.device = device
         self.dtype = dtype
@@ -84,8 +83,8 @@ class GraphedVocoder:
         self.entries: dict[int, _Entry] = {}
         self.capturer = GraphCapturer(device) if self.use_graphs else None
         reason = compile_unavailable_reason(device) if self.use_graphs else "no CUDA graphs"
-        self.compile_sizes = set(COMPILED_SIZES if compile_sizes is None else compile_sizes) if reason is None else set()
-        if reason is not None:
+        self.compile_sizes = set(compile_sizes) if reason is None else set()
+        if reason is not None and compile_sizes:
             logger.info("vocoder step not compiled: %s", reason)
         self._compiled: Callable | None = None
         self.compiled_sizes: set[int] = set()  # sizes whose graph holds compiled code
