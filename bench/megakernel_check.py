@@ -32,6 +32,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from cuda_timing import event_times_ms  # noqa: E402
+
 from pipecat_qwen_fast import bench_engine  # noqa: E402
 from pipecat_qwen_fast import bench_texts as texts  # noqa: E402
 from pipecat_qwen_fast import megakernel as mk  # noqa: E402
@@ -93,15 +95,7 @@ def weight_bytes(talker) -> dict[str, int]:
 
 def time_launches(mb, st, f, iters: int) -> list[float]:
     """Per-launch device time in ms (events around each launch)."""
-    evs = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        mb.launch(st, f)
-        e.record()
-        evs.append((s, e))
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in evs]
+    return event_times_ms(lambda: mb.launch(st, f), iters)
 
 
 def summary(ms: list[float]) -> dict[str, float]:

@@ -1,8 +1,8 @@
 """Where a captured streaming-vocoder call spends its time: `python bench/vocoder_graph_profile.py`.
 
 Full-size released vocoder config with random weights (bench/vocoder_bench.py's `build`), in the
-engine's dtype (bfloat16 by default; the files of 2026-11-22 were taken in float32, before this
-option), the engine's `GraphedVocoder`, chunk sizes 1 and 4. Prints and writes (--json) per chunk size: the
+engine's dtype (bfloat16 by default; the float32 files of 2026-11-22, all but `..._bf16.json`,
+were taken before this option), the engine's `GraphedVocoder`, chunk sizes 1 and 4. Prints and writes (--json) per chunk size: the
 replay time (CUDA-event median of 50, state copies included, as the engine calls it), the number
 of kernels one call runs, the sum of their durations (the rest of the replay is launch gaps), and
 the kernels grouped by name with their count and total time: for the plain captured step, and
@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cuda_timing import event_times_ms  # noqa: E402
 from vocoder_bench import build  # noqa: E402
 
 from pipecat_qwen_fast.vocoder import Vocoder  # noqa: E402
@@ -34,15 +35,7 @@ from pipecat_qwen_fast.vocoder_graphs import GraphedVocoder  # noqa: E402
 
 
 def time_calls(gv: GraphedVocoder, codes: torch.Tensor, stream, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        gv.decode_stream(codes, stream)
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e))
-    return out
+    return event_times_ms(lambda: gv.decode_stream(codes, stream), n, sync_each=True)
 
 
 def profile_calls(gv: GraphedVocoder, codes: torch.Tensor, stream, n: int) -> dict:

@@ -9,7 +9,7 @@ The sizes in `compile_sizes` (the engine passes its default chunk sizes) are cap
 from `torch.compile`d code instead: inductor fuses ~400 of a call's elementwise and copy kernels,
 which takes a bfloat16 1-frame call on the H200 from 2.5 to 1.7 ms and a 4-frame call from 2.9 to
 1.8 ms (bench/NOTES.md, "Vocoder graphs"). Compiling costs 23-37 s per chunk size on a cold
-inductor cache (~6 s warm), hence only those sizes; it is skipped, with the reason logged, where
+inductor cache, hence only those sizes; it is skipped, with the reason logged, where
 it cannot run (no triton, no compiler), and `QWEN_FAST_COMPILE_VOCODER=0` turns it off.
 """
 
