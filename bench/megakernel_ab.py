@@ -1,6 +1,6 @@
 """A/B timing of megakernel build variants in one device call (compile-time switches).
 
-    python bench/megakernel_ab.py [--out DIR] NAME=DEFINES ...      e.g.  base= poll100=QMK_POLL_NS=100
+    python bench/megakernel_ab.py [--out DIR] NAME=DEFINES ...      e.g.  base= steps=QMK_TRACE_STEPS
     NAME=@DIR: another checkout (e.g. a `git worktree` of an older commit, carried to the device)
 
 Each variant runs in its own process (the library is loaded once per process) with
