@@ -7,8 +7,8 @@ Each variant runs in its own process (the library is loaded once per process) wi
 QWEN_FAST_MK_DEFINES set to its defines (own cache entry), or with another checkout's package,
 kernel and bench helpers, on the same random full-size 0.6B
 talker as bench/megakernel_check.py: CUDA-event medians of single launches (frame and talker
-alone at talker position 100, the predictor alone) for greedy and sampling, a greedy-codes
-identity check against the variant's own first run, and the plain per-phase profile. Variants run
+alone at talker position 100, the predictor alone) for greedy and sampling, a check that each
+run's greedy and (seeded) sampled codes equal the first variant's, and the plain per-phase profile. Variants run
 in the order given and then again in reverse, so drift over the call shows in the two medians.
 """
 
@@ -44,8 +44,8 @@ def run_one(iters: int, root: Path) -> dict:
         torch.manual_seed(0)  # the same prefill and K/V in every variant
         st = mc.timing_state(mb, D, 104, params)
         tag = "sampling" if sampling else "greedy"
-        if not sampling:
-            out["greedy_codes"] = torch.stack([mb.decode_frame(st).clone() for _ in range(8)]).tolist()
+        # Seeded (timing_state's seed 1), so sampled codes must match across variants too.
+        out[f"{tag}_codes"] = torch.stack([mb.decode_frame(st).clone() for _ in range(8)]).tolist()
         rows = {
             f"frame_{tag}_pos100": mb.frame_args(st, run_talker=True, pos=100)[0],
             f"talker_only_{tag}_pos100": mb.frame_args(st, run_talker=True, run_predictor=False, pos=100)[0],
@@ -92,11 +92,12 @@ def main() -> int:
         print(f"{name:14} {defines:36} " + "  ".join(f"{k} {v['median_ms']:.4f}" for k, v in modes.items())
               + (f"  ERROR {run['error'][-400:]}" if "error" in run else ""), flush=True)
         (out_dir / "megakernel_ab.json").write_text(json.dumps(result, indent=2))
-    base = result["variants"][variants[0][0]]["runs"][0].get("greedy_codes")
+    first = result["variants"][variants[0][0]]["runs"][0]
     for name, v in result["variants"].items():
-        same = [r.get("greedy_codes") == base for r in v["runs"]]
-        print(f"{name:14} greedy codes identical to {variants[0][0]}: {same}")
-        v["greedy_codes_identical_to_first"] = same
+        for tag in ("greedy", "sampling"):
+            same = [r.get(f"{tag}_codes") == first.get(f"{tag}_codes") for r in v["runs"]]
+            print(f"{name:14} {tag} codes identical to {variants[0][0]}: {same}")
+            v[f"{tag}_codes_identical_to_first"] = same
     (out_dir / "megakernel_ab.json").write_text(json.dumps(result, indent=2))
     return 0
 

@@ -43,10 +43,59 @@ __device__ __forceinline__ float block_exclusive_scan(float local, float* scratc
     return before + x - local;
 }
 
+// The k-th largest of the block's keys: the largest K with count(key >= K) >= k. Found four bits
+// at a time from the top: a round counts, for all 15 nonzero values d of the next digit at once,
+// the keys >= (bits found so far | d), and keeps the largest d whose count reaches k. That is 8
+// block barriers where a bit-by-bit search takes 32 (the barriers are most of the cost).
+// Counts travel as 4-bit fields of one 64-bit word per thread (<= 8 keys each), then as two 16-bit
+// fields per 32-bit word through warp and block sums (<= 4096 keys). `scratch`: 2 x 8 x QMK_WARPS
+// words, alternating halves so that one barrier per round suffices (BlockReducer's argument).
+static_assert(QMK_WARPS == 16, "kth_largest_key's read pattern: 4 lanes x 4 warps per word");
+
+__device__ __forceinline__ unsigned kth_largest_key(const unsigned* key, int E, unsigned k, unsigned* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned th = 0;
+#pragma unroll 1
+    for (int shift = 28, half = 0; shift >= 0; shift -= 4, half ^= 1) {
+        // th has no bits below shift + 4 yet: comparing the bits above the digit against th orders
+        // a key against every candidate at once.
+        const unsigned above = shift == 28 ? 0u : 0xffffffffu << (shift + 4);
+        unsigned long long fields = 0;  // field d - 1: keys >= th | d << shift, d = 1..15
+#pragma unroll
+        for (int e = 0; e < QMK_MAX_PER_THREAD; ++e) {
+            if (e < E) {
+                const unsigned hi = key[e] & above;
+                const unsigned reach = hi > th ? 15u : hi < th ? 0u : (key[e] >> shift) & 15u;
+                fields += 0x0111111111111111ull & ((1ull << (4 * reach)) - 1ull);
+            }
+        }
+        unsigned* s = scratch + half * 8 * QMK_WARPS;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const unsigned w = (unsigned)((fields >> (8 * j)) & 15ull) | ((unsigned)((fields >> (8 * j + 4)) & 15ull) << 16);
+            const unsigned total = __reduce_add_sync(0xffffffffu, w);
+            if (lane == 0) s[j * QMK_WARPS + warp] = total;
+        }
+        block_sync();
+        // Lane l adds word l / 4 of warps 4 (l % 4) .. 4 (l % 4) + 3, then the four lanes of that word
+        // combine: lane 4 j holds the counts for d = 2 j + 1 (low half) and 2 j + 2 (high half).
+        const uint4 q = *reinterpret_cast<const uint4*>(s + (lane >> 2) * QMK_WARPS + (lane & 3) * 4);
+        unsigned t = (q.x + q.y) + (q.z + q.w);
+        t += __shfl_xor_sync(0xffffffffu, t, 1);
+        t += __shfl_xor_sync(0xffffffffu, t, 2);
+        // Counts fall as d grows, so the digit is the number of candidates that reach k.
+        const bool lead = (lane & 3) == 0;
+        const unsigned lo = __ballot_sync(0xffffffffu, lead && (t & 0xffffu) >= k);
+        const unsigned hi = __ballot_sync(0xffffffffu, lead && (t >> 16) >= k);  // d = 16 counts 0
+        th |= (unsigned)(__popc(lo) + __popc(hi)) << shift;
+    }
+    return th;
+}
+
 // Thread t owns ids [t*E, t*E + E): contiguous ranges keep the draw in id order.
 template <bool TALKER>
 __device__ int sample_block(const float* logits, int n, const qmk_sampler& cfg, const TalkerRules& rules, float u,
-                            BlockReducer& red, float* scan_scratch) {
+                            BlockReducer& red, float* scan_scratch, unsigned* topk_scratch) {
     const int E = (n + QMK_THREADS - 1) / QMK_THREADS;
     const int base = threadIdx.x * E;
     float v[QMK_MAX_PER_THREAD];
@@ -84,18 +133,9 @@ __device__ int sample_block(const float* logits, int n, const qmk_sampler& cfg, 
         return (int)red.umin(idx);
     }
 
-    // top-k: the k-th largest key, found bit by bit from the top; ties with it are kept, like
-    // HF's `scores < topk(...)[-1]` removal.
+    // top-k: the k-th largest key; ties with it are kept, like HF's `scores < topk(...)[-1]` removal.
     unsigned th = 0;
-    if (cfg.top_k > 0 && cfg.top_k < n) {
-        for (int b = 31; b >= 0; --b) {
-            const unsigned cand = th | (1u << b);
-            unsigned c = 0;
-#pragma unroll
-            for (int e = 0; e < QMK_MAX_PER_THREAD; ++e) c += key[e] >= cand;
-            if (red.count(c) >= (unsigned)cfg.top_k) th = cand;
-        }
-    }
+    if (cfg.top_k > 0 && cfg.top_k < n) th = kth_largest_key(key, E, (unsigned)cfg.top_k, topk_scratch);
     const float M = key_value(mk);
     float p[QMK_MAX_PER_THREAD];
     float local = 0.f;

@@ -62,7 +62,7 @@ __device__ __forceinline__ void ring_init(int nslot) {
 
 // Producer lane: copy tile number `i` into its slot. `written_here`: the source was written by
 // generic stores earlier in this launch (K/V rows of the code predictor).
-__device__ __forceinline__ void issue_tile(const Tile& t, uint32_t i, int nslot, bool written_here) {
+__device__ __forceinline__ void issue_tile(const Tile& t, uint32_t i, int nslot, bool written_here, bool weights) {
     uint64_t* bar = ring_state().full + i % nslot;
     unsigned char* dst = slot_ptr(i, nslot);
 #if __CUDA_ARCH__ >= 900
@@ -70,12 +70,21 @@ __device__ __forceinline__ void issue_tile(const Tile& t, uint32_t i, int nslot,
     uint32_t total = 0;
     for (int k = 0; k < t.n; ++k) total += t.r[k].bytes;
     mbar_expect_tx(bar, total);
+#ifdef QMK_EVICT_FIRST
+    const uint64_t pol = evict_first_policy();
+#endif
     for (int k = 0; k < t.n; ++k) {
-        bulk_copy(dst, t.r[k].src, t.r[k].bytes, bar);
+#ifdef QMK_EVICT_FIRST
+        if (weights) bulk_copy_hint(dst, t.r[k].src, t.r[k].bytes, bar, pol);
+        else
+#endif
+            bulk_copy(dst, t.r[k].src, t.r[k].bytes, bar);
         dst += t.r[k].bytes;
     }
+    (void)weights;
 #else
-    (void)written_here;  // cp.async reads through the generic proxy
+    (void)written_here;
+    (void)weights;  // cp.async reads through the generic proxy
     for (int k = 0; k < t.n; ++k) {
         const unsigned char* src = static_cast<const unsigned char*>(t.r[k].src);
         for (uint32_t o = 0; o < t.r[k].bytes; o += 16) cp_async16(dst + o, src + o);
@@ -100,6 +109,7 @@ __device__ __forceinline__ bool wait_slot_free(uint32_t i, int nslot) {
 struct Ring {
     int nslot;
     uint32_t consumed;
+    uint32_t deferred;  // QMK_LATE_RELEASE: tiles done with, released at the next grid arrival
 
     // The slot of tile consumed + k, once its bytes have landed.
     __device__ const unsigned char* wait(uint32_t k) const {

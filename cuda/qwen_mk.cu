@@ -28,7 +28,8 @@
 #define QMK_SMEM_OWN (QMK_SMEM_STAMPS + 16)           // float [QMK_OWN_MAX] owned residual rows
 #define QMK_SMEM_ATTN (QMK_SMEM_OWN + 4 * QMK_OWN_MAX)  // float [4] attention merge flag
 #define QMK_SMEM_TABLES (QMK_SMEM_ATTN + 16)          // qmk_layer [QMK_MAX_LAYERS]
-#define QMK_SMEM_XS (QMK_SMEM_TABLES + 88 * QMK_MAX_LAYERS)  // float [3072] staged operand
+#define QMK_SMEM_TOPK (QMK_SMEM_TABLES + 88 * QMK_MAX_LAYERS)  // unsigned [2][8][16] top-k counts
+#define QMK_SMEM_XS (QMK_SMEM_TOPK + 1024)            // float [3072] staged operand
 #define QMK_SMEM_WS (QMK_SMEM_XS + 4 * 3072)          // float [2048] staged norm weight
 #define QMK_SMEM_SLOTS ((QMK_SMEM_WS + 4 * 2048 + 127) / 128 * 128)
 
@@ -44,6 +45,7 @@ static_assert(QMK_TILE_ROWS / QMK_RG * QMK_RG == QMK_TILE_ROWS, "tile rows");
 static_assert(QMK_RED_ROWS >= QMK_TILE_ROWS, "row partials");
 static_assert(QMK_ATTN_SMEM_FLOATS <= 4, "attention scratch");
 static_assert(QMK_SMEM_XS % 16 == 0 && QMK_SMEM_WS % 16 == 0, "staged operands are read as float4");
+static_assert(QMK_SMEM_TOPK % 16 == 0 && 2 * 8 * QMK_WARPS * 4 <= 1024, "top-k counts are read as uint4");
 static_assert(sizeof(qmk_layer) == 88, "layer table entry");
 
 template <class T>
@@ -282,7 +284,7 @@ __device__ __noinline__ void produce(const Params* P) {
         }
         if (!wait_slot_free(i, nslot)) break;
         // The predictor's K/V rows were stored by other blocks earlier in this launch.
-        issue_tile(phase_tile(F, ph, tile++), i++, nslot, ph.kind == K_ATTN && ph.pass >= 0);
+        issue_tile(phase_tile(F, ph, tile++), i++, nslot, ph.kind == K_ATTN && ph.pass >= 0, ph.kind != K_ATTN);
     }
     *reinterpret_cast<volatile uint32_t*>(&ring_state().issued) = i;
 }
@@ -293,6 +295,7 @@ __device__ __noinline__ void produce(const Params* P) {
 struct Ctx {
     Frame F;
     Ring ring;
+    unsigned bar_top;  // QMK_BAR_RED, thread 0: the barrier counter's top bit before this barrier
 
     // Block 0's thread 0 records (clock, global timer, id): at every barrier exit (step 0), and
     // with trace_steps also at the steps inside a phase (STEP_*), for the per-step profile.
@@ -321,12 +324,26 @@ struct Ctx {
         if (threadIdx.x == 0) {
             stamp(phase, STEP_DONE);
             unsigned* counter = dptr<unsigned>(F.m().barrier);
+#ifdef QMK_BAR_RED
+            grid_arrive_red(counter);
+            const unsigned arrived = bar_top;
+            bar_top ^= 0x80000000u;
+#else
             const unsigned arrived = grid_arrive(counter);
+#endif
+#ifdef QMK_LATE_RELEASE
+            for (uint32_t k = 0; k < ring.deferred; ++k)
+                mbar_arrive(ring_state().empty + (ring.consumed + k) % ring.nslot);
+#endif
             stamp(phase, STEP_ARRIVED);
             grid_wait(counter, arrived);
             stamp(phase, 0);
         }
         block_sync();
+#ifdef QMK_LATE_RELEASE
+        ring.consumed += ring.deferred;
+        ring.deferred = 0;
+#endif
     }
 };
 
@@ -368,7 +385,13 @@ __device__ void dots_tiles(Ctx& c, const Geo& g, int rpu, int t0, int t1, const 
 __device__ __forceinline__ void end_tiles(Ctx& c, const Geo& g, int id) {
     block_sync();
     c.stamp(id, STEP_DOTS);
+#ifdef QMK_LATE_RELEASE
+    // Experiment: the producer refills these slots after the grid arrival, so its copies are not
+    // in flight while the arrival's release fence drains the block's memory operations.
+    if (!g.frees_each_tile(c.ring.nslot)) c.ring.deferred += g.ntiles;
+#else
     if (!g.frees_each_tile(c.ring.nslot)) c.ring.release(g.ntiles);
+#endif
 }
 
 // One matrix phase: dot products of every tile of the block's slice from shared memory, one
@@ -459,6 +482,9 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
         c.sync(ph0 + PH_QKV);
         run_attention(c, pa, ph0 + PH_ATTN);
         c.sync(ph0 + PH_ATTN);
+#ifdef QMK_NORM_PREFETCH
+        prefetch_l2(bfp(L.post_norm), D * 2);
+#endif
         {
             Operand<2> x;
             load_x<2>(VecRef{dptr<const float>(m.attn), 0}, nq, x);
@@ -478,6 +504,9 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
             });
         }
         c.sync(ph0 + PH_MLP);
+#ifdef QMK_NORM_PREFETCH
+        prefetch_l2(l + 1 < S.num_layers ? bfp(c.F.layer(Phase{K_QKV, l + 1, pass}).input_norm) : bfp(S.final_norm), D * 2);
+#endif
         run_down(c, pd, ph0 + PH_DOWN, act, [&](int u, int j, float sum) {
             const float v = own[j] + sum;
             own[j] = v;
@@ -539,6 +568,9 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
     }
     c.ring.nslot = P.nslot;
     c.ring.consumed = 0;
+    c.ring.deferred = 0;
+    // No block can flip the top bit before this one arrives, so it reads the same here in every block.
+    c.bar_top = tid == 0 ? ld_acquire(dptr<const unsigned>(m.barrier)) & 0x80000000u : 0u;
     if (f.trace != 0) c.sync(PH_START);
     const int has_proj = m.proj_w != 0;
 
@@ -564,7 +596,8 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
     const TalkerRules rules{dptr<const uint8_t>(m.seen), f.rep_penalty, f.frame < f.min_new_tokens, m.eos_id,
                             f.suppress_start};
     const int c0 = sample_block<true>(dptr<const float>(m.logits), m.vocab, f.talker_s, rules,
-                                      uniform01(f.seed, (uint32_t)f.frame, 0), sred, sm<float>(QMK_SMEM_SCAN));
+                                      uniform01(f.seed, (uint32_t)f.frame, 0), sred, sm<float>(QMK_SMEM_SCAN),
+                                      sm<unsigned>(QMK_SMEM_TOPK));
     if (tid == 0) {
         codes()[0] = c0;
         fed()[0] = force ? (int)force[0] : c0;
@@ -605,7 +638,7 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
         }
         c.sync(16 + PH_HEAD);
         const int code = sample_block<false>(lg, m.pred_vocab, f.pred_s, rules, uniform01(f.seed, (uint32_t)f.frame, pp),
-                                             sred, sm<float>(QMK_SMEM_SCAN));
+                                             sred, sm<float>(QMK_SMEM_SCAN), sm<unsigned>(QMK_SMEM_TOPK));
         if (tid == 0) {
             codes()[pp] = code;
             fed()[pp] = force ? (int)force[pp] : code;

@@ -245,6 +245,42 @@ class ReplicaDecoder:
 
 
 # ---------------------------------------------------------------------------------------------
+# The kernel's sampling draw (cuda/mk_sample.cuh, cuda/mk_util.cuh: uniform01)
+
+M64 = (1 << 64) - 1
+
+
+def splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def kernel_uniform(seed: int, frame: int, group: int) -> float:
+    """The counter-based uniform every block draws for (seed, frame, group): exact in float64."""
+    z = splitmix64((seed & M64) ^ splitmix64((frame << 8) | group))
+    return (z >> 40) / 16777216.0
+
+
+def inverse_cdf_draw(warped: Tensor, u: float) -> tuple[int, float]:
+    """The first id, in id order, whose running mass exceeds u * total, over softmax weights of
+    the finite entries of `warped` (logits after temperature and top-k), in float64. Also returns
+    how close u * total lies to the nearest running-mass boundary, as a fraction of the total: the
+    kernel sums in float32, so only a draw that close to a boundary may land one id over."""
+    x = warped.double()
+    keep = torch.isfinite(x)
+    p = torch.where(keep, torch.exp(x - x[keep].max()), torch.zeros_like(x))
+    cum = torch.cumsum(p, 0)
+    total = float(cum[-1])
+    r = u * total
+    idx = int(torch.searchsorted(cum, torch.tensor([r], dtype=cum.dtype, device=cum.device), right=True)[0])
+    idx = min(idx, int(keep.nonzero().max()))
+    margin = float((cum[keep] - r).abs().min()) / total
+    return idx, margin
+
+
+# ---------------------------------------------------------------------------------------------
 # Random full-size checkpoints (speed does not depend on values; zeros would hide bugs)
 
 

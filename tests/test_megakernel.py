@@ -263,6 +263,35 @@ def test_sampling_respects_suppression_and_top_k(backends):
 
 @needs_gpu
 @pytest.mark.gpu
+def test_sampled_codes_are_the_reference_draw(backends):
+    """With the default settings (temperature 0.9, top-k 50, repetition penalty 1.05) every code is
+    the float64 inverse-CDF draw of cuda/reference.py from the kernel's own logits and its
+    counter-based uniform. Top-k holding is not enough: a wrong threshold that keeps a few ids too
+    many or too few changes the total and so the draw."""
+    from pipecat_qwen_fast.sampling import process_talker_logits, warp_logits
+
+    talker, cfg, mb = backends.talker, backends.cfg, backends.mb
+    params, seed = SamplingParams(), 21
+    eos = cfg.talker.codec_eos_id
+    suppress = talker_suppress_mask(cfg.talker.vocab_size, eos, torch.device("cuda"))
+    checked = 0
+    for codes, logits, pred_logits, seen, frame in sampled_frames(mb, talker, params, 30, seed=seed):
+        draws = [(process_talker_logits(logits, seen, suppress, frame, eos, params), params.temperature,
+                  params.top_k)]
+        if int(codes[0]) != eos:
+            draws += [(pred_logits[g - 1], params.subtalker_temperature, params.subtalker_top_k) for g in range(1, 16)]
+        for g, (x, temperature, top_k) in enumerate(draws):
+            want, margin = REF.inverse_cdf_draw(warp_logits(x, temperature, top_k, 1.0), REF.kernel_uniform(seed, frame, g))
+            got = int(codes[g])
+            assert got == want or margin < 1e-5, f"frame {frame} group {g}: kernel drew {got}, reference {want}"
+            checked += 1
+        if int(codes[0]) == eos:
+            break
+    assert checked >= 16 * 10
+
+
+@needs_gpu
+@pytest.mark.gpu
 def test_top_p_keeps_the_nucleus(backends):
     talker, mb = backends.talker, backends.mb
     top_p = 0.3
