@@ -61,7 +61,8 @@ __device__ __forceinline__ void ring_init(int nslot) {
 }
 
 // Producer lane: copy tile number `i` into its slot. `written_here`: the source was written by
-// generic stores earlier in this launch (K/V rows of the code predictor).
+// generic stores earlier in this launch (K/V rows of the code predictor). `weights`: read once per
+// frame, evicted from L2 first (Hopper; sm_80 copies without a hint).
 __device__ __forceinline__ void issue_tile(const Tile& t, uint32_t i, int nslot, bool written_here, bool weights) {
     uint64_t* bar = ring_state().full + i % nslot;
     unsigned char* dst = slot_ptr(i, nslot);
@@ -70,18 +71,12 @@ __device__ __forceinline__ void issue_tile(const Tile& t, uint32_t i, int nslot,
     uint32_t total = 0;
     for (int k = 0; k < t.n; ++k) total += t.r[k].bytes;
     mbar_expect_tx(bar, total);
-#ifdef QMK_EVICT_FIRST
     const uint64_t pol = evict_first_policy();
-#endif
     for (int k = 0; k < t.n; ++k) {
-#ifdef QMK_EVICT_FIRST
         if (weights) bulk_copy_hint(dst, t.r[k].src, t.r[k].bytes, bar, pol);
-        else
-#endif
-            bulk_copy(dst, t.r[k].src, t.r[k].bytes, bar);
+        else bulk_copy(dst, t.r[k].src, t.r[k].bytes, bar);
         dst += t.r[k].bytes;
     }
-    (void)weights;
 #else
     (void)written_here;
     (void)weights;  // cp.async reads through the generic proxy
@@ -109,7 +104,7 @@ __device__ __forceinline__ bool wait_slot_free(uint32_t i, int nslot) {
 struct Ring {
     int nslot;
     uint32_t consumed;
-    uint32_t deferred;  // QMK_LATE_RELEASE: tiles done with, released at the next grid arrival
+    uint32_t deferred;  // tiles done with, released to the producer at the next grid arrival
 
     // The slot of tile consumed + k, once its bytes have landed.
     __device__ const unsigned char* wait(uint32_t k) const {
@@ -123,6 +118,33 @@ struct Ring {
         if (threadIdx.x == 0)
             for (uint32_t k = 0; k < n; ++k) mbar_arrive(ring_state().empty + (consumed + k) % nslot);
         consumed += n;
+    }
+
+    // A matrix phase's tiles are handed back to the producer only once the block has arrived at
+    // the grid barrier that ends the phase (every consumer thread calls defer; thread 0 then
+    // release_deferred after its arrival; all end_deferred after the barrier). The arrival's
+    // release fence waits for the block's memory operations, and copies issued just before it
+    // were found among them: releasing before the arrival cost ~0.26 ms a frame (bench/NOTES.md).
+    __device__ void defer(uint32_t n) { deferred += n; }
+
+    __device__ void release_deferred() const {
+#ifdef QMK_RELEASE_AT_EXIT
+        (void)0;
+#else
+        for (uint32_t k = 0; k < deferred; ++k) mbar_arrive(ring_state().empty + (consumed + k) % nslot);
+#endif
+    }
+
+#ifdef QMK_RELEASE_AT_EXIT
+    // Experiment: thread 0, once the barrier has opened.
+    __device__ void release_at_exit() const {
+        for (uint32_t k = 0; k < deferred; ++k) mbar_arrive(ring_state().empty + (consumed + k) % nslot);
+    }
+#endif
+
+    __device__ void end_deferred() {
+        consumed += deferred;
+        deferred = 0;
     }
 
     // The frame is over (every consumer thread): stop the producer, meet it at the block barrier

@@ -283,6 +283,14 @@ __device__ __noinline__ void produce(const Params* P) {
             continue;  // a phase may have no tiles for this block
         }
         if (!wait_slot_free(i, nslot)) break;
+#ifdef QMK_INFLIGHT
+        // Experiment: at most QMK_INFLIGHT tiles in flight per block (< nslot, so the wait cannot
+        // alias an older completion of the slot's barrier).
+        if (i >= QMK_INFLIGHT) {
+            const uint32_t j = i - QMK_INFLIGHT;
+            mbar_wait(ring_state().full + j % nslot, (j / nslot) & 1u);
+        }
+#endif
         // The predictor's K/V rows were stored by other blocks earlier in this launch.
         issue_tile(phase_tile(F, ph, tile++), i++, nslot, ph.kind == K_ATTN && ph.pass >= 0, ph.kind != K_ATTN);
     }
@@ -295,7 +303,6 @@ __device__ __noinline__ void produce(const Params* P) {
 struct Ctx {
     Frame F;
     Ring ring;
-    unsigned bar_top;  // QMK_BAR_RED, thread 0: the barrier counter's top bit before this barrier
 
     // Block 0's thread 0 records (clock, global timer, id): at every barrier exit (step 0), and
     // with trace_steps also at the steps inside a phase (STEP_*), for the per-step profile.
@@ -324,26 +331,17 @@ struct Ctx {
         if (threadIdx.x == 0) {
             stamp(phase, STEP_DONE);
             unsigned* counter = dptr<unsigned>(F.m().barrier);
-#ifdef QMK_BAR_RED
-            grid_arrive_red(counter);
-            const unsigned arrived = bar_top;
-            bar_top ^= 0x80000000u;
-#else
             const unsigned arrived = grid_arrive(counter);
-#endif
-#ifdef QMK_LATE_RELEASE
-            for (uint32_t k = 0; k < ring.deferred; ++k)
-                mbar_arrive(ring_state().empty + (ring.consumed + k) % ring.nslot);
-#endif
+            ring.release_deferred();
             stamp(phase, STEP_ARRIVED);
             grid_wait(counter, arrived);
+#ifdef QMK_RELEASE_AT_EXIT
+            ring.release_at_exit();
+#endif
             stamp(phase, 0);
         }
         block_sync();
-#ifdef QMK_LATE_RELEASE
-        ring.consumed += ring.deferred;
-        ring.deferred = 0;
-#endif
+        ring.end_deferred();
     }
 };
 
@@ -385,13 +383,7 @@ __device__ void dots_tiles(Ctx& c, const Geo& g, int rpu, int t0, int t1, const 
 __device__ __forceinline__ void end_tiles(Ctx& c, const Geo& g, int id) {
     block_sync();
     c.stamp(id, STEP_DOTS);
-#ifdef QMK_LATE_RELEASE
-    // Experiment: the producer refills these slots after the grid arrival, so its copies are not
-    // in flight while the arrival's release fence drains the block's memory operations.
-    if (!g.frees_each_tile(c.ring.nslot)) c.ring.deferred += g.ntiles;
-#else
-    if (!g.frees_each_tile(c.ring.nslot)) c.ring.release(g.ntiles);
-#endif
+    if (!g.frees_each_tile(c.ring.nslot)) c.ring.defer(g.ntiles);
 }
 
 // One matrix phase: dot products of every tile of the block's slice from shared memory, one
@@ -440,14 +432,24 @@ __device__ void run_attention(Ctx& c, const Phase& ph, int id) {
                      dptr<float>(S.v_cache) + off, bfp(L.q_norm), bfp(L.k_norm), dptr<const float>(S.rope),
                      dptr<float>(m.attn_part), dptr<unsigned>(m.attn_count), A.pos, S.num_heads,
                      S.num_kv_heads, S.max_pos, S.eps};
+#ifdef QMK_ATTN_DEFER
+    // Experiment: K/V tiles too go back at the grid arrival, unless the block has more of them
+    // than the ring holds (long contexts), when each must go back as soon as it is done.
+    const bool later = A.tiles_of_block() <= c.ring.nslot;
+#else
+    const bool later = false;
+#endif
+    uint32_t held = 0;
     for (int it = blockIdx.x; it < A.items; it += gridDim.x) {
         const bool has = A.has_tile(it);
-        const float* tile = has ? reinterpret_cast<const float*>(c.ring.wait(0)) : nullptr;
+        const float* tile = has ? reinterpret_cast<const float*>(c.ring.wait(held)) : nullptr;
         c.stamp(id, STEP_TILE);
         attention_item(a, it / A.nchunk, it % A.nchunk, A.nchunk, tile, sm<float>(QMK_SMEM_ATTN));
         block_sync();
-        if (has) c.ring.release(1);
+        if (has && later) ++held;
+        else if (has) c.ring.release(1);
     }
+    c.ring.defer(held);
 }
 
 // A stack of layers at one position; `src` is the stack's input (the residual stream's start).
@@ -482,9 +484,6 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
         c.sync(ph0 + PH_QKV);
         run_attention(c, pa, ph0 + PH_ATTN);
         c.sync(ph0 + PH_ATTN);
-#ifdef QMK_NORM_PREFETCH
-        prefetch_l2(bfp(L.post_norm), D * 2);
-#endif
         {
             Operand<2> x;
             load_x<2>(VecRef{dptr<const float>(m.attn), 0}, nq, x);
@@ -504,9 +503,6 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
             });
         }
         c.sync(ph0 + PH_MLP);
-#ifdef QMK_NORM_PREFETCH
-        prefetch_l2(l + 1 < S.num_layers ? bfp(c.F.layer(Phase{K_QKV, l + 1, pass}).input_norm) : bfp(S.final_norm), D * 2);
-#endif
         run_down(c, pd, ph0 + PH_DOWN, act, [&](int u, int j, float sum) {
             const float v = own[j] + sum;
             own[j] = v;
@@ -569,8 +565,6 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
     c.ring.nslot = P.nslot;
     c.ring.consumed = 0;
     c.ring.deferred = 0;
-    // No block can flip the top bit before this one arrives, so it reads the same here in every block.
-    c.bar_top = tid == 0 ? ld_acquire(dptr<const unsigned>(m.barrier)) & 0x80000000u : 0u;
     if (f.trace != 0) c.sync(PH_START);
     const int has_proj = m.proj_w != 0;
 
