@@ -128,19 +128,8 @@ struct Ring {
     __device__ void defer(uint32_t n) { deferred += n; }
 
     __device__ void release_deferred() const {
-#ifdef QMK_RELEASE_AT_EXIT
-        (void)0;
-#else
-        for (uint32_t k = 0; k < deferred; ++k) mbar_arrive(ring_state().empty + (consumed + k) % nslot);
-#endif
-    }
-
-#ifdef QMK_RELEASE_AT_EXIT
-    // Experiment: thread 0, once the barrier has opened.
-    __device__ void release_at_exit() const {
         for (uint32_t k = 0; k < deferred; ++k) mbar_arrive(ring_state().empty + (consumed + k) % nslot);
     }
-#endif
 
     __device__ void end_deferred() {
         consumed += deferred;
