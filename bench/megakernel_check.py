@@ -52,10 +52,14 @@ def load_reference():
 
 
 def git_commit() -> str:
+    """BENCH_COMMIT when set (the device's copy of the tree has no .git), else git's HEAD."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     except OSError:
-        return "unknown"
+        out = ""
+    return out or "unknown"
 
 
 def copy_bandwidth() -> float:

@@ -285,20 +285,6 @@ struct TileCursor {
     }
 };
 
-#ifdef QMK_L2_AHEAD
-// Experiment: the weights of the tile QMK_L2_AHEAD tiles later are pulled into L2 by a
-// fire-and-forget bulk prefetch, so the copy into shared memory (whose completion the grid
-// arrival's fence was found to wait for) comes from L2 and is in flight for less time.
-__device__ __forceinline__ void prefetch_tile_l2(const Tile& t) {
-#if __CUDA_ARCH__ >= 900
-    for (int k = 0; k < t.n; ++k)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(t.r[k].src), "r"(t.r[k].bytes) : "memory");
-#else
-    (void)t;
-#endif
-}
-#endif
-
 // The producer warp's lane 0: walk the frame's tiles in the consumers' order and issue each copy
 // as soon as its slot is free. Stops at the end of the frame's tiles, or when the consumers end
 // the frame early (EOS).
@@ -306,19 +292,8 @@ __device__ __noinline__ void produce(const Params* P) {
     const Frame F{P};
     const int nslot = P->nslot;
     TileCursor cur(F);
-#ifdef QMK_L2_AHEAD
-    TileCursor ahead(F);
-    bool more = true;
-    for (int k = 0; k < QMK_L2_AHEAD && (more = ahead.settle(F)); ++k) ++ahead.tile;
-#endif
     uint32_t i = 0;
     while (cur.settle(F)) {
-#ifdef QMK_L2_AHEAD
-        if (more && (more = ahead.settle(F))) {
-            if (ahead.ph.kind != K_ATTN) prefetch_tile_l2(phase_tile(F, ahead.ph, ahead.tile));
-            ++ahead.tile;
-        }
-#endif
         if (!wait_slot_free(i, nslot)) break;
         // The predictor's K/V rows were stored by other blocks earlier in this launch.
         const Phase& ph = cur.ph;
