@@ -5,8 +5,8 @@
 
 Each variant runs in its own process (the library is loaded once per process) with
 QWEN_FAST_MK_DEFINES set to its defines (own cache entry), or with another checkout's package,
-kernel and bench helpers, on the same random full-size 0.6B
-talker as bench/megakernel_check.py: CUDA-event medians of single launches (frame and talker
+kernel and bench helpers, on the same random full-size talker
+as bench/megakernel_check.py (0.6B, or `--size 1.7b`): CUDA-event medians of single launches (frame and talker
 alone at talker position 100, the predictor alone) for greedy and sampling, a check that each
 run's greedy and (seeded) sampled codes equal the first variant's, and the plain per-phase profile. Variants run
 in the order given and then again in reverse, so drift over the call shows in the two medians.
@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_one(iters: int, root: Path) -> dict:
+def run_one(iters: int, root: Path, size: str) -> dict:
     import torch
 
     sys.path.insert(0, str(root))
@@ -35,7 +35,7 @@ def run_one(iters: int, root: Path) -> dict:
     from pipecat_qwen_fast import megakernel as mk
     from pipecat_qwen_fast.sampling import SamplingParams
 
-    talker, cfg = mc.load_reference().random_talker("0.6b", "cuda", seed=0)
+    talker, cfg = mc.load_reference().random_talker(size, "cuda", seed=0)
     mb = mk.MegakernelBackend(talker, torch.device("cuda"), torch.bfloat16)
     D = cfg.talker.hidden_size
     out: dict = {"modes": {}}
@@ -63,16 +63,17 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--size", default="0.6b", choices=["0.6b", "1.7b"])
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--root", default=str(ROOT), help=argparse.SUPPRESS)
     ap.add_argument("variants", nargs="*")
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.iters, Path(args.root))))
+        print(json.dumps(run_one(args.iters, Path(args.root), args.size)))
         return 0
     variants = [v.split("=", 1) for v in args.variants]
     result = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "commit": os.environ.get("BENCH_COMMIT", "unknown"), "script": "bench/megakernel_ab.py",
+              "commit": os.environ.get("BENCH_COMMIT", "unknown"), "script": "bench/megakernel_ab.py", "size": args.size,
               "variants": {name: {"defines": d, "runs": []} for name, d in variants}}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -80,7 +81,8 @@ def main() -> int:
         root = Path(defines[1:]).resolve() if defines.startswith("@") else ROOT
         env = dict(os.environ, QWEN_FAST_MK_DEFINES="" if defines.startswith("@") else defines.replace(",", " "))
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, __file__, "--one", "--iters", str(args.iters), "--root", str(root)],
+        proc = subprocess.run([sys.executable, __file__, "--one", "--iters", str(args.iters), "--root", str(root),
+                               "--size", args.size],
                               cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False)
         run = {"seconds": time.perf_counter() - t0}
         if proc.returncode != 0:
