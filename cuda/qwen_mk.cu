@@ -371,17 +371,12 @@ __device__ void dots_tiles(Ctx& c, const Geo& g, int rpu, int t0, int t1, const 
     for (int t = t0; t < t1; ++t) {
         const int tt = t % per_half;
         const int n = min(g.per_tile, g.u1 - g.u0 - tt * g.per_tile);
-        // A slice longer than the ring hands each tile back as soon as it is done while the
-        // producer still has tiles of this phase to put in its slot; the last nslot tiles wait
-        // for the arrival like everyone else's (Ring::defer). Deferred tiles stay counted in
-        // `deferred`, not `consumed`, hence the offset.
-        const unsigned char* tile = c.ring.wait(within ? c.ring.deferred : t);
+        const unsigned char* tile = c.ring.wait(within ? 0 : t);
         c.stamp(id, STEP_TILE);
         tile_dots<MS>(tile, n, rpu, g.K, x, red + tt * g.per_tile * rpu * 4);
         if (within) {
             block_sync();
-            if (t + c.ring.nslot < g.ntiles) c.ring.release(1);
-            else c.ring.defer(1);
+            c.ring.release(1);
         }
     }
 }
