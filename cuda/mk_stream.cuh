@@ -7,8 +7,8 @@
 // it never joins the consumers' barriers, so a copy instruction that stalls while every SM is
 // pulling from HBM at once holds up nobody. Tile i lives in slot i % nslot. full[s] completes
 // when tile i's bytes have landed (phase parity (i / nslot) & 1); the consumers' thread 0 arrives
-// on empty[s] once every consumer is done with tile i, which lets the producer put tile
-// i + nslot there.
+// on empty[s] once every consumer is done with tile i (for a matrix phase: at the grid arrival
+// that ends it), which lets the producer put tile i + nslot there.
 #pragma once
 
 #include "mk_util.cuh"

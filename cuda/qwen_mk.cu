@@ -381,7 +381,8 @@ __device__ void dots_tiles(Ctx& c, const Geo& g, int rpu, int t0, int t1, const 
     }
 }
 
-// Every consumer is done with the phase's tiles: partials complete, slots free.
+// Every consumer is done with the phase's tiles: partials complete; the slots go back to the
+// producer at the grid arrival (Ring::defer).
 __device__ __forceinline__ void end_tiles(Ctx& c, const Geo& g, int id) {
     block_sync();
     c.stamp(id, STEP_DOTS);
