@@ -24,7 +24,19 @@ struct AttnArgs {
     unsigned* count;
     int pos, num_heads, num_kv_heads, max_pos;
     float eps;
+    int merge_later;  // several chunks: leave the partials for the o_proj phase to merge
 };
+
+#ifdef QMK_MERGE_IN_O
+#define QMK_MERGE_MAX 8  // chunks the o_proj phase merges itself (every block reads 16 x 8 partials)
+#else
+#define QMK_MERGE_MAX 1
+#endif
+
+// Whether a talker attention over `nchunk` chunks leaves its merge to the o_proj phase: the last
+// item of a head then needs no fence, atomic or second round of reads, and the grid barrier
+// between the phases orders the partials.
+__host__ __device__ __forceinline__ bool attn_merge_in_o(int nchunk) { return nchunk > 1 && nchunk <= QMK_MERGE_MAX; }
 
 __host__ __device__ __forceinline__ int attn_nchunk(int pos) { return (pos + QMK_CHUNK) / QMK_CHUNK; }
 
@@ -57,6 +69,36 @@ __device__ __forceinline__ float4 norm_rope(float4 x, const bf16* w, const float
                        __fadd_rn(__fmul_rn(n.y, cs.y), __fmul_rn(p.y, sn.y)),
                        __fadd_rn(__fmul_rn(n.z, cs.z), __fmul_rn(p.z, sn.z)),
                        __fadd_rn(__fmul_rn(n.w, cs.w), __fmul_rn(p.w, sn.w)));
+}
+
+// A head's output dims 4 lane .. 4 lane + 3 from its chunks' partials (m, l, acc), merged in chunk
+// order. `base`: the head's partial of chunk 0; chunk c lies 2 c QMK_PART floats further.
+__device__ __forceinline__ float4 merge_head(const float* base, int nchunk, int lane) {
+    float M = -INFINITY;
+    for (int cc = 0; cc < nchunk; ++cc) M = fmaxf(M, __ldcg(base + (size_t)cc * 2 * QMK_PART));
+    float L = 0.f;
+    float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int cc = 0; cc < nchunk; ++cc) {
+        const float* pc = base + (size_t)cc * 2 * QMK_PART;
+        const float e = expf(__ldcg(pc) - M);
+        L = fmaf(__ldcg(pc + 1), e, L);
+        const float4 acc = __ldcg(reinterpret_cast<const float4*>(pc + 4 + lane * 4));
+        O.x = fmaf(acc.x, e, O.x);
+        O.y = fmaf(acc.y, e, O.y);
+        O.z = fmaf(acc.z, e, O.z);
+        O.w = fmaf(acc.w, e, O.w);
+    }
+    return make_float4(O.x / L, O.y / L, O.z / L, O.w / L);
+}
+
+// The o_proj phase's side of attn_merge_in_o: all heads merged into `xs` (the staged operand,
+// head h at h * 128), one thread per (head, 4 dims). The caller's block barrier follows.
+__device__ __noinline__ void merge_heads_staged(const float* part, int nchunk, int num_heads, float* xs) {
+    for (int t = threadIdx.x; t < num_heads * 32; t += QMK_THREADS) {
+        const int h = t >> 5, lane = t & 31;
+        const float* base = part + ((size_t)(h >> 1) * nchunk * 2 + (h & 1)) * QMK_PART;
+        *reinterpret_cast<float4*>(xs + h * QMK_HD + lane * 4) = merge_head(base, nchunk, lane);
+    }
 }
 
 template <int HALF>
@@ -128,6 +170,7 @@ __device__ void attention_item(const AttnArgs& a, int g, int c, int nchunk, cons
         mine[0] = m;
         mine[1] = l;
     }
+    if (a.merge_later) return;
     __threadfence();
     asm volatile("bar.sync 2, 64;" ::: "memory");  // warps 0 and 1
     if (threadIdx.x == 0) {
@@ -138,20 +181,6 @@ __device__ void attention_item(const AttnArgs& a, int g, int c, int nchunk, cons
     if (sm[0] == 0.f) return;
     __threadfence();
     const float* base = a.part + (size_t)g * nchunk * 2 * QMK_PART + w * QMK_PART;
-    float M = -INFINITY;
-    for (int cc = 0; cc < nchunk; ++cc) M = fmaxf(M, __ldcg(base + (size_t)cc * 2 * QMK_PART));
-    float L = 0.f;
-    float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int cc = 0; cc < nchunk; ++cc) {
-        const float* pc = base + (size_t)cc * 2 * QMK_PART;
-        const float e = expf(__ldcg(pc) - M);
-        L = fmaf(__ldcg(pc + 1), e, L);
-        const float4 acc = __ldcg(reinterpret_cast<const float4*>(pc + 4 + lane * 4));
-        O.x = fmaf(acc.x, e, O.x);
-        O.y = fmaf(acc.y, e, O.y);
-        O.z = fmaf(acc.z, e, O.z);
-        O.w = fmaf(acc.w, e, O.w);
-    }
-    *reinterpret_cast<float4*>(a.out + (size_t)h * QMK_HD + lane * 4) = make_float4(O.x / L, O.y / L, O.z / L, O.w / L);
+    *reinterpret_cast<float4*>(a.out + (size_t)h * QMK_HD + lane * 4) = merge_head(base, nchunk, lane);
     if (threadIdx.x == 0) a.count[g] = 0u;
 }

@@ -66,6 +66,21 @@ __device__ __forceinline__ void read8(const float* p, float* v) {
 // This thread's operand chunk of x[0..K). Right after a grid barrier every block reads the same
 // freshly written lines, so only row group 0 reads them from L2 and stages them in `xs` (K
 // floats of shared memory); the other row groups take their chunks from there.
+// This thread's chunk of an operand already staged in `xs` (after a block barrier).
+template <int MS>
+__device__ __forceinline__ void read_staged(int K, Operand<MS>& o, const float* xs) {
+    const int c = col_thread(), nseg = K >> 10;
+#pragma unroll
+    for (int s = 0; s < MS; ++s) {
+        if (s < nseg) {
+            read8(xs + (s << 10) + c * 8, o.v[s]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o.v[s][e] = 0.f;
+        }
+    }
+}
+
 template <int MS>
 __device__ __forceinline__ void load_operand(VecRef x, int K, Operand<MS>& o, float* xs) {
     const int c = col_thread(), nseg = K >> 10;
@@ -79,15 +94,7 @@ __device__ __forceinline__ void load_operand(VecRef x, int K, Operand<MS>& o, fl
             }
     }
     block_sync();
-#pragma unroll
-    for (int s = 0; s < MS; ++s) {
-        if (s < nseg) {
-            read8(xs + (s << 10) + c * 8, o.v[s]);
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) o.v[s][e] = 0.f;
-        }
-    }
+    read_staged<MS>(K, o, xs);
 }
 
 // Qwen3 RMSNorm in fp32, as the official model computes it: w * (x * rsqrt(mean(x^2) + eps)).
