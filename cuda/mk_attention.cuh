@@ -24,19 +24,7 @@ struct AttnArgs {
     unsigned* count;
     int pos, num_heads, num_kv_heads, max_pos;
     float eps;
-    int merge_later;  // several chunks: leave the partials for the o_proj phase to merge
 };
-
-#ifdef QMK_MERGE_IN_O
-#define QMK_MERGE_MAX 8  // chunks the o_proj phase merges itself (every block reads 16 x 8 partials)
-#else
-#define QMK_MERGE_MAX 1
-#endif
-
-// Whether a talker attention over `nchunk` chunks leaves its merge to the o_proj phase: the last
-// item of a head then needs no fence, atomic or second round of reads, and the grid barrier
-// between the phases orders the partials.
-__host__ __device__ __forceinline__ bool attn_merge_in_o(int nchunk) { return nchunk > 1 && nchunk <= QMK_MERGE_MAX; }
 
 __host__ __device__ __forceinline__ int attn_nchunk(int pos) { return (pos + QMK_CHUNK) / QMK_CHUNK; }
 
@@ -89,16 +77,6 @@ __device__ __forceinline__ float4 merge_head(const float* base, int nchunk, int 
         O.w = fmaf(acc.w, e, O.w);
     }
     return make_float4(O.x / L, O.y / L, O.z / L, O.w / L);
-}
-
-// The o_proj phase's side of attn_merge_in_o: all heads merged into `xs` (the staged operand,
-// head h at h * 128), one thread per (head, 4 dims). The caller's block barrier follows.
-__device__ __noinline__ void merge_heads_staged(const float* part, int nchunk, int num_heads, float* xs) {
-    for (int t = threadIdx.x; t < num_heads * 32; t += QMK_THREADS) {
-        const int h = t >> 5, lane = t & 31;
-        const float* base = part + ((size_t)(h >> 1) * nchunk * 2 + (h & 1)) * QMK_PART;
-        *reinterpret_cast<float4*>(xs + h * QMK_HD + lane * 4) = merge_head(base, nchunk, lane);
-    }
 }
 
 template <int HALF>
@@ -170,7 +148,6 @@ __device__ void attention_item(const AttnArgs& a, int g, int c, int nchunk, cons
         mine[0] = m;
         mine[1] = l;
     }
-    if (a.merge_later) return;
     __threadfence();
     asm volatile("bar.sync 2, 64;" ::: "memory");  // warps 0 and 1
     if (threadIdx.x == 0) {

@@ -434,7 +434,7 @@ __device__ void run_attention(Ctx& c, const Phase& ph, int id) {
     const AttnArgs a{dptr<const float>(m.qkv), dptr<float>(m.attn),   dptr<float>(S.k_cache) + off,
                      dptr<float>(S.v_cache) + off, bfp(L.q_norm), bfp(L.k_norm), dptr<const float>(S.rope),
                      dptr<float>(m.attn_part), dptr<unsigned>(m.attn_count), A.pos, S.num_heads,
-                     S.num_kv_heads, S.max_pos, S.eps, attn_merge_in_o(A.nchunk)};
+                     S.num_kv_heads, S.max_pos, S.eps};
     for (int it = blockIdx.x; it < A.items; it += gridDim.x) {
         const bool has = A.has_tile(it);
         const float* tile = has ? reinterpret_cast<const float*>(c.ring.wait(0)) : nullptr;
@@ -481,14 +481,7 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
         c.sync(ph0 + PH_ATTN);
         {
             Operand<2> x;
-            const int nchunk = attn_items(c.F, pa).nchunk;
-            if (attn_merge_in_o(nchunk)) {
-                merge_heads_staged(dptr<const float>(m.attn_part), nchunk, S.num_heads, sm<float>(QMK_SMEM_XS));
-                block_sync();
-                read_staged<2>(nq, x, sm<float>(QMK_SMEM_XS));
-            } else {
-                load_x<2>(VecRef{dptr<const float>(m.attn), 0}, nq, x);
-            }
+            load_x<2>(VecRef{dptr<const float>(m.attn), 0}, nq, x);
             run_mat<2>(c, po, ph0 + PH_O, x, [&](int u, int j, const float* red) {
                 const float v = own[j] + row_sum(red, j);
                 own[j] = v;
