@@ -26,8 +26,9 @@ __device__ __forceinline__ float key_value(unsigned k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
-// Exclusive prefix sum over the block in thread order; `scratch` holds QMK_WARPS floats.
-__device__ __forceinline__ float block_exclusive_scan(float local, float* scratch) {
+// Exclusive prefix sum over the block in thread order; `scratch` holds QMK_WARPS floats. With
+// `total`, also the block's sum (the warp totals added in warp order).
+__device__ __forceinline__ float block_exclusive_scan(float local, float* scratch, float* total = nullptr) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     float x = local;
 #pragma unroll
@@ -40,6 +41,12 @@ __device__ __forceinline__ float block_exclusive_scan(float local, float* scratc
     block_sync();
     float before = 0.f;
     for (int i = 0; i < w; ++i) before += scratch[i];
+    if (total) {
+        float t = 0.f;
+#pragma unroll
+        for (int i = 0; i < QMK_WARPS; ++i) t += scratch[i];
+        *total = t;
+    }
     return before + x - local;
 }
 
@@ -52,6 +59,7 @@ __device__ __forceinline__ float block_exclusive_scan(float local, float* scratc
 // words, alternating halves so that one barrier per round suffices (BlockReducer's argument).
 static_assert(QMK_WARPS == 16, "kth_largest_key's read pattern: 4 lanes x 4 warps per word");
 
+template <int EM>
 __device__ __forceinline__ unsigned kth_largest_key(const unsigned* key, int E, unsigned k, unsigned* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     unsigned th = 0;
@@ -62,7 +70,7 @@ __device__ __forceinline__ unsigned kth_largest_key(const unsigned* key, int E, 
         const unsigned above = shift == 28 ? 0u : 0xffffffffu << (shift + 4);
         unsigned long long fields = 0;  // field d - 1: keys >= th | d << shift, d = 1..15
 #pragma unroll
-        for (int e = 0; e < QMK_MAX_PER_THREAD; ++e) {
+        for (int e = 0; e < EM; ++e) {
             if (e < E) {
                 const unsigned hi = key[e] & above;
                 const unsigned reach = hi > th ? 15u : hi < th ? 0u : (key[e] >> shift) & 15u;
@@ -93,15 +101,15 @@ __device__ __forceinline__ unsigned kth_largest_key(const unsigned* key, int E, 
 }
 
 // Thread t owns ids [t*E, t*E + E): contiguous ranges keep the draw in id order.
-template <bool TALKER>
+template <bool TALKER, int EM = QMK_MAX_PER_THREAD>
 __device__ int sample_block(const float* logits, int n, const qmk_sampler& cfg, const TalkerRules& rules, float u,
                             BlockReducer& red, float* scan_scratch, unsigned* topk_scratch) {
     const int E = (n + QMK_THREADS - 1) / QMK_THREADS;
     const int base = threadIdx.x * E;
-    float v[QMK_MAX_PER_THREAD];
-    unsigned key[QMK_MAX_PER_THREAD];
+    float v[EM];
+    unsigned key[EM];
 #pragma unroll
-    for (int e = 0; e < QMK_MAX_PER_THREAD; ++e) {
+    for (int e = 0; e < EM; ++e) {
         const int i = base + e;
         const bool valid = e < E && i < n;
         float x = -INFINITY;
@@ -121,30 +129,35 @@ __device__ int sample_block(const float* logits, int n, const qmk_sampler& cfg, 
 
     unsigned mk = 0;
 #pragma unroll
-    for (int e = 0; e < QMK_MAX_PER_THREAD; ++e) mk = max(mk, key[e]);
+    for (int e = 0; e < EM; ++e) mk = max(mk, key[e]);
     mk = red.umax(mk);
 
     if (!cfg.do_sample) {
         // argmax, lowest id on ties (torch.argmax semantics)
         unsigned idx = 0xffffffffu;
 #pragma unroll
-        for (int e = QMK_MAX_PER_THREAD - 1; e >= 0; --e)
+        for (int e = EM - 1; e >= 0; --e)
             if (key[e] == mk && e < E) idx = base + e;
         return (int)red.umin(idx);
     }
 
     // top-k: the k-th largest key; ties with it are kept, like HF's `scores < topk(...)[-1]` removal.
     unsigned th = 0;
-    if (cfg.top_k > 0 && cfg.top_k < n) th = kth_largest_key(key, E, (unsigned)cfg.top_k, topk_scratch);
+    if (cfg.top_k > 0 && cfg.top_k < n) th = kth_largest_key<EM>(key, E, (unsigned)cfg.top_k, topk_scratch);
     const float M = key_value(mk);
-    float p[QMK_MAX_PER_THREAD];
+    float p[EM];
     float local = 0.f;
 #pragma unroll
-    for (int e = 0; e < QMK_MAX_PER_THREAD; ++e) {
+    for (int e = 0; e < EM; ++e) {
         p[e] = key[e] >= th ? expf(v[e] - M) : 0.f;
         local += p[e];
     }
+#ifdef QMK_Z_FROM_SCAN
+    // Experiment: without top-p the total comes out of the scan below, one block reduction less.
+    float Z = cfg.top_p < 1.f ? red.sum(local) : 0.f;
+#else
     float Z = red.sum(local);
+#endif
 
     if (cfg.top_p < 1.f) {
         // Keep the smallest top set whose mass reaches top_p: the largest key K with
@@ -155,23 +168,28 @@ __device__ int sample_block(const float* logits, int n, const qmk_sampler& cfg, 
             const unsigned cand = th2 | (1u << b);
             float m = 0.f;
 #pragma unroll
-            for (int e = 0; e < QMK_MAX_PER_THREAD; ++e) m += key[e] >= cand ? p[e] : 0.f;
+            for (int e = 0; e < EM; ++e) m += key[e] >= cand ? p[e] : 0.f;
             if (red.sum(m) >= target) th2 = cand;
         }
         local = 0.f;
 #pragma unroll
-        for (int e = 0; e < QMK_MAX_PER_THREAD; ++e) {
+        for (int e = 0; e < EM; ++e) {
             if (key[e] < th2) p[e] = 0.f;
             local += p[e];
         }
         Z = red.sum(local);
     }
 
+#ifdef QMK_Z_FROM_SCAN
+    float running = block_exclusive_scan(local, scan_scratch, cfg.top_p < 1.f ? nullptr : &Z);
+    const float r = u * Z;
+#else
     const float r = u * Z;
     float running = block_exclusive_scan(local, scan_scratch);
+#endif
     unsigned found = 0xffffffffu;
 #pragma unroll
-    for (int e = 0; e < QMK_MAX_PER_THREAD; ++e) {
+    for (int e = 0; e < EM; ++e) {
         if (p[e] > 0.f) {
             running += p[e];
             if (running > r && found == 0xffffffffu) found = base + e;
@@ -182,9 +200,21 @@ __device__ int sample_block(const float* logits, int n, const qmk_sampler& cfg, 
         // r landed past the float total by rounding: take the last id with mass.
         unsigned last = 0;
 #pragma unroll
-        for (int e = 0; e < QMK_MAX_PER_THREAD; ++e)
+        for (int e = 0; e < EM; ++e)
             if (p[e] > 0.f) last = base + e + 1;
         res = red.umax(last) - 1;
     }
     return (int)res;
+}
+
+// The draw with per-thread arrays just wide enough for the vocabulary: 4 ids per thread for the
+// predictor's 2048, 6 for the talker's 3072 (the loops above are unrolled to their width).
+template <bool TALKER>
+__device__ __forceinline__ int sample_vocab(const float* logits, int n, const qmk_sampler& cfg, const TalkerRules& rules,
+                                            float u, BlockReducer& red, float* scan_scratch, unsigned* topk_scratch) {
+#ifdef QMK_SAMPLE_FIT
+    if (n <= 4 * QMK_THREADS) return sample_block<TALKER, 4>(logits, n, cfg, rules, u, red, scan_scratch, topk_scratch);
+    if (n <= 6 * QMK_THREADS) return sample_block<TALKER, 6>(logits, n, cfg, rules, u, red, scan_scratch, topk_scratch);
+#endif
+    return sample_block<TALKER>(logits, n, cfg, rules, u, red, scan_scratch, topk_scratch);
 }

@@ -584,7 +584,7 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
     BlockReducer sred{sm<float>(QMK_SMEM_SRED), 0};
     const TalkerRules rules{dptr<const uint8_t>(m.seen), f.rep_penalty, f.frame < f.min_new_tokens, m.eos_id,
                             f.suppress_start};
-    const int c0 = sample_block<true>(dptr<const float>(m.logits), m.vocab, f.talker_s, rules,
+    const int c0 = sample_vocab<true>(dptr<const float>(m.logits), m.vocab, f.talker_s, rules,
                                       uniform01(f.seed, (uint32_t)f.frame, 0), sred, sm<float>(QMK_SMEM_SCAN),
                                       sm<unsigned>(QMK_SMEM_TOPK));
     if (tid == 0) {
@@ -626,7 +626,7 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
             run_mat<2>(c, Phase{K_HEAD_P, 0, pp}, 16 + PH_HEAD, x, [&](int u, int j, const float* red) { lg[u] = row_sum(red, j); });
         }
         c.sync(16 + PH_HEAD);
-        const int code = sample_block<false>(lg, m.pred_vocab, f.pred_s, rules, uniform01(f.seed, (uint32_t)f.frame, pp),
+        const int code = sample_vocab<false>(lg, m.pred_vocab, f.pred_s, rules, uniform01(f.seed, (uint32_t)f.frame, pp),
                                              sred, sm<float>(QMK_SMEM_SCAN), sm<unsigned>(QMK_SMEM_TOPK));
         if (tid == 0) {
             codes()[pp] = code;
