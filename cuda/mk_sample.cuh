@@ -26,9 +26,8 @@ __device__ __forceinline__ float key_value(unsigned k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
-// Exclusive prefix sum over the block in thread order; `scratch` holds QMK_WARPS floats. With
-// `total`, also the block's sum (the warp totals added in warp order).
-__device__ __forceinline__ float block_exclusive_scan(float local, float* scratch, float* total = nullptr) {
+// Exclusive prefix sum over the block in thread order; `scratch` holds QMK_WARPS floats.
+__device__ __forceinline__ float block_exclusive_scan(float local, float* scratch) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     float x = local;
 #pragma unroll
@@ -41,12 +40,6 @@ __device__ __forceinline__ float block_exclusive_scan(float local, float* scratc
     block_sync();
     float before = 0.f;
     for (int i = 0; i < w; ++i) before += scratch[i];
-    if (total) {
-        float t = 0.f;
-#pragma unroll
-        for (int i = 0; i < QMK_WARPS; ++i) t += scratch[i];
-        *total = t;
-    }
     return before + x - local;
 }
 
@@ -152,12 +145,7 @@ __device__ int sample_block(const float* logits, int n, const qmk_sampler& cfg, 
         p[e] = key[e] >= th ? expf(v[e] - M) : 0.f;
         local += p[e];
     }
-#ifdef QMK_Z_FROM_SCAN
-    // Experiment: without top-p the total comes out of the scan below, one block reduction less.
-    float Z = cfg.top_p < 1.f ? red.sum(local) : 0.f;
-#else
     float Z = red.sum(local);
-#endif
 
     if (cfg.top_p < 1.f) {
         // Keep the smallest top set whose mass reaches top_p: the largest key K with
@@ -180,13 +168,8 @@ __device__ int sample_block(const float* logits, int n, const qmk_sampler& cfg, 
         Z = red.sum(local);
     }
 
-#ifdef QMK_Z_FROM_SCAN
-    float running = block_exclusive_scan(local, scan_scratch, cfg.top_p < 1.f ? nullptr : &Z);
-    const float r = u * Z;
-#else
     const float r = u * Z;
     float running = block_exclusive_scan(local, scan_scratch);
-#endif
     unsigned found = 0xffffffffu;
 #pragma unroll
     for (int e = 0; e < EM; ++e) {
@@ -208,13 +191,12 @@ __device__ int sample_block(const float* logits, int n, const qmk_sampler& cfg, 
 }
 
 // The draw with per-thread arrays just wide enough for the vocabulary: 4 ids per thread for the
-// predictor's 2048, 6 for the talker's 3072 (the loops above are unrolled to their width).
+// predictor's 2048, 6 for the talker's 3072. The loops above are unrolled to their width, and
+// every block runs them redundantly, so width 8 for every vocabulary cost 0.02-0.03 ms a frame.
 template <bool TALKER>
 __device__ __forceinline__ int sample_vocab(const float* logits, int n, const qmk_sampler& cfg, const TalkerRules& rules,
                                             float u, BlockReducer& red, float* scan_scratch, unsigned* topk_scratch) {
-#ifdef QMK_SAMPLE_FIT
     if (n <= 4 * QMK_THREADS) return sample_block<TALKER, 4>(logits, n, cfg, rules, u, red, scan_scratch, topk_scratch);
     if (n <= 6 * QMK_THREADS) return sample_block<TALKER, 6>(logits, n, cfg, rules, u, red, scan_scratch, topk_scratch);
-#endif
     return sample_block<TALKER>(logits, n, cfg, rules, u, red, scan_scratch, topk_scratch);
 }
