@@ -113,10 +113,14 @@ struct Ring {
         return slot_ptr(i, nslot);
     }
 
+    // Thread 0: hand tiles consumed .. consumed + n - 1 back to the producer.
+    __device__ void arrive_empty(uint32_t n) const {
+        for (uint32_t k = 0; k < n; ++k) mbar_arrive(ring_state().empty + (consumed + k) % nslot);
+    }
+
     // Every consumer thread, after a block_sync() since the last read of these tiles' slots.
     __device__ void release(uint32_t n) {
-        if (threadIdx.x == 0)
-            for (uint32_t k = 0; k < n; ++k) mbar_arrive(ring_state().empty + (consumed + k) % nslot);
+        if (threadIdx.x == 0) arrive_empty(n);
         consumed += n;
     }
 
@@ -127,9 +131,7 @@ struct Ring {
     // were found among them: releasing before the arrival cost ~0.26 ms a frame (bench/NOTES.md).
     __device__ void defer(uint32_t n) { deferred += n; }
 
-    __device__ void release_deferred() const {
-        for (uint32_t k = 0; k < deferred; ++k) mbar_arrive(ring_state().empty + (consumed + k) % nslot);
-    }
+    __device__ void release_deferred() const { arrive_empty(deferred); }
 
     __device__ void end_deferred() {
         consumed += deferred;

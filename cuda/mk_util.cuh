@@ -92,17 +92,6 @@ struct BlockReducer {
         for (int i = 0; i < QMK_WARPS; ++i) t = min(t, s[i]);
         return t;
     }
-
-    __device__ unsigned count(unsigned v) {
-        v = __reduce_add_sync(0xffffffffu, v);
-        unsigned* s = reinterpret_cast<unsigned*>(slot());
-        if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = v;
-        block_sync();
-        unsigned t = 0;
-#pragma unroll
-        for (int i = 0; i < QMK_WARPS; ++i) t += s[i];
-        return t;
-    }
 };
 
 __device__ __forceinline__ uint64_t splitmix64(uint64_t z) {

@@ -138,7 +138,8 @@ struct Geo {
     int u0, u1, per_tile, K, ntiles, ksplit;  // K: columns per half; ntiles over both halves
 
     // A slice longer than the ring (the 1.7B's MLP) frees each tile as soon as it is done, so the
-    // producer can refill its slot mid-phase; otherwise all tiles are freed after the phase.
+    // producer can refill its slot mid-phase; otherwise all tiles go back at the grid arrival
+    // that ends the phase (Ring::defer).
     __device__ bool frees_each_tile(int nslot) const { return ntiles > nslot; }
 };
 
