@@ -111,7 +111,9 @@ def summary(ms: list[float]) -> dict[str, float]:
 PHASES = ["qkv", "attention", "o_proj", "mlp_in", "down", "head", "proj", "sample_sync", "start"]
 
 
-STEPS = ["exit", "operand", "tile", "dots", "epilogue", "done", "arrived"]  # cuda/qwen_mk.cu STEP_*
+# cuda/qwen_mk.cu STEP_*, then cuda/mk_sample.cuh SAMPLE_* (the draw's stages)
+STEPS = ["exit", "operand", "tile", "dots", "epilogue", "done", "arrived",
+         "s_loaded", "s_max", "s_topk", "s_total", "s_scan", "s_picked"]
 
 
 def read_trace(mb, st, f, steps: bool):

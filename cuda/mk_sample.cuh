@@ -93,10 +93,13 @@ __device__ __forceinline__ unsigned kth_largest_key(const unsigned* key, int E, 
     return th;
 }
 
-// Thread t owns ids [t*E, t*E + E): contiguous ranges keep the draw in id order.
-template <bool TALKER, int EM = QMK_MAX_PER_THREAD>
+// Thread t owns ids [t*E, t*E + E): contiguous ranges keep the draw in id order. `mark(step)`
+// after each stage (SAMPLE_*): the profiling build's stamps.
+enum { SAMPLE_LOADED = 7, SAMPLE_MAX, SAMPLE_TOPK, SAMPLE_TOTAL, SAMPLE_SCAN, SAMPLE_PICKED };
+
+template <bool TALKER, int EM, class Mark>
 __device__ int sample_block(const float* logits, int n, const qmk_sampler& cfg, const TalkerRules& rules, float u,
-                            BlockReducer& red, float* scan_scratch, unsigned* topk_scratch) {
+                            BlockReducer& red, float* scan_scratch, unsigned* topk_scratch, Mark mark) {
     const int E = (n + QMK_THREADS - 1) / QMK_THREADS;
     const int base = threadIdx.x * E;
     float v[EM];
@@ -119,11 +122,13 @@ __device__ int sample_block(const float* logits, int n, const qmk_sampler& cfg, 
         v[e] = x;
         key[e] = valid ? order_key(x) : 0u;  // padding sorts below -inf
     }
+    mark(SAMPLE_LOADED);
 
     unsigned mk = 0;
 #pragma unroll
     for (int e = 0; e < EM; ++e) mk = max(mk, key[e]);
     mk = red.umax(mk);
+    mark(SAMPLE_MAX);
 
     if (!cfg.do_sample) {
         // argmax, lowest id on ties (torch.argmax semantics)
@@ -131,12 +136,15 @@ __device__ int sample_block(const float* logits, int n, const qmk_sampler& cfg, 
 #pragma unroll
         for (int e = EM - 1; e >= 0; --e)
             if (key[e] == mk && e < E) idx = base + e;
-        return (int)red.umin(idx);
+        const int id = (int)red.umin(idx);
+        mark(SAMPLE_PICKED);
+        return id;
     }
 
     // top-k: the k-th largest key; ties with it are kept, like HF's `scores < topk(...)[-1]` removal.
     unsigned th = 0;
     if (cfg.top_k > 0 && cfg.top_k < n) th = kth_largest_key<EM>(key, E, (unsigned)cfg.top_k, topk_scratch);
+    mark(SAMPLE_TOPK);
     const float M = key_value(mk);
     float p[EM];
     float local = 0.f;
@@ -146,6 +154,7 @@ __device__ int sample_block(const float* logits, int n, const qmk_sampler& cfg, 
         local += p[e];
     }
     float Z = red.sum(local);
+    mark(SAMPLE_TOTAL);
 
     if (cfg.top_p < 1.f) {
         // Keep the smallest top set whose mass reaches top_p: the largest key K with
@@ -170,6 +179,7 @@ __device__ int sample_block(const float* logits, int n, const qmk_sampler& cfg, 
 
     const float r = u * Z;
     float running = block_exclusive_scan(local, scan_scratch);
+    mark(SAMPLE_SCAN);
     unsigned found = 0xffffffffu;
 #pragma unroll
     for (int e = 0; e < EM; ++e) {
@@ -187,16 +197,18 @@ __device__ int sample_block(const float* logits, int n, const qmk_sampler& cfg, 
             if (p[e] > 0.f) last = base + e + 1;
         res = red.umax(last) - 1;
     }
+    mark(SAMPLE_PICKED);
     return (int)res;
 }
 
 // The draw with per-thread arrays just wide enough for the vocabulary: 4 ids per thread for the
 // predictor's 2048, 6 for the talker's 3072. The loops above are unrolled to their width, and
 // every block runs them redundantly, so width 8 for every vocabulary cost 0.02-0.03 ms a frame.
-template <bool TALKER>
+template <bool TALKER, class Mark>
 __device__ __forceinline__ int sample_vocab(const float* logits, int n, const qmk_sampler& cfg, const TalkerRules& rules,
-                                            float u, BlockReducer& red, float* scan_scratch, unsigned* topk_scratch) {
-    if (n <= 4 * QMK_THREADS) return sample_block<TALKER, 4>(logits, n, cfg, rules, u, red, scan_scratch, topk_scratch);
-    if (n <= 6 * QMK_THREADS) return sample_block<TALKER, 6>(logits, n, cfg, rules, u, red, scan_scratch, topk_scratch);
-    return sample_block<TALKER>(logits, n, cfg, rules, u, red, scan_scratch, topk_scratch);
+                                            float u, BlockReducer& red, float* scan_scratch, unsigned* topk_scratch,
+                                            Mark mark) {
+    if (n <= 4 * QMK_THREADS) return sample_block<TALKER, 4>(logits, n, cfg, rules, u, red, scan_scratch, topk_scratch, mark);
+    if (n <= 6 * QMK_THREADS) return sample_block<TALKER, 6>(logits, n, cfg, rules, u, red, scan_scratch, topk_scratch, mark);
+    return sample_block<TALKER, QMK_MAX_PER_THREAD>(logits, n, cfg, rules, u, red, scan_scratch, topk_scratch, mark);
 }

@@ -4,7 +4,8 @@
 // The frame is a fixed list of phases (next_phase), each ended by a grid barrier:
 //   talker layer: q/k/v | attention | o_proj + residual | gate/up + SiLU | down + residual
 //   codec head, code-0 sampling (every block, redundantly: no barrier)
-//   15 predictor passes: [2048->1024 projection] 5 layers as above, LM head, sampling
+//   16 predictor passes: [2048->1024 projection] 5 layers as above, LM head, sampling; pass 0
+//   (the talker hidden) has no head and ends at its last layer's attention
 // Each block owns a contiguous slice of every matrix's rows. Because the list is known at launch,
 // a block streams its slices (and the K/V rows its attention items read) into a ring of
 // shared-memory slots ahead of time (mk_stream.cuh); a phase then costs the barrier, one L2 read
@@ -27,7 +28,8 @@
 #define QMK_SMEM_STAMPS (QMK_SMEM_FED + 64)           // int [4] trace stamp counter
 #define QMK_SMEM_OWN (QMK_SMEM_STAMPS + 16)           // float [QMK_OWN_MAX] owned residual rows
 #define QMK_SMEM_ATTN (QMK_SMEM_OWN + 4 * QMK_OWN_MAX)  // float [4] attention merge flag
-#define QMK_SMEM_TABLES (QMK_SMEM_ATTN + 16)          // qmk_layer [QMK_MAX_LAYERS]
+#define QMK_SMEM_QSRC (QMK_SMEM_ATTN + 16)            // const float* [2]: next pass's table row
+#define QMK_SMEM_TABLES (QMK_SMEM_QSRC + 16)          // qmk_layer [QMK_MAX_LAYERS]
 #define QMK_SMEM_TOPK (QMK_SMEM_TABLES + 88 * QMK_MAX_LAYERS)  // unsigned [2][8][16] top-k counts
 #define QMK_SMEM_XS (QMK_SMEM_TOPK + 1024)            // float [3072] staged operand
 #define QMK_SMEM_WS (QMK_SMEM_XS + 4 * 3072)          // float [2048] staged norm weight
@@ -78,38 +80,52 @@ struct Phase {
 
 // The frame's phases in the order the consumer runs them (the producer walks the same list):
 //   talker layers (q/k/v, attention, o, gate/up, down) x Lt | codec head |
-//   predictor pass 0..G-1: [projection] layers x Lp [LM head, from pass 1]
+//   predictor pass 0..G-1: [projection] layers x Lp [LM head, from pass 1]; pass 0 stops after
+//   its last layer's attention (only its K/V rows are used)
 // First phase of the frame.
 __device__ __forceinline__ Phase first_phase(const qmk_frame& f) {
     return f.run_talker ? Phase{K_QKV, 0, -1} : Phase{K_HEAD_T, 0, -1};
 }
 
+// Pass p >= 1 takes its first layer's q/k/v rows from the per-code table (qmk_model.qkv0)
+// instead of a q/k/v phase.
+__device__ __forceinline__ bool from_table(const qmk_model& m, int pass) { return pass >= 1 && m.qkv0[pass - 1] != 0; }
+
 // Advance `ph` to the phase after it; false when the frame has no more.
 __device__ bool next_phase(const qmk_model& m, const qmk_frame& f, Phase& ph) {
     const int passes = f.run_predictor ? m.num_groups : 0;
     const int has_proj = m.proj_w != 0;
-    const Phase pass_start{has_proj ? K_PROJ : K_QKV, 0, 0};
+    const auto layer0 = [&](int p) { return Phase{from_table(m, p) ? K_ATTN : K_QKV, 0, p}; };
+    const auto start = [&](int p) { return has_proj ? Phase{K_PROJ, 0, p} : layer0(p); };
     switch (ph.kind) {
         case K_HEAD_T:
             if (!passes) return false;
-            ph = pass_start;
+            ph = start(0);
             return true;
         case K_HEAD_P:
             if (ph.pass + 1 >= passes) return false;
-            ph = Phase{pass_start.kind, 0, ph.pass + 1};
+            ph = start(ph.pass + 1);
             return true;
-        case K_PROJ: ph = Phase{K_QKV, 0, ph.pass}; return true;
+        case K_PROJ: ph = layer0(ph.pass); return true;
         case K_DOWN: break;
+        case K_ATTN:
+            // Pass 0 (the talker hidden) is only there for its K/V rows: its last layer ends once
+            // they are appended (run_stack).
+            if (ph.pass == 0 && ph.layer + 1 == m.pred.num_layers) {
+                if (passes < 2) return false;
+                ph = start(1);
+                return true;
+            }
+            ++ph.kind;
+            return true;
         default: ++ph.kind; return true;  // q/k/v -> attention -> o -> gate/up -> down
     }
     if (ph.layer + 1 < (ph.pass < 0 ? m.talker.num_layers : m.pred.num_layers)) {
         ph = Phase{K_QKV, ph.layer + 1, ph.pass};
         return true;
     }
-    if (ph.pass < 0) ph = Phase{K_HEAD_T, 0, -1};
-    else if (ph.pass >= 1) ph = Phase{K_HEAD_P, 0, ph.pass};
-    else if (passes > 1) ph = Phase{pass_start.kind, 0, 1};  // pass 0 (the talker hidden) has no head
-    else return false;
+    // Pass 0 never gets here (it ends at its last attention, above), so every pass has a head.
+    ph = ph.pass < 0 ? Phase{K_HEAD_T, 0, -1} : Phase{K_HEAD_P, 0, ph.pass};
     return true;
 }
 
@@ -363,6 +379,18 @@ __device__ __forceinline__ void load_xn(VecRef x, const bf16* w, int K, float ep
 __device__ __forceinline__ int* codes() { return sm<int>(QMK_SMEM_CODES); }
 __device__ __forceinline__ int* fed() { return sm<int>(QMK_SMEM_FED); }
 
+// Thread 0: code group g is fed `code`; pass g + 1 takes its layer-0 q/k/v from that code's table
+// row, if it has a table (from_table).
+__device__ __forceinline__ void feed(const qmk_model& m, int g, int code) {
+    fed()[g] = code;
+    const float* row = nullptr;
+    if (g + 1 < m.num_groups && from_table(m, g + 1)) {
+        const qmk_stack& S = m.pred;
+        row = dptr<const float>(m.qkv0[g]) + (size_t)code * (S.num_heads + 2 * S.num_kv_heads) * QMK_HD;
+    }
+    *sm<const float*>(QMK_SMEM_QSRC) = row;
+}
+
 // Dot products of tiles [t0, t1) of a matrix phase (tile t covers units
 // (t % per_half) * per_tile ...) into red.
 template <int MS>
@@ -426,13 +454,14 @@ __device__ void run_down(Ctx& c, const Phase& ph, int id, const float* act, Epi 
     c.stamp(id, STEP_EPILOGUE);
 }
 
-__device__ void run_attention(Ctx& c, const Phase& ph, int id) {
+// `qkv`: the position's raw q/k/v projections (the q/k/v phase's output, or a table row).
+__device__ void run_attention(Ctx& c, const Phase& ph, int id, const float* qkv) {
     const qmk_model& m = c.F.m();
     const qmk_stack& S = c.F.stack(ph);
     const qmk_layer& L = c.F.layer(ph);
     const AttnItems A = attn_items(c.F, ph);
     const size_t off = (size_t)ph.layer * S.num_kv_heads * S.max_pos * QMK_HD;
-    const AttnArgs a{dptr<const float>(m.qkv), dptr<float>(m.attn),   dptr<float>(S.k_cache) + off,
+    const AttnArgs a{qkv, dptr<float>(m.attn),   dptr<float>(S.k_cache) + off,
                      dptr<float>(S.v_cache) + off, bfp(L.q_norm), bfp(L.k_norm), dptr<const float>(S.rope),
                      dptr<float>(m.attn_part), dptr<unsigned>(m.attn_count), A.pos, S.num_heads,
                      S.num_kv_heads, S.max_pos, S.eps};
@@ -472,13 +501,21 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
         const Phase pq{K_QKV, l, pass}, pa{K_ATTN, l, pass}, po{K_O, l, pass}, pg{K_GU, l, pass},
             pd{K_DOWN, l, pass};
         const qmk_layer& L = c.F.layer(pq);
-        {
+        // The table row is read from shared memory (feed) where it is used, not kept in a
+        // register across the q/k/v phase: run_stack is at the register limit.
+        const float* const volatile* row = sm<const float* const volatile>(QMK_SMEM_QSRC);
+        const bool tabled = l == 0 && pass >= 1 && *row != nullptr;
+        if (!tabled) {
             Operand<2> x;
             load_xn<2>(l == 0 ? src : VecRef{resid, 0}, bfp(L.input_norm), D, S.eps, x);
             run_mat<2>(c, pq, ph0 + PH_QKV, x, [&](int u, int j, const float* red) { qkv[u] = row_sum(red, j); });
+            c.sync(ph0 + PH_QKV);
         }
-        c.sync(ph0 + PH_QKV);
-        run_attention(c, pa, ph0 + PH_ATTN);
+        run_attention(c, pa, ph0 + PH_ATTN, tabled ? *row : qkv);
+        // Pass 0's last layer: nothing reads its output, only the K/V rows just appended, and
+        // the next pass reads those after many more grid barriers. No barrier here: the blocks
+        // without an attention item start the next pass at once.
+        if (pass == 0 && l + 1 == S.num_layers) return;
         c.sync(ph0 + PH_ATTN);
         {
             Operand<2> x;
@@ -587,10 +624,10 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
                             f.suppress_start};
     const int c0 = sample_vocab<true>(dptr<const float>(m.logits), m.vocab, f.talker_s, rules,
                                       uniform01(f.seed, (uint32_t)f.frame, 0), sred, sm<float>(QMK_SMEM_SCAN),
-                                      sm<unsigned>(QMK_SMEM_TOPK));
+                                      sm<unsigned>(QMK_SMEM_TOPK), [&](int step) { c.stamp(PH_SAMPLE, step); });
     if (tid == 0) {
         codes()[0] = c0;
-        fed()[0] = force ? (int)force[0] : c0;
+        feed(m, 0, force ? (int)force[0] : c0);
     }
     block_sync();
     if (fed()[0] == m.eos_id || !f.run_predictor) {
@@ -628,10 +665,11 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
         }
         c.sync(16 + PH_HEAD);
         const int code = sample_vocab<false>(lg, m.pred_vocab, f.pred_s, rules, uniform01(f.seed, (uint32_t)f.frame, pp),
-                                             sred, sm<float>(QMK_SMEM_SCAN), sm<unsigned>(QMK_SMEM_TOPK));
+                                             sred, sm<float>(QMK_SMEM_SCAN), sm<unsigned>(QMK_SMEM_TOPK),
+                                             [&](int step) { c.stamp(16 + PH_SAMPLE, step); });
         if (tid == 0) {
             codes()[pp] = code;
-            fed()[pp] = force ? (int)force[pp] : code;
+            feed(m, pp, force ? (int)force[pp] : code);
         }
         block_sync();
     }

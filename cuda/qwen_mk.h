@@ -18,7 +18,7 @@
 extern "C" {
 #endif
 
-#define QMK_ABI_VERSION 3
+#define QMK_ABI_VERSION 4
 #define QMK_MAX_GROUPS 16
 #define QMK_HEAD_DIM 128
 
@@ -54,6 +54,11 @@ typedef struct {
     uint64_t proj_b;      /* bf16 [Dp] */
     uint64_t pred_emb[QMK_MAX_GROUPS - 1]; /* bf16 [pred_vocab][Dt] */
     uint64_t lm_head[QMK_MAX_GROUPS - 1];  /* bf16 [pred_vocab][Dp] */
+    /* fp32 [ids][(Hp + 2 KVp) * 128] or 0: the raw layer-0 q/k/v projections of predictor pass
+     * g + 1's input for every code id it can be fed (pass 1: talker_emb rows, pass p >= 2:
+     * pred_emb[p - 2] rows; projected by proj_w first, then RMS-normed). A pass with a table runs
+     * no layer-0 q/k/v phase. */
+    uint64_t qkv0[QMK_MAX_GROUPS - 1];
     /* session state */
     uint64_t pending;     /* fp32 [Dt] next talker input (16-way embedding sum + text vector) */
     uint64_t hidden;      /* fp32 [Dt] post-norm talker hidden at the newest position */

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_FILES = ("qwen_mk.h", "mk_util.cuh", "mk_stream.cuh", "mk_matvec.cuh", "mk_attention.cuh", "mk_sample.cuh",
                 "qwen_mk.cu")
-ABI_VERSION = 3
+ABI_VERSION = 4
 TRACE_MAX = 8192
 MAX_GROUPS = 16
 HEAD_DIM = 128
@@ -153,6 +153,7 @@ class QmkModel(ctypes.Structure):
         ("codec_head", ctypes.c_uint64), ("talker_emb", ctypes.c_uint64),
         ("proj_w", ctypes.c_uint64), ("proj_b", ctypes.c_uint64),
         ("pred_emb", ctypes.c_uint64 * (MAX_GROUPS - 1)), ("lm_head", ctypes.c_uint64 * (MAX_GROUPS - 1)),
+        ("qkv0", ctypes.c_uint64 * (MAX_GROUPS - 1)),
         ("pending", ctypes.c_uint64), ("hidden", ctypes.c_uint64), ("seen", ctypes.c_uint64),
         ("resid", ctypes.c_uint64), ("qkv", ctypes.c_uint64), ("attn", ctypes.c_uint64),
         ("act", ctypes.c_uint64), ("proj_out", ctypes.c_uint64), ("logits", ctypes.c_uint64),
@@ -319,7 +320,8 @@ class MegakernelBackend:
 
     name = "megakernel"
 
-    def __init__(self, talker, device: torch.device, dtype: torch.dtype, warmup: bool = True):
+    def __init__(self, talker, device: torch.device, dtype: torch.dtype, warmup: bool = True,
+                 input_tables: bool = True):
         reason = shape_unsupported_reason(talker)
         if reason:
             raise UnsupportedFeatureError(reason)
@@ -336,6 +338,8 @@ class MegakernelBackend:
         self.talker_layers = self._layer_table(talker.model)
         self.pred_layers = self._layer_table(talker.code_predictor.model)
         self.pred_rope = rope_table(self.num_groups, self.pcfg.stack.rope_theta, device)
+        # Per-code layer-0 q/k/v of the predictor passes (qmk_model.qkv0): -15 phases a frame.
+        self.input_tables = self._input_tables() if input_tables else []
         self.prefills: PrefillGraphs | None = None
         if warmup:
             self.warmup()
@@ -355,6 +359,39 @@ class MegakernelBackend:
                 a.q_norm.weight, a.k_norm.weight, a.o_proj.weight, layer.post_attention_layernorm.weight,
                 mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)])
         return torch.tensor(rows, dtype=torch.int64).to(self.device)
+
+    @torch.no_grad()
+    def _input_tables(self) -> list[Tensor]:
+        """For predictor pass p = 1..15: the raw layer-0 q/k/v projections (fp32 [ids, (H + 2 KV) *
+        128]) of every input the pass can be fed: the code's embedding row (talker codec embedding
+        for p = 1, the predictor's table p - 2 after), through the 2048->1024 projection where the
+        model has one, RMS-normed. The pass's input is a function of one code id, so the kernel
+        reads this row instead of running a q/k/v phase. Computed in float64 from the weights the
+        kernel reads (bf16) and rounded once to fp32: at least as close to the fp32 reference as
+        the kernel's own sums. 0.6B/1.7B: 31,744 rows x 16 KB = 520 MB of device memory.
+        """
+        cp = self.talker.code_predictor
+        proj = cp.small_to_mtp_projection
+        layer = cp.model.layers[0]
+        a = layer.self_attn
+        eps = self.pcfg.stack.rms_norm_eps
+        f64 = torch.float64
+
+        def w64(t: Tensor) -> Tensor:
+            return t.detach().to(self.device, torch.bfloat16).to(f64)
+
+        norm_w = w64(layer.input_layernorm.weight)
+        qkv_w = torch.cat([w64(a.q_proj.weight), w64(a.k_proj.weight), w64(a.v_proj.weight)])
+        tables = []
+        embeddings = [self.talker.model.codec_embedding.weight] + [e.weight for e in cp.model.codec_embedding]
+        for emb in embeddings[: self.num_groups - 1]:
+            x = w64(emb)
+            if isinstance(proj, torch.nn.Linear):
+                x = x @ w64(proj.weight).T + w64(proj.bias)
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_w
+            tables.append((x @ qkv_w.T).float().contiguous())
+            del x
+        return tables
 
     def _stack(self, cfg, table: Tensor, final_norm: Tensor, rope: Tensor, k: Tensor, v: Tensor, max_pos: int) -> QmkStack:
         return QmkStack(
@@ -413,6 +450,7 @@ class MegakernelBackend:
         for g in range(G - 1):
             m.pred_emb[g] = self._w(cp.model.codec_embedding[g].weight)
             m.lm_head[g] = self._w(cp.lm_head[g].weight)
+            m.qkv0[g] = ptr(self.input_tables[g]) if self.input_tables else 0
         for name in ("pending", "hidden", "seen", "resid", "qkv", "attn", "act", "proj_out", "logits",
                      "pred_logits", "pred_hidden", "attn_part", "attn_count", "barrier"):
             setattr(m, name, ptr(buf[name]))

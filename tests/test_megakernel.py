@@ -225,6 +225,31 @@ def test_predictor_matches_phase_reference(backends):
     assert max(errs) <= PHASE_BAR
 
 
+@needs_gpu
+@pytest.mark.gpu
+def test_input_tables_match_the_qkv_phase(backends):
+    """The predictor passes' layer-0 q/k/v from the per-code tables (the default) against the q/k/v
+    phase they replace (`input_tables=False`), from the same prefill: identical codes over 8
+    sampled frames and predictor hidden states within 1e-5 (the table is summed in float64, the
+    phase in fp32)."""
+    b = backends
+    plain = mk.MegakernelBackend(b.talker, torch.device("cuda"), torch.bfloat16, warmup=False, input_tables=False)
+    assert len(b.mb.input_tables) == b.cfg.talker.num_code_groups - 1 and not plain.input_tables
+    params = SamplingParams()
+    ts = REF.start_reference(b.tb, b.talker.cfg.hidden_size, params, 8)
+    runs = []
+    for backend in (b.mb, plain):
+        ms = REF.start_kernel_from(backend, ts, params, seed=3)
+        runs.append([(backend.decode_frame(ms).clone(), ms.buffers["pred_hidden"][1:].clone()) for _ in range(8)])
+        backend.release(ms)
+    b.tb.release(ts)
+    errs = [rel_err(ha, hb) for (_, ha), (_, hb) in zip(*runs)]
+    print("predictor hidden, tables vs q/k/v phase per frame:", ", ".join(f"{e:.1e}" for e in errs))
+    for i, ((ca, _), (cb, _)) in enumerate(zip(*runs)):
+        assert torch.equal(ca, cb), f"frame {i}: tables {ca.tolist()} vs q/k/v phase {cb.tolist()}"
+    assert max(errs) <= 1e-5
+
+
 def sampled_frames(mb, talker, params, frames, seed):
     st = start(mb, talker, params, frames, seed=seed)
     out = []
