@@ -66,15 +66,20 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=25, help="kernel groups printed per variant")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                     help="the vocoder's dtype (the engine runs it in bfloat16 on CUDA)")
+    ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
+                    help="conv weights channels-innermost, as the engine stores them on CUDA")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     torch.backends.cudnn.allow_tf32 = True
     dtype = getattr(torch, args.dtype)
     base = build(None, "cuda")
     voc = Vocoder.from_state_dict(base.cfg, base.state_dict(), device="cuda", dtype=dtype)  # as the engine loads it
+    if args.channels_last:
+        voc.use_channels_last()
     gv = GraphedVocoder(voc, torch.device("cuda"), dtype, compile_sizes=())
     q = voc.cfg.num_quantizers
-    out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtype": args.dtype}
+    out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtype": args.dtype,
+           "channels_last": args.channels_last}
     try:
         import triton
 

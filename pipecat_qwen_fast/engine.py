@@ -154,10 +154,12 @@ class QwenTTSEngine:
         self.model_dir = model_dir
         self.closed = False
         # On a GPU the streaming vocoder step replays one CUDA graph per chunk size; those of the
-        # default chunk sizes are captured from compiled code.
+        # default chunk sizes are captured from compiled code, with cuDNN's preferred weight layout.
         defaults = (SynthesisRequest.first_chunk_frames, SynthesisRequest.chunk_frames)
-        self.vocoder_graphs = (GraphedVocoder(vocoder, device, dtype, compile_sizes=defaults)
-                               if device.type == "cuda" else None)
+        self.vocoder_graphs = None
+        if device.type == "cuda":
+            vocoder.use_channels_last()
+            self.vocoder_graphs = GraphedVocoder(vocoder, device, dtype, compile_sizes=defaults)
 
     # ------------------------------------------------------------------ loading
 

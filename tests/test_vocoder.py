@@ -248,6 +248,18 @@ def test_stream_fp32_rounding_is_small(voc32, long_codes):
     assert (wav - voc32.decode(codes)).abs().max() <= 1e-4
 
 
+def test_channels_last_weights_keep_the_stream(voc, long_codes, long_wav):
+    """The layout the engine gives cuDNN on CUDA: same values, channels innermost; the stream
+    still equals the whole decode (float64)."""
+    v = Vocoder.from_state_dict(TINY, voc.state_dict(), dtype=torch.float64)
+    v.use_channels_last()
+    convs = [m for m in v.modules() if isinstance(m, (torch.nn.Conv1d, torch.nn.ConvTranspose1d))]
+    assert convs and all(m.weight.transpose(1, 2).is_contiguous() for m in convs)
+    codes = long_codes[..., :120]
+    wav = stream_decode(v, codes, [1, 4])
+    assert (wav - long_wav[..., : wav.shape[-1]]).abs().max() <= EXACT
+
+
 def test_stream_batch_rows_are_independent(voc):
     codes = random_codes(90, batch=2, seed=7)
     wav = stream_decode(voc, codes, [4])
