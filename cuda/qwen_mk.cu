@@ -96,7 +96,7 @@ __device__ bool next_phase(const qmk_model& m, const qmk_frame& f, Phase& ph) {
     const int passes = f.run_predictor ? m.num_groups : 0;
     const int has_proj = m.proj_w != 0;
     const auto layer0 = [&](int p) { return Phase{from_table(m, p) ? K_ATTN : K_QKV, 0, p}; };
-    const auto start = [&](int p) { return has_proj ? Phase{K_PROJ, 0, p} : layer0(p); };
+    const auto start = [&](int p) { return has_proj && !from_table(m, p) ? Phase{K_PROJ, 0, p} : layer0(p); };
     switch (ph.kind) {
         case K_HEAD_T:
             if (!passes) return false;
@@ -379,15 +379,20 @@ __device__ __forceinline__ void load_xn(VecRef x, const bf16* w, int K, float ep
 __device__ __forceinline__ int* codes() { return sm<int>(QMK_SMEM_CODES); }
 __device__ __forceinline__ int* fed() { return sm<int>(QMK_SMEM_FED); }
 
-// Thread 0: code group g is fed `code`; pass g + 1 takes its layer-0 q/k/v from that code's table
-// row, if it has a table (from_table).
+// Floats per row of an input table: the layer-0 q/k/v, then (with a projection) the projected
+// input itself, where the pass's residual stream starts.
+__device__ __forceinline__ int qkv0_width(const qmk_model& m) { return (m.pred.num_heads + 2 * m.pred.num_kv_heads) * QMK_HD; }
+__device__ __forceinline__ int table_row_floats(const qmk_model& m) {
+    return qkv0_width(m) + (m.proj_w != 0 ? m.pred.hidden : 0);
+}
+
+// Thread 0: code group g is fed `code`; pass g + 1 takes its layer-0 q/k/v (and projected input)
+// from that code's table row, if it has a table (from_table).
 __device__ __forceinline__ void feed(const qmk_model& m, int g, int code) {
     fed()[g] = code;
     const float* row = nullptr;
-    if (g + 1 < m.num_groups && from_table(m, g + 1)) {
-        const qmk_stack& S = m.pred;
-        row = dptr<const float>(m.qkv0[g]) + (size_t)code * (S.num_heads + 2 * S.num_kv_heads) * QMK_HD;
-    }
+    if (g + 1 < m.num_groups && from_table(m, g + 1))
+        row = dptr<const float>(m.qkv0[g]) + (size_t)code * table_row_floats(m);
     *sm<const float*>(QMK_SMEM_QSRC) = row;
 }
 
@@ -645,7 +650,9 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
         VecRef src{dptr<const float>(m.hidden), 0};
         if (pp == 1) src = VecRef{bfp(m.talker_emb) + (size_t)fed()[0] * Dt, 1};
         if (pp >= 2) src = VecRef{bfp(m.pred_emb[pp - 2]) + (size_t)fed()[pp - 1] * Dt, 1};
-        if (has_proj) {
+        if (has_proj && from_table(m, pp)) {
+            src = VecRef{*sm<const float* volatile>(QMK_SMEM_QSRC) + qkv0_width(m), 0};
+        } else if (has_proj) {
             Operand<2> x;
             load_x<2>(src, Dt, x);
             const bf16* bias = bfp(m.proj_b);

@@ -54,10 +54,10 @@ typedef struct {
     uint64_t proj_b;      /* bf16 [Dp] */
     uint64_t pred_emb[QMK_MAX_GROUPS - 1]; /* bf16 [pred_vocab][Dt] */
     uint64_t lm_head[QMK_MAX_GROUPS - 1];  /* bf16 [pred_vocab][Dp] */
-    /* fp32 [ids][(Hp + 2 KVp) * 128] or 0: the raw layer-0 q/k/v projections of predictor pass
-     * g + 1's input for every code id it can be fed (pass 1: talker_emb rows, pass p >= 2:
-     * pred_emb[p - 2] rows; projected by proj_w first, then RMS-normed). A pass with a table runs
-     * no layer-0 q/k/v phase. */
+    /* fp32 [ids][(Hp + 2 KVp) * 128 (+ Dp with proj_w)] or 0: for predictor pass g + 1's input
+     * for every code id it can be fed (pass 1: talker_emb rows, pass p >= 2: pred_emb[p - 2]
+     * rows), the raw layer-0 q/k/v projections of the RMS-normed input, then (with proj_w) the
+     * projected input itself. A pass with a table runs no projection and no layer-0 q/k/v phase. */
     uint64_t qkv0[QMK_MAX_GROUPS - 1];
     /* session state */
     uint64_t pending;     /* fp32 [Dt] next talker input (16-way embedding sum + text vector) */

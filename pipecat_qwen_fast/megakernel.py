@@ -365,10 +365,12 @@ class MegakernelBackend:
         """For predictor pass p = 1..15: the raw layer-0 q/k/v projections (fp32 [ids, (H + 2 KV) *
         128]) of every input the pass can be fed: the code's embedding row (talker codec embedding
         for p = 1, the predictor's table p - 2 after), through the 2048->1024 projection where the
-        model has one, RMS-normed. The pass's input is a function of one code id, so the kernel
-        reads this row instead of running a q/k/v phase. Computed in float64 from the weights the
-        kernel reads (bf16) and rounded once to fp32: at least as close to the fp32 reference as
-        the kernel's own sums. 0.6B/1.7B: 31,744 rows x 16 KB = 520 MB of device memory.
+        model has one, RMS-normed; with a projection, the projected row follows (the pass's
+        residual stream starts there). The pass's input is a function of one code id, so the kernel
+        reads this row instead of running the projection and q/k/v phases. Computed in float64
+        from the weights the kernel reads (bf16) and rounded once to fp32: at least as close to the
+        fp32 reference as the kernel's own sums. 31,744 rows x 16 KB = 520 MB of device memory
+        (1.7B: + 4 KB a row for the projected input, 650 MB).
         """
         cp = self.talker.code_predictor
         proj = cp.small_to_mtp_projection
@@ -386,11 +388,13 @@ class MegakernelBackend:
         embeddings = [self.talker.model.codec_embedding.weight] + [e.weight for e in cp.model.codec_embedding]
         for emb in embeddings[: self.num_groups - 1]:
             x = w64(emb)
-            if isinstance(proj, torch.nn.Linear):
+            has_proj = isinstance(proj, torch.nn.Linear)
+            if has_proj:
                 x = x @ w64(proj.weight).T + w64(proj.bias)
-            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_w
-            tables.append((x @ qkv_w.T).float().contiguous())
-            del x
+            normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_w
+            row = [normed @ qkv_w.T] + ([x] if has_proj else [])
+            tables.append(torch.cat(row, dim=1).float().contiguous())
+            del x, normed, row
         return tables
 
     def _stack(self, cfg, table: Tensor, final_norm: Tensor, rope: Tensor, k: Tensor, v: Tensor, max_pos: int) -> QmkStack:
