@@ -68,6 +68,8 @@ def main() -> int:
                     help="the vocoder's dtype (the engine runs it in bfloat16 on CUDA)")
     ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
                     help="conv weights channels-innermost, as the engine stores them on CUDA")
+    ap.add_argument("--whole-frames", type=int, default=0,
+                    help="also time the eager whole-utterance decode of this many frames")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     torch.backends.cudnn.allow_tf32 = True
@@ -86,6 +88,12 @@ def main() -> int:
         out["triton"] = triton.__version__
     except ImportError as e:
         out["triton"] = f"not importable: {e}"
+    if args.whole_frames:
+        codes = torch.randint(0, voc.cfg.codebook_size, (1, q, args.whole_frames), device="cuda")
+        with torch.no_grad():
+            ms = event_times_ms(lambda: voc.decode(codes, check_values=False), 7, sync_each=True)
+        out["whole_decode_ms_median"] = statistics.median(ms[2:])
+        print(f"eager whole decode of {args.whole_frames} frames: {out['whole_decode_ms_median']:.1f} ms")
     variants = [("plain", gv)]
     if args.compile:
         variants.append(("compiled", GraphedVocoder(voc, torch.device("cuda"), dtype,

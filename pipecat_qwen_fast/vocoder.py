@@ -33,6 +33,7 @@ from pipecat_qwen_fast.vocoder_layers import (
     SnakeBeta,
     SplitResidualQuantizer,
     Transformer,
+    nhwc_friendly,
 )
 
 CHECKPOINT_PREFIX = "decoder."
@@ -174,13 +175,14 @@ class Vocoder(nn.Module):
 
     @torch.no_grad()
     def use_channels_last(self) -> None:
-        """Store every convolution weight channels-innermost (same values; the engine does this on
-        CUDA). cuDNN runs bf16 convolutions in NHWC and converted the NCHW weights on every call:
-        a captured 1-frame step went from 1.64 to 1.33 ms on the H200 (bench/NOTES.md, "Vocoder
-        channels-last"). Activations keep their layout: converting them too gained nothing more.
+        """Store the convolution weights channels-innermost (same values; the engine does this on
+        CUDA). cuDNN runs bf16 convolutions in NHWC and converted NCHW weights on every call: a
+        captured compiled 1-frame step went from 1.64 to 1.33 ms on the H200 (bench/NOTES.md,
+        "Vocoder channels-last"). Grouped and dilated convolutions keep NCHW weights and inputs
+        (`nhwc_friendly`): given NHWC, cuDNN ran the dilated ones 34x slower.
         """
         for m in self.modules():
-            if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d)):
+            if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d)) and nhwc_friendly(m):
                 m.weight.data = m.weight.data.transpose(1, 2).contiguous().transpose(1, 2)
 
     def _apply(self, fn, recurse=True):

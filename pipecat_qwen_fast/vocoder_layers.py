@@ -27,6 +27,12 @@ if TYPE_CHECKING:
 ATTENTION_QUERY_BLOCK = 256
 
 
+def nhwc_friendly(conv: nn.Module) -> bool:
+    """Whether cuDNN runs this convolution well with channels-innermost tensors (measured on the
+    H200: not the grouped or dilated ones)."""
+    return conv.groups == 1 and conv.dilation[0] == 1
+
+
 class CausalConv(nn.Module):
     """Stride-1 conv with ``(k - 1) * dilation`` columns of left context."""
 
@@ -37,15 +43,23 @@ class CausalConv(nn.Module):
         self.slot = -1  # index of this module's history in a VocoderStream; set by the Vocoder
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.conv(F.pad(x, (self.context, 0)))
+        return self._conv(F.pad(x, (self.context, 0)))
 
     def step(self, x: Tensor, stream: VocoderStream) -> Tensor:
         if self.context == 0:
-            return self.conv(x)
+            return self._conv(x)
         history = stream.histories[self.slot]
         joined = torch.cat((history, x), dim=-1)
         history.copy_(joined[..., joined.shape[-1] - self.context :])
-        return self.conv(joined)
+        return self._conv(joined)
+
+    def _conv(self, x: Tensor) -> Tensor:
+        # After a conv with channels-innermost weights (Vocoder.use_channels_last) x is
+        # channels-innermost too; a dilated conv given that ran cuDNN's grouped direct kernel at
+        # 17 ms for a 25-frame chunk on the H200 (0.5 ms from NCHW).
+        if not nhwc_friendly(self.conv):
+            x = x.contiguous()
+        return self.conv(x)
 
 
 class CausalTransConv(nn.Module):
