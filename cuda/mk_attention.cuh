@@ -13,7 +13,7 @@
 #define QMK_ATTN_SMEM_FLOATS 4  // the merge flag
 
 struct AttnArgs {
-    const float* qkv;  // [H*128 q | KV*128 k | KV*128 v], raw projections
+    const float* qkv;  // [H*128 q | KV*128 k | KV*128 v], raw projections (the q/k/v phase's output)
     float* out;        // [H*128]
     float* kc;         // this layer's [KV][max_pos][128]
     float* vc;
@@ -30,7 +30,8 @@ __host__ __device__ __forceinline__ int attn_nchunk(int pos) { return (pos + QMK
 
 // One (kv head, chunk) item, computed by warps 0 and 1 (query heads 2g and 2g + 1; lane l owns
 // dims 4l .. 4l + 3) with warp shuffles only: the item is a short dependent chain, and block-wide
-// barriers inside it would cost more than its arithmetic. `tile` holds the chunk's cached K rows
+// barriers inside it would cost more than its arithmetic. `qkv`: the position's raw projections
+// (a.qkv, or a predictor pass's table row). `tile` holds the chunk's cached K rows
 // then V rows (null when the chunk has none). Other warps return at once; the caller's block
 // barrier follows.
 __device__ __forceinline__ float4 ld_f4(const float* p) { return *reinterpret_cast<const float4*>(p); }
@@ -90,7 +91,7 @@ __device__ __forceinline__ void reduce_step(float* part, int lane) {
     }
 }
 
-__device__ void attention_item(const AttnArgs& a, int g, int c, int nchunk, const float* tile, float* sm) {
+__device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c, int nchunk, const float* tile, float* sm) {
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (w >= 2) return;
     const int H = a.num_heads, KV = a.num_kv_heads, pos = a.pos;
@@ -98,9 +99,9 @@ __device__ void attention_item(const AttnArgs& a, int g, int c, int nchunk, cons
     const int ncached = min(j1, pos) - j0;  // rows in the tile; the new position (if here) is last
     const bool last = c == nchunk - 1;
     const float* rope = a.rope + (size_t)pos * QMK_HD;
-    const float4 q = norm_rope(ld_act4(a.qkv + (size_t)(2 * g + w) * QMK_HD + lane * 4), a.q_norm, rope, a.eps, lane);
-    const float4 k = norm_rope(ld_act4(a.qkv + (size_t)(H + g) * QMK_HD + lane * 4), a.k_norm, rope, a.eps, lane);
-    const float4 v = ld_act4(a.qkv + (size_t)(H + KV + g) * QMK_HD + lane * 4);
+    const float4 q = norm_rope(ld_act4(qkv + (size_t)(2 * g + w) * QMK_HD + lane * 4), a.q_norm, rope, a.eps, lane);
+    const float4 k = norm_rope(ld_act4(qkv + (size_t)(H + g) * QMK_HD + lane * 4), a.k_norm, rope, a.eps, lane);
+    const float4 v = ld_act4(qkv + (size_t)(H + KV + g) * QMK_HD + lane * 4);
     if (last && w == 0) {
         const size_t row = ((size_t)g * a.max_pos + pos) * QMK_HD + lane * 4;
         *reinterpret_cast<float4*>(a.kc + row) = k;

@@ -459,14 +459,15 @@ __device__ void run_down(Ctx& c, const Phase& ph, int id, const float* act, Epi 
     c.stamp(id, STEP_EPILOGUE);
 }
 
-// `qkv`: the position's raw q/k/v projections (the q/k/v phase's output, or a table row).
-__device__ void run_attention(Ctx& c, const Phase& ph, int id, const float* qkv) {
+// `tabled`: the position's raw q/k/v projections are this pass's table row (feed), not the q/k/v
+// phase's output.
+__device__ void run_attention(Ctx& c, const Phase& ph, int id, bool tabled) {
     const qmk_model& m = c.F.m();
     const qmk_stack& S = c.F.stack(ph);
     const qmk_layer& L = c.F.layer(ph);
     const AttnItems A = attn_items(c.F, ph);
     const size_t off = (size_t)ph.layer * S.num_kv_heads * S.max_pos * QMK_HD;
-    const AttnArgs a{qkv, dptr<float>(m.attn),   dptr<float>(S.k_cache) + off,
+    const AttnArgs a{dptr<const float>(m.qkv), dptr<float>(m.attn),   dptr<float>(S.k_cache) + off,
                      dptr<float>(S.v_cache) + off, bfp(L.q_norm), bfp(L.k_norm), dptr<const float>(S.rope),
                      dptr<float>(m.attn_part), dptr<unsigned>(m.attn_count), A.pos, S.num_heads,
                      S.num_kv_heads, S.max_pos, S.eps};
@@ -474,7 +475,10 @@ __device__ void run_attention(Ctx& c, const Phase& ph, int id, const float* qkv)
         const bool has = A.has_tile(it);
         const float* tile = has ? reinterpret_cast<const float*>(c.ring.wait(0)) : nullptr;
         c.stamp(id, STEP_TILE);
-        attention_item(a, it / A.nchunk, it % A.nchunk, A.nchunk, tile, sm<float>(QMK_SMEM_ATTN));
+        // The table row's address is read here, where it is used: run_attention is at the
+        // register limit.
+        const float* qkv = tabled ? *sm<const float* volatile>(QMK_SMEM_QSRC) : a.qkv;
+        attention_item(a, qkv, it / A.nchunk, it % A.nchunk, A.nchunk, tile, sm<float>(QMK_SMEM_ATTN));
         block_sync();
         // One tile per item; a long context gives a block more items than the ring has slots, so
         // each goes back at once (deferring K/V tiles to the arrival measured 0.02 ms slower).
@@ -506,8 +510,6 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
         const Phase pq{K_QKV, l, pass}, pa{K_ATTN, l, pass}, po{K_O, l, pass}, pg{K_GU, l, pass},
             pd{K_DOWN, l, pass};
         const qmk_layer& L = c.F.layer(pq);
-        // The table row is read from shared memory (feed) where it is used, not kept in a
-        // register across the q/k/v phase: run_stack is at the register limit.
         const float* const volatile* row = sm<const float* const volatile>(QMK_SMEM_QSRC);
         const bool tabled = l == 0 && pass >= 1 && *row != nullptr;
         if (!tabled) {
@@ -516,7 +518,7 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
             run_mat<2>(c, pq, ph0 + PH_QKV, x, [&](int u, int j, const float* red) { qkv[u] = row_sum(red, j); });
             c.sync(ph0 + PH_QKV);
         }
-        run_attention(c, pa, ph0 + PH_ATTN, tabled ? *row : qkv);
+        run_attention(c, pa, ph0 + PH_ATTN, tabled);
         // Pass 0's last layer: nothing reads its output, only the K/V rows just appended, and
         // the next pass reads those after many more grid barriers. No barrier here: the blocks
         // without an attention item start the next pass at once.
