@@ -63,9 +63,6 @@ __device__ __forceinline__ void read8(const float* p, float* v) {
     v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 
-// This thread's operand chunk of x[0..K). Right after a grid barrier every block reads the same
-// freshly written lines, so only row group 0 reads them from L2 and stages them in `xs` (K
-// floats of shared memory); the other row groups take their chunks from there.
 // This thread's chunk of an operand already staged in `xs` (after a block barrier).
 template <int MS>
 __device__ __forceinline__ void read_staged(int K, Operand<MS>& o, const float* xs) {
@@ -81,6 +78,9 @@ __device__ __forceinline__ void read_staged(int K, Operand<MS>& o, const float* 
     }
 }
 
+// This thread's operand chunk of x[0..K). Right after a grid barrier every block reads the same
+// freshly written lines, so only row group 0 reads them from L2 and stages them in `xs` (K
+// floats of shared memory); the other row groups take their chunks from there.
 template <int MS>
 __device__ __forceinline__ void load_operand(VecRef x, int K, Operand<MS>& o, float* xs) {
     const int c = col_thread(), nseg = K >> 10;

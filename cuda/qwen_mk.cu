@@ -28,7 +28,7 @@
 #define QMK_SMEM_STAMPS (QMK_SMEM_FED + 64)           // int [4] trace stamp counter
 #define QMK_SMEM_OWN (QMK_SMEM_STAMPS + 16)           // float [QMK_OWN_MAX] owned residual rows
 #define QMK_SMEM_ATTN (QMK_SMEM_OWN + 4 * QMK_OWN_MAX)  // float [4] attention merge flag
-#define QMK_SMEM_QSRC (QMK_SMEM_ATTN + 16)            // const float* [2]: next pass's table row
+#define QMK_SMEM_QSRC (QMK_SMEM_ATTN + 16)            // const float*: next pass's table row (feed)
 #define QMK_SMEM_TABLES (QMK_SMEM_QSRC + 16)          // qmk_layer [QMK_MAX_LAYERS]
 #define QMK_SMEM_TOPK (QMK_SMEM_TABLES + 88 * QMK_MAX_LAYERS)  // unsigned [2][8][16] top-k counts
 #define QMK_SMEM_XS (QMK_SMEM_TOPK + 1024)            // float [3072] staged operand
@@ -510,8 +510,7 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
         const Phase pq{K_QKV, l, pass}, pa{K_ATTN, l, pass}, po{K_O, l, pass}, pg{K_GU, l, pass},
             pd{K_DOWN, l, pass};
         const qmk_layer& L = c.F.layer(pq);
-        const float* const volatile* row = sm<const float* const volatile>(QMK_SMEM_QSRC);
-        const bool tabled = l == 0 && pass >= 1 && *row != nullptr;
+        const bool tabled = l == 0 && from_table(m, pass);
         if (!tabled) {
             Operand<2> x;
             load_xn<2>(l == 0 ? src : VecRef{resid, 0}, bfp(L.input_norm), D, S.eps, x);

@@ -300,6 +300,45 @@ def ptr(t: Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+@torch.no_grad()
+def build_input_tables(talker, device: torch.device) -> list[Tensor]:
+    """The megakernel's input tables (qmk_model.qkv0). For predictor pass p = 1..15: the raw
+    layer-0 q/k/v projections (fp32 [ids, (H + 2 KV) * 128]) of every input the pass can be fed:
+    the code's embedding row (talker codec embedding for p = 1, the predictor's table p - 2 after),
+    through the 2048->1024 projection where the model has one, RMS-normed; with a projection, the
+    projected row follows (the pass's residual stream starts there). The pass's input is a
+    function of one code id, so the kernel reads this row instead of running the projection and
+    q/k/v phases. Computed in float64 from the weights the kernel reads (bf16) and rounded once to
+    fp32: at least as close to the fp32 reference as the kernel's own sums. 31,744 rows x 16 KB =
+    520 MB of device memory (1.7B: + 4 KB a row for the projected input, 650 MB).
+    """
+    cp = talker.code_predictor
+    proj = cp.small_to_mtp_projection
+    layer = cp.model.layers[0]
+    a = layer.self_attn
+    eps = cp.cfg.stack.rms_norm_eps
+    f64 = torch.float64
+
+    def w64(t: Tensor) -> Tensor:
+        return t.detach().to(device, torch.bfloat16).to(f64)
+
+    norm_w = w64(layer.input_layernorm.weight)
+    qkv_w = torch.cat([w64(a.q_proj.weight), w64(a.k_proj.weight), w64(a.v_proj.weight)])
+    has_proj = isinstance(proj, torch.nn.Linear)
+    proj_w, proj_b = (w64(proj.weight).T, w64(proj.bias)) if has_proj else (None, None)
+    tables = []
+    embeddings = [talker.model.codec_embedding.weight] + [e.weight for e in cp.model.codec_embedding]
+    for emb in embeddings[: talker.cfg.num_code_groups - 1]:
+        x = w64(emb)
+        if has_proj:
+            x = x @ proj_w + proj_b
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_w
+        row = [normed @ qkv_w.T] + ([x] if has_proj else [])
+        tables.append(torch.cat(row, dim=1).float().contiguous())
+        del x, normed, row
+    return tables
+
+
 @dataclass
 class MegakernelState:
     model: QmkModel
@@ -339,7 +378,7 @@ class MegakernelBackend:
         self.pred_layers = self._layer_table(talker.code_predictor.model)
         self.pred_rope = rope_table(self.num_groups, self.pcfg.stack.rope_theta, device)
         # Per-code layer-0 q/k/v of the predictor passes (qmk_model.qkv0): -15 phases a frame.
-        self.input_tables = self._input_tables() if input_tables else []
+        self.input_tables = build_input_tables(talker, device) if input_tables else []
         self.prefills: PrefillGraphs | None = None
         if warmup:
             self.warmup()
@@ -359,43 +398,6 @@ class MegakernelBackend:
                 a.q_norm.weight, a.k_norm.weight, a.o_proj.weight, layer.post_attention_layernorm.weight,
                 mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)])
         return torch.tensor(rows, dtype=torch.int64).to(self.device)
-
-    @torch.no_grad()
-    def _input_tables(self) -> list[Tensor]:
-        """For predictor pass p = 1..15: the raw layer-0 q/k/v projections (fp32 [ids, (H + 2 KV) *
-        128]) of every input the pass can be fed: the code's embedding row (talker codec embedding
-        for p = 1, the predictor's table p - 2 after), through the 2048->1024 projection where the
-        model has one, RMS-normed; with a projection, the projected row follows (the pass's
-        residual stream starts there). The pass's input is a function of one code id, so the kernel
-        reads this row instead of running the projection and q/k/v phases. Computed in float64
-        from the weights the kernel reads (bf16) and rounded once to fp32: at least as close to the
-        fp32 reference as the kernel's own sums. 31,744 rows x 16 KB = 520 MB of device memory
-        (1.7B: + 4 KB a row for the projected input, 650 MB).
-        """
-        cp = self.talker.code_predictor
-        proj = cp.small_to_mtp_projection
-        layer = cp.model.layers[0]
-        a = layer.self_attn
-        eps = self.pcfg.stack.rms_norm_eps
-        f64 = torch.float64
-
-        def w64(t: Tensor) -> Tensor:
-            return t.detach().to(self.device, torch.bfloat16).to(f64)
-
-        norm_w = w64(layer.input_layernorm.weight)
-        qkv_w = torch.cat([w64(a.q_proj.weight), w64(a.k_proj.weight), w64(a.v_proj.weight)])
-        tables = []
-        embeddings = [self.talker.model.codec_embedding.weight] + [e.weight for e in cp.model.codec_embedding]
-        for emb in embeddings[: self.num_groups - 1]:
-            x = w64(emb)
-            has_proj = isinstance(proj, torch.nn.Linear)
-            if has_proj:
-                x = x @ w64(proj.weight).T + w64(proj.bias)
-            normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_w
-            row = [normed @ qkv_w.T] + ([x] if has_proj else [])
-            tables.append(torch.cat(row, dim=1).float().contiguous())
-            del x, normed, row
-        return tables
 
     def _stack(self, cfg, table: Tensor, final_norm: Tensor, rope: Tensor, k: Tensor, v: Tensor, max_pos: int) -> QmkStack:
         return QmkStack(

@@ -73,6 +73,31 @@ def test_nvcc_command_rejects_bad_arch():
         mk.gencode_flags(["hopper"])
 
 
+@torch.no_grad()
+def test_input_tables_are_the_first_layers_qkv(tiny_checkpoint):
+    """The tables the kernel reads instead of a pass's projection and q/k/v phases (no GPU needed):
+    each row equals the torch modules' own path for that code, on the tiny model (which has the
+    1.7B's projection)."""
+    from pipecat_qwen_fast.engine import QwenTTSEngine
+
+    talker = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cpu", dtype="float32",
+                                           backend="eager").model.talker
+    cp = talker.code_predictor
+    assert isinstance(cp.small_to_mtp_projection, torch.nn.Linear)
+    tables = mk.build_input_tables(talker, torch.device("cpu"))
+    assert len(tables) == talker.cfg.num_code_groups - 1
+    layer = cp.model.layers[0]
+    a = layer.self_attn
+    embeddings = [talker.model.codec_embedding] + list(cp.model.codec_embedding)
+    for g in (0, 1, len(tables) - 1):
+        ids = torch.tensor([0, 7, embeddings[g].weight.shape[0] - 1])
+        x = cp.small_to_mtp_projection(embeddings[g](ids))
+        h = layer.input_layernorm(x)
+        expected = torch.cat([a.q_proj(h), a.k_proj(h), a.v_proj(h), x], dim=1)
+        assert tables[g].shape == (embeddings[g].weight.shape[0], expected.shape[1])
+        torch.testing.assert_close(tables[g][ids], expected, rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the kernel computes in fp32 on bf16 weights, so its reference is the PyTorch path on an
 # fp32 copy of the same weights. Bars (the issue's): talker and predictor hidden within 1e-2 over
