@@ -2,7 +2,7 @@
 // weights.
 //
 // The frame is a fixed list of phases (next_phase), each ended by a grid barrier:
-//   talker layer: q/k/v | attention | o_proj + residual | gate/up + SiLU | down + residual
+//   talker layer: q/k/v | attention | o_proj + residual | gate/up + SiLU [+ split-K down] | [down]
 //   codec head, code-0 sampling (every block, redundantly: no barrier)
 //   16 predictor passes: [2048->1024 projection] 5 layers as above, LM head, sampling; pass 0
 //   (the talker hidden) has no head and ends at its last layer's attention
@@ -19,7 +19,7 @@
 #define QMK_RED_ROWS 192   // matrix rows one block may own in a phase (gate and up count twice)
 #define QMK_SMEM_RING 0                               // RingState (mbarriers, producer cursor)
 #define QMK_SMEM_GEO (QMK_SMEM_RING + 512)            // Geo [16]: this block's slice per matrix kind
-#define QMK_SMEM_RED (QMK_SMEM_GEO + 384)             // float [QMK_RED_ROWS][4] row partials
+#define QMK_SMEM_RED (QMK_SMEM_GEO + 512)             // float [QMK_RED_ROWS][4] row partials
 #define QMK_SMEM_NSCR (QMK_SMEM_RED + 16 * QMK_RED_ROWS)  // float [8] RMSNorm partials
 #define QMK_SMEM_SRED (QMK_SMEM_NSCR + 32)            // float [2][16] sampling reductions
 #define QMK_SMEM_SCAN (QMK_SMEM_SRED + 128)           // float [16] sampling scan
@@ -29,8 +29,9 @@
 #define QMK_SMEM_OWN (QMK_SMEM_STAMPS + 16)           // float [QMK_OWN_MAX] owned residual rows
 #define QMK_SMEM_ATTN (QMK_SMEM_OWN + 4 * QMK_OWN_MAX)  // float [4] attention merge flag
 #define QMK_SMEM_QSRC (QMK_SMEM_ATTN + 16)            // const float*: next pass's table row (feed)
-#define QMK_SMEM_TABLES (QMK_SMEM_QSRC + 16)          // qmk_layer [QMK_MAX_LAYERS]
-#define QMK_SMEM_TOPK (QMK_SMEM_TABLES + 88 * QMK_MAX_LAYERS)  // unsigned [2][8][16] top-k counts
+#define QMK_SMEM_ACTS (QMK_SMEM_QSRC + 16)            // float [QMK_RED_ROWS / 2] this block's MLP activations
+#define QMK_SMEM_TABLES (QMK_SMEM_ACTS + 2 * QMK_RED_ROWS)  // qmk_layer [QMK_MAX_LAYERS]
+#define QMK_SMEM_TOPK (QMK_SMEM_TABLES + 96 * QMK_MAX_LAYERS)  // unsigned [2][8][16] top-k counts
 #define QMK_SMEM_XS (QMK_SMEM_TOPK + 1024)            // float [3072] staged operand
 #define QMK_SMEM_WS (QMK_SMEM_XS + 4 * 3072)          // float [2048] staged norm weight
 #define QMK_SMEM_SLOTS ((QMK_SMEM_WS + 4 * 2048 + 127) / 128 * 128)
@@ -47,8 +48,9 @@ static_assert(QMK_TILE_ROWS / QMK_RG * QMK_RG == QMK_TILE_ROWS, "tile rows");
 static_assert(QMK_RED_ROWS >= QMK_TILE_ROWS, "row partials");
 static_assert(QMK_ATTN_SMEM_FLOATS <= 4, "attention scratch");
 static_assert(QMK_SMEM_XS % 16 == 0 && QMK_SMEM_WS % 16 == 0, "staged operands are read as float4");
+static_assert(QMK_SMEM_ACTS % 16 == 0, "activations are read as float4");
 static_assert(QMK_SMEM_TOPK % 16 == 0 && 2 * 8 * QMK_WARPS * 4 <= 1024, "top-k counts are read as uint4");
-static_assert(sizeof(qmk_layer) == 88, "layer table entry");
+static_assert(sizeof(qmk_layer) == 96, "layer table entry");
 
 template <class T>
 __device__ __forceinline__ T* sm(int off) {
@@ -108,6 +110,10 @@ __device__ bool next_phase(const qmk_model& m, const qmk_frame& f, Phase& ph) {
             return true;
         case K_PROJ: ph = layer0(ph.pass); return true;
         case K_DOWN: break;
+        case K_GU:
+            if ((ph.pass < 0 ? m.talker : m.pred).split_down) break;  // down ran inside gate/up
+            ++ph.kind;
+            return true;
         case K_ATTN:
             // Pass 0 (the talker hidden) is only there for its K/V rows: its last layer ends once
             // they are appended (run_stack).
@@ -152,6 +158,9 @@ struct Frame {
 // each streamed as half rows, so the operand held in registers is never wider than 3072.
 struct Geo {
     int u0, u1, per_tile, K, ntiles, ksplit;  // K: columns per half; ntiles over both halves
+    // Gate/up with a split down projection (qmk_stack.split_down): the first ngu tiles are gate/up
+    // rows, the rest rows of down_t for the same units, dpt rows (of K = hidden) per tile.
+    int ngu, dpt;
 
     // A slice longer than the ring (the 1.7B's MLP) frees each tile as soon as it is done, so the
     // producer can refill its slot mid-phase; otherwise all tiles go back at the grid arrival
@@ -181,7 +190,12 @@ __device__ Geo geo_of(const Frame& F, const Phase& ph) {
     const int per_tile = QMK_SLOT_BYTES / (2 * K * rows_per_unit);
     const int B = gridDim.x, b = blockIdx.x;
     const int u0 = N * b / B, u1 = N * (b + 1) / B;
-    return {u0, u1, per_tile, K, ksplit * ((u1 - u0 + per_tile - 1) / per_tile), ksplit};
+    const int ntiles = ksplit * ((u1 - u0 + per_tile - 1) / per_tile);
+    if (ph.kind == K_GU && S.split_down) {
+        const int dpt = QMK_SLOT_BYTES / (2 * K);
+        return {u0, u1, per_tile, K, ntiles + (u1 - u0 + dpt - 1) / dpt, ksplit, ntiles, dpt};
+    }
+    return {u0, u1, per_tile, K, ntiles, ksplit, ntiles, 0};
 }
 
 __device__ __forceinline__ Range rows_of(uint64_t base, int row, int rows, int K) {
@@ -190,7 +204,14 @@ __device__ __forceinline__ Range rows_of(uint64_t base, int row, int rows, int K
 }
 
 __device__ Tile mat_tile(const Frame& F, const Phase& ph, const Geo& mt, int t) {
-    const int per_half = mt.ntiles / mt.ksplit, h = t / per_half;
+    if (t >= mt.ngu) {  // split down: rows of down_t for this block's gate/up units
+        const int a = mt.u0 + (t - mt.ngu) * mt.dpt;
+        Tile tl;
+        tl.r[0] = rows_of(F.layer(ph).down_t, a, min(mt.dpt, mt.u1 - a), mt.K);
+        tl.n = 1;
+        return tl;
+    }
+    const int per_half = mt.ngu / mt.ksplit, h = t / per_half;
     const int a = mt.u0 + (t % per_half) * mt.per_tile, n = min(mt.per_tile, mt.u1 - a);
     Tile tl;
     tl.n = 1;
@@ -400,7 +421,7 @@ __device__ __forceinline__ void feed(const qmk_model& m, int g, int code) {
 // (t % per_half) * per_tile ...) into red.
 template <int MS>
 __device__ void dots_tiles(Ctx& c, const Geo& g, int rpu, int t0, int t1, const Operand<MS>& x, float* red, int id) {
-    const int per_half = g.ntiles / g.ksplit;
+    const int per_half = g.ngu / g.ksplit;
     const bool within = g.frees_each_tile(c.ring.nslot);
     for (int t = t0; t < t1; ++t) {
         const int tt = t % per_half;
@@ -442,7 +463,7 @@ __device__ void run_mat(Ctx& c, const Phase& ph, int id, const Operand<MS>& x, E
 template <class Epi>
 __device__ void run_down(Ctx& c, const Phase& ph, int id, const float* act, Epi epi) {
     const Geo g = geo(ph);
-    const int units = g.u1 - g.u0, per_half = g.ntiles / g.ksplit;
+    const int units = g.u1 - g.u0, per_half = g.ngu / g.ksplit;
     float* red = sm<float>(QMK_SMEM_RED);
     for (int h = 0; h < g.ksplit; ++h) {
         Operand<3> x;
@@ -456,6 +477,77 @@ __device__ void run_down(Ctx& c, const Phase& ph, int id, const float* act, Epi 
         if (g.ksplit == 2) v += row_sum(red + units * 4, j);
         epi(g.u0 + j, j, v);
     }
+    c.stamp(id, STEP_EPILOGUE);
+}
+
+// Gate/up with the down projection split over the blocks (qmk_stack.split_down): the block's
+// gate/up units give their activations (shared memory, never global), which multiply the same
+// units' rows of down_t into a hidden-wide partial; every block adds its partial into `resid`,
+// which the o_proj epilogue set to the residual after attention. This takes one grid barrier, one
+// operand read and one phase's latency chain off every layer (bench/NOTES.md, v16); the float
+// atomics (one 16-byte request per 4 columns) sum in an order that varies between runs.
+// CPT: columns per consumer thread (hidden / QMK_THREADS: 2 or 4).
+template <int CPT>
+__device__ void run_gu_split(Ctx& c, const Phase& ph, int id, const Operand<2>& x, float* resid) {
+    c.stamp(id, STEP_OPERAND);
+    const Geo g = geo(ph);
+    const int units = g.u1 - g.u0;
+    const bool within = g.frees_each_tile(c.ring.nslot);
+    float* red = sm<float>(QMK_SMEM_RED);
+    float* acts = sm<float>(QMK_SMEM_ACTS);
+    dots_tiles<2>(c, g, 2, 0, g.ngu, x, red, id);
+    block_sync();
+    c.stamp(id, STEP_DOTS);
+    for (int j = threadIdx.x; j < units; j += QMK_THREADS) {
+        const float gt = row_sum(red, 2 * j), up = row_sum(red, 2 * j + 1);
+        acts[j] = (gt / (1.f + expf(-gt))) * up;
+    }
+    block_sync();
+    float acc[CPT];
+#pragma unroll
+    for (int e = 0; e < CPT; ++e) acc[e] = 0.f;
+    const int col = threadIdx.x * CPT;
+    for (int t = g.ngu; t < g.ntiles; ++t) {
+        const int r0 = (t - g.ngu) * g.dpt, n = min(g.dpt, units - r0);
+        const bf16* tile = reinterpret_cast<const bf16*>(c.ring.wait(within ? 0 : t)) + col;
+        c.stamp(id, STEP_TILE);
+        // Four rows per step, their loads issued together (a tile holds 16 or 8 rows; the last
+        // tile may end mid-step: its missing rows are read as zero activations).
+        for (int r = 0; r < n; r += 4) {
+            float a[4], w[4][CPT];
+            const float4 a4 = *reinterpret_cast<const float4*>(acts + r0 + r);
+            a[0] = a4.x, a[1] = a4.y, a[2] = a4.z, a[3] = a4.w;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const bf16* row = tile + (size_t)min(r + k, n - 1) * g.K;
+                if constexpr (CPT == 2) {
+                    const uint32_t u = *reinterpret_cast<const uint32_t*>(row);
+                    w[k][0] = bf_lo(u), w[k][1] = bf_hi(u);
+                } else {
+                    const uint2 u = *reinterpret_cast<const uint2*>(row);
+                    w[k][0] = bf_lo(u.x), w[k][1] = bf_hi(u.x), w[k][2] = bf_lo(u.y), w[k][3] = bf_hi(u.y);
+                }
+                if (r + k >= n) a[k] = 0.f;
+            }
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+#pragma unroll
+                for (int e = 0; e < CPT; ++e) acc[e] = fmaf(a[k], w[k][e], acc[e]);
+        }
+        if (within) {
+            block_sync();
+            c.ring.release(1);
+        }
+    }
+    if constexpr (CPT == 2) {  // lane pairs: the even lane adds both threads' four columns
+        const float b0 = __shfl_down_sync(0xffffffffu, acc[0], 1), b1 = __shfl_down_sync(0xffffffffu, acc[1], 1);
+        if ((threadIdx.x & 1) == 0) red_add4(resid + col, acc[0], acc[1], b0, b1);
+    } else {
+        static_assert(CPT == 4, "hidden widths 1024 and 2048");
+        red_add4(resid + col, acc[0], acc[1], acc[2], acc[3]);
+    }
+    // The barrier that ends the phase (Ctx::sync) orders the additions before its arrival.
+    if (!within) c.ring.defer(g.ntiles);
     c.stamp(id, STEP_EPILOGUE);
 }
 
@@ -494,11 +586,13 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
     const int D = S.hidden, nq = S.num_heads * QMK_HD, tid = threadIdx.x;
     const int ph0 = pass < 0 ? 0 : 16;
     float* resid = dptr<float>(m.resid);
+    float* mid = dptr<float>(m.mid);
     float* qkv = dptr<float>(m.qkv);
     float* act = dptr<float>(m.act);
     float* own = sm<float>(QMK_SMEM_OWN);
-    // The o_proj and down phases both have D output rows, so a block owns the same residual rows
-    // in both and keeps them in shared memory between the two.
+    // The o_proj epilogue adds to the residual rows the block owns (o_proj's output rows; the down
+    // phase has the same ones), kept in shared memory: from the stack's input here, then from
+    // each q/k/v phase's staged operand, which is the residual stream itself.
     // (Both phases' epilogues index `own` by the unit's index in the slice.)
     {
         const Geo& rows = geo(Phase{K_O, 0, pass});
@@ -514,6 +608,11 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
         if (!tabled) {
             Operand<2> x;
             load_xn<2>(l == 0 ? src : VecRef{resid, 0}, bfp(L.input_norm), D, S.eps, x);
+            if (l > 0) {  // with a split down projection, no block held these rows' sums before
+                const Geo& rows = geo(po);
+                const float* xs = sm<const float>(QMK_SMEM_XS);
+                for (int i = tid; i < rows.u1 - rows.u0; i += QMK_THREADS) own[i] = xs[rows.u0 + i];
+            }
             run_mat<2>(c, pq, ph0 + PH_QKV, x, [&](int u, int j, const float* red) { qkv[u] = row_sum(red, j); });
             c.sync(ph0 + PH_QKV);
         }
@@ -529,24 +628,25 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
             run_mat<2>(c, po, ph0 + PH_O, x, [&](int u, int j, const float* red) {
                 const float v = own[j] + row_sum(red, j);
                 own[j] = v;
-                resid[u] = v;
+                mid[u] = v;
+                resid[u] = v;  // where a split down projection adds its partials
             });
         }
         c.sync(ph0 + PH_O);
-        {
-            Operand<2> x;
-            load_xn<2>(VecRef{resid, 0}, bfp(L.post_norm), D, S.eps, x);
-            run_mat<2>(c, pg, ph0 + PH_MLP, x, [&](int u, int j, const float* red) {
-                const float g = row_sum(red, 2 * j), up = row_sum(red, 2 * j + 1);
-                act[u] = (g / (1.f + expf(-g))) * up;
-            });
+        Operand<2> xm;
+        load_xn<2>(VecRef{mid, 0}, bfp(L.post_norm), D, S.eps, xm);
+        if (S.split_down) {
+            if (D == 2048) run_gu_split<4>(c, pg, ph0 + PH_MLP, xm, resid);
+            else run_gu_split<2>(c, pg, ph0 + PH_MLP, xm, resid);
+            c.sync(ph0 + PH_MLP);
+            continue;
         }
-        c.sync(ph0 + PH_MLP);
-        run_down(c, pd, ph0 + PH_DOWN, act, [&](int u, int j, float sum) {
-            const float v = own[j] + sum;
-            own[j] = v;
-            resid[u] = v;
+        run_mat<2>(c, pg, ph0 + PH_MLP, xm, [&](int u, int j, const float* red) {
+            const float g = row_sum(red, 2 * j), up = row_sum(red, 2 * j + 1);
+            act[u] = (g / (1.f + expf(-g))) * up;
         });
+        c.sync(ph0 + PH_MLP);
+        run_down(c, pd, ph0 + PH_DOWN, act, [&](int u, int j, float sum) { resid[u] = own[j] + sum; });
         c.sync(ph0 + PH_DOWN);
     }
 }

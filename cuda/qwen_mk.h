@@ -5,7 +5,8 @@
  * LM heads, sampling and embedding feedback, and the next talker input. Every address below is a
  * device pointer passed as uint64_t so the layout is identical in C and ctypes.
  *
- * Weights are bf16 in checkpoint layout (row-major [out, in]); nothing is repacked. Everything the
+ * Weights are bf16 in checkpoint layout (row-major [out, in]); the one repacked matrix is the MLP's
+ * down projection, also passed transposed (down_t) for the split-K path. Everything the
  * kernel computes is fp32 (activations, K/V cache, logits): the official model's fp32 arithmetic
  * on the checkpoint's bf16 weights, read at bf16 bandwidth.
  */
@@ -18,20 +19,25 @@
 extern "C" {
 #endif
 
-#define QMK_ABI_VERSION 4
+#define QMK_ABI_VERSION 5
 #define QMK_MAX_GROUPS 16
 #define QMK_HEAD_DIM 128
 
-/* One Qwen3 decoder layer (bf16 weights). */
+/* One Qwen3 decoder layer (bf16 weights). down_t: down transposed, bf16 [inter][hidden], read
+ * instead of down when the stack's split_down is set. */
 typedef struct {
-    uint64_t input_norm, q, k, v, q_norm, k_norm, o, post_norm, gate, up, down;
+    uint64_t input_norm, q, k, v, q_norm, k_norm, o, post_norm, gate, up, down, down_t;
 } qmk_layer;
 
 /* A stack of layers (talker or code predictor) and its KV cache. */
 typedef struct {
     int32_t hidden, inter, num_layers, num_heads, num_kv_heads, max_pos;
     float eps;
-    int32_t reserved;
+    /* 1: each block multiplies its own gate/up outputs by their rows of down_t and adds that
+     * partial into the residual with float atomics (no barrier between gate/up and down; the
+     * order of the additions varies from run to run in the last bit). 0: down is a phase of its
+     * own behind a grid barrier (bitwise reproducible). */
+    int32_t split_down;
     uint64_t layers;     /* qmk_layer[num_layers] in device memory */
     uint64_t final_norm; /* bf16 [hidden] */
     uint64_t rope;       /* fp32 [max_pos][2][64]: cos then sin per position */
@@ -64,10 +70,11 @@ typedef struct {
     uint64_t hidden;      /* fp32 [Dt] post-norm talker hidden at the newest position */
     uint64_t seen;        /* uint8 [vocab] code-0 ids generated so far */
     /* scratch (fp32 unless noted) */
-    uint64_t resid;       /* [max(Dt, Dp)] */
+    uint64_t resid;       /* [max(Dt, Dp)] residual stream (after the MLP) */
+    uint64_t mid;         /* [max(Dt, Dp)] residual stream after attention (the MLP's input) */
     uint64_t qkv;         /* [(H + 2 KV) * 128], raw projections */
     uint64_t attn;        /* [H * 128] attention output */
-    uint64_t act;         /* [max(It, Ip)] */
+    uint64_t act;         /* [max(It, Ip)] MLP activations (the down phase's input; unused when split) */
     uint64_t proj_out;    /* [Dp] */
     uint64_t logits;      /* [vocab] codec-head logits */
     uint64_t pred_logits; /* [num_groups - 1][pred_vocab] */
