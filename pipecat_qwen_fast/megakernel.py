@@ -383,7 +383,7 @@ class MegakernelBackend:
         self._keep: list[Tensor] = []
         # The MLP's down projection split over the blocks' gate/up units (qmk_stack.split_down):
         # one grid barrier less per layer, reading a transposed copy of each down matrix (0.6B:
-        # +206 MB, 1.7B: +735 MB). False keeps down as its own phase: bitwise reproducible runs.
+        # +208 MB, 1.7B: +736 MB). False keeps down as its own phase: bitwise reproducible runs.
         self.split_down = split_down
         self.talker_layers = self._layer_table(talker.model)
         self.pred_layers = self._layer_table(talker.code_predictor.model)
