@@ -131,12 +131,23 @@ struct Ring {
     // were found among them: releasing before the arrival cost ~0.26 ms a frame (bench/NOTES.md).
     __device__ void defer(uint32_t n) { deferred += n; }
 
-    __device__ void release_deferred() const { arrive_empty(deferred); }
+    __device__ void release_deferred() const {
+        arrive_empty(deferred);
+        for (uint32_t k = 0; k < held; ++k) mbar_arrive(ring_state().empty + (held_at + k) % nslot);
+    }
 
     __device__ void end_deferred() {
-        consumed += deferred;
-        deferred = 0;
+        held_at = consumed + deferred;
+        held = hold_next;
+        consumed += deferred + hold_next;
+        deferred = hold_next = 0;
     }
+
+    // The n tiles after the deferred ones go back one grid arrival later than those, so one
+    // arrival does not hand the producer a whole layer's worth of copies (qwen_mk.cu,
+    // run_gu_split). The phase after must need no more than the slots left.
+    __device__ void hold(uint32_t n) { hold_next += n; }
+    uint32_t hold_next, held, held_at;  // tiles to hold at the next arrival; held: [held_at, +held)
 
     // The frame is over (every consumer thread): stop the producer, meet it at the block barrier
     // (it calls __syncthreads once it has stopped), then wait for copies still landing in slots

@@ -547,7 +547,17 @@ __device__ void run_gu_split(Ctx& c, const Phase& ph, int id, const Operand<2>& 
         red_add4(resid + col, acc[0], acc[1], acc[2], acc[3]);
     }
     // The barrier that ends the phase (Ctx::sync) orders the additions before its arrival.
-    if (!within) c.ring.defer(g.ntiles);
+    // The down_t slots go back one grid arrival after the gate/up ones: handing all five back at
+    // once queued ~160 KB of copies ahead of the next phase's arrival fence (-0.026 ms a frame).
+    // Only if the phase after (the next layer's q/k/v or the head) still finds its slots.
+    if (!within) {
+        const int nslot = c.ring.nslot, dt = g.ntiles - g.ngu;
+        const Geo &nq = geo(Phase{K_QKV, 0, ph.pass}), &nh = geo(Phase{ph.pass < 0 ? K_HEAD_T : K_HEAD_P, 0, ph.pass});
+        const int need = max(nq.frees_each_tile(nslot) ? 1 : nq.ntiles, nh.frees_each_tile(nslot) ? 1 : nh.ntiles);
+        const int held = dt + need <= nslot ? dt : 0;
+        c.ring.defer(g.ntiles - held);
+        c.ring.hold(held);
+    }
     c.stamp(id, STEP_EPILOGUE);
 }
 
@@ -704,6 +714,7 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
     c.ring.nslot = P.nslot;
     c.ring.consumed = 0;
     c.ring.deferred = 0;
+    c.ring.hold_next = c.ring.held = c.ring.held_at = 0;
     if (f.trace != 0) c.sync(PH_START);
     const int has_proj = m.proj_w != 0;
 
