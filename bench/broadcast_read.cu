@@ -16,18 +16,7 @@
 #include <cstdio>
 #include <vector>
 
-__device__ __forceinline__ void grid_barrier(unsigned* counter) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
-        unsigned old, cur;
-        asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(counter), "r"(add) : "memory");
-        do {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(cur) : "l"(counter) : "memory");
-        } while (((old ^ cur) & 0x80000000u) == 0);
-    }
-    __syncthreads();
-}
+#include "grid_barrier.cuh"
 
 __global__ void read_kernel(const float4* src, size_t stride4, int n4, int iters, unsigned* counter,
                             long long* cycles, float* sink) {

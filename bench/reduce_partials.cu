@@ -24,18 +24,7 @@
 #include <cstdio>
 #include <vector>
 
-__device__ __forceinline__ void grid_barrier(unsigned* counter) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
-        unsigned old, cur;
-        asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(counter), "r"(add) : "memory");
-        do {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(cur) : "l"(counter) : "memory");
-        } while (((old ^ cur) & 0x80000000u) == 0);
-    }
-    __syncthreads();
-}
+#include "grid_barrier.cuh"
 
 enum Mode { M_BARRIER = 0, M_STORE, M_RED_U64, M_RED_F32, M_RED_F32X4, M_COUNT };
 static const char* kModes[] = {"barrier", "store", "red_u64", "red_f32", "red_f32x4"};

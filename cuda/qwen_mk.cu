@@ -29,8 +29,8 @@
 #define QMK_SMEM_OWN (QMK_SMEM_STAMPS + 16)           // float [QMK_OWN_MAX] owned residual rows
 #define QMK_SMEM_ATTN (QMK_SMEM_OWN + 4 * QMK_OWN_MAX)  // float [4] attention merge flag
 #define QMK_SMEM_QSRC (QMK_SMEM_ATTN + 16)            // const float*: next pass's table row (feed)
-#define QMK_SMEM_ACTS (QMK_SMEM_QSRC + 16)            // float [QMK_RED_ROWS / 2] this block's MLP activations
-#define QMK_SMEM_TABLES (QMK_SMEM_ACTS + 2 * QMK_RED_ROWS)  // qmk_layer [QMK_MAX_LAYERS]
+#define QMK_SMEM_ACTS (QMK_SMEM_QSRC + 16)            // float [QMK_RED_ROWS / 2 + 4] this block's MLP activations
+#define QMK_SMEM_TABLES (QMK_SMEM_ACTS + 2 * QMK_RED_ROWS + 16)  // qmk_layer [QMK_MAX_LAYERS]
 #define QMK_SMEM_TOPK (QMK_SMEM_TABLES + 96 * QMK_MAX_LAYERS)  // unsigned [2][8][16] top-k counts
 #define QMK_SMEM_XS (QMK_SMEM_TOPK + 1024)            // float [3072] staged operand
 #define QMK_SMEM_WS (QMK_SMEM_XS + 4 * 3072)          // float [2048] staged norm weight
@@ -512,7 +512,8 @@ __device__ void run_gu_split(Ctx& c, const Phase& ph, int id, const Operand<2>& 
         const bf16* tile = reinterpret_cast<const bf16*>(c.ring.wait(within ? 0 : t)) + col;
         c.stamp(id, STEP_TILE);
         // Four rows per step, their loads issued together (a tile holds 16 or 8 rows; the last
-        // tile may end mid-step: its missing rows are read as zero activations).
+        // tile may end mid-step: its missing rows count as zero activations, and the float4 read
+        // past the slice stays inside the area's 4 spare floats).
         for (int r = 0; r < n; r += 4) {
             float a[4], w[4][CPT];
             const float4 a4 = *reinterpret_cast<const float4*>(acts + r0 + r);
