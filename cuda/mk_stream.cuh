@@ -105,6 +105,9 @@ struct Ring {
     int nslot;
     uint32_t consumed;
     uint32_t deferred;  // tiles done with, released to the producer at the next grid arrival
+    // Tiles released one grid arrival after the deferred ones (hold): hold_next for the coming
+    // arrival, then [held_at, held_at + held) at the arrival after it.
+    uint32_t hold_next, held, held_at;
 
     // The slot of tile consumed + k, once its bytes have landed.
     __device__ const unsigned char* wait(uint32_t k) const {
@@ -113,14 +116,14 @@ struct Ring {
         return slot_ptr(i, nslot);
     }
 
-    // Thread 0: hand tiles consumed .. consumed + n - 1 back to the producer.
-    __device__ void arrive_empty(uint32_t n) const {
-        for (uint32_t k = 0; k < n; ++k) mbar_arrive(ring_state().empty + (consumed + k) % nslot);
+    // Thread 0: hand tiles first .. first + n - 1 back to the producer.
+    __device__ void arrive_empty(uint32_t first, uint32_t n) const {
+        for (uint32_t k = 0; k < n; ++k) mbar_arrive(ring_state().empty + (first + k) % nslot);
     }
 
     // Every consumer thread, after a block_sync() since the last read of these tiles' slots.
     __device__ void release(uint32_t n) {
-        if (threadIdx.x == 0) arrive_empty(n);
+        if (threadIdx.x == 0) arrive_empty(consumed, n);
         consumed += n;
     }
 
@@ -132,8 +135,8 @@ struct Ring {
     __device__ void defer(uint32_t n) { deferred += n; }
 
     __device__ void release_deferred() const {
-        arrive_empty(deferred);
-        for (uint32_t k = 0; k < held; ++k) mbar_arrive(ring_state().empty + (held_at + k) % nslot);
+        arrive_empty(consumed, deferred);
+        arrive_empty(held_at, held);
     }
 
     __device__ void end_deferred() {
@@ -147,7 +150,6 @@ struct Ring {
     // arrival does not hand the producer a whole layer's worth of copies (qwen_mk.cu,
     // run_gu_split). The phase after must need no more than the slots left.
     __device__ void hold(uint32_t n) { hold_next += n; }
-    uint32_t hold_next, held, held_at;  // tiles to hold at the next arrival; held: [held_at, +held)
 
     // The frame is over (every consumer thread): stop the producer, meet it at the block barrier
     // (it calls __syncthreads once it has stopped), then wait for copies still landing in slots

@@ -417,6 +417,12 @@ __device__ __forceinline__ void feed(const qmk_model& m, int g, int code) {
     *sm<const float*>(QMK_SMEM_QSRC) = row;
 }
 
+// SwiGLU of gate/up unit j from its row partials: silu(gate) * up.
+__device__ __forceinline__ float swiglu(const float* red, int j) {
+    const float g = row_sum(red, 2 * j), up = row_sum(red, 2 * j + 1);
+    return (g / (1.f + expf(-g))) * up;
+}
+
 // Dot products of tiles [t0, t1) of a matrix phase (tile t covers units
 // (t % per_half) * per_tile ...) into red.
 template <int MS>
@@ -498,10 +504,7 @@ __device__ void run_gu_split(Ctx& c, const Phase& ph, int id, const Operand<2>& 
     dots_tiles<2>(c, g, 2, 0, g.ngu, x, red, id);
     block_sync();
     c.stamp(id, STEP_DOTS);
-    for (int j = threadIdx.x; j < units; j += QMK_THREADS) {
-        const float gt = row_sum(red, 2 * j), up = row_sum(red, 2 * j + 1);
-        acts[j] = (gt / (1.f + expf(-gt))) * up;
-    }
+    for (int j = threadIdx.x; j < units; j += QMK_THREADS) acts[j] = swiglu(red, j);
     block_sync();
     float acc[CPT];
 #pragma unroll
@@ -652,10 +655,7 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
             c.sync(ph0 + PH_MLP);
             continue;
         }
-        run_mat<2>(c, pg, ph0 + PH_MLP, xm, [&](int u, int j, const float* red) {
-            const float g = row_sum(red, 2 * j), up = row_sum(red, 2 * j + 1);
-            act[u] = (g / (1.f + expf(-g))) * up;
-        });
+        run_mat<2>(c, pg, ph0 + PH_MLP, xm, [&](int u, int j, const float* red) { act[u] = swiglu(red, j); });
         c.sync(ph0 + PH_MLP);
         run_down(c, pd, ph0 + PH_DOWN, act, [&](int u, int j, float sum) { resid[u] = own[j] + sum; });
         c.sync(ph0 + PH_DOWN);
