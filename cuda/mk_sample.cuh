@@ -43,52 +43,61 @@ __device__ __forceinline__ float block_exclusive_scan(float local, float* scratc
     return before + x - local;
 }
 
-// The k-th largest of the block's keys: the largest K with count(key >= K) >= k. Found four bits
-// at a time from the top: a round counts, for all 15 nonzero values d of the next digit at once,
-// the keys >= (bits found so far | d), and keeps the largest d whose count reaches k. That is 8
-// block barriers where a bit-by-bit search takes 32 (the barriers are most of the cost).
-// Counts travel as 4-bit fields of one 64-bit word per thread (<= 8 keys each), then as two 16-bit
-// fields per 32-bit word through warp and block sums (<= 4096 keys). `scratch`: 2 x 8 x QMK_WARPS
-// words, alternating halves so that one barrier per round suffices (BlockReducer's argument).
-static_assert(QMK_WARPS == 16, "kth_largest_key's read pattern: 4 lanes x 4 warps per word");
+// The k-th largest of the block's keys (the largest K with count(key >= K) >= k) by a radix
+// select, eight bits a round: a shared-memory histogram of the next digit over the keys that
+// match the digits found so far, one block barrier, then every warp finds the digit from the
+// histogram itself, so a round has one barrier and the select 4 (a round's dependent chain, not its
+// per-key work, is the cost: 4-bit rounds took 8 x 0.65 us). Plain atomics: aggregating a warp's
+// equal bins first (__match_any_sync) measured slower, though the first round's keys share few bins.
+// `hist`: 4 x 256 words, zeroed before the block barrier that precedes the call (zero_hist).
+__device__ __forceinline__ void zero_hist(unsigned* hist) {
+    for (int i = threadIdx.x; i < 4 * 256; i += QMK_THREADS) hist[i] = 0u;
+}
 
 template <int EM>
-__device__ __forceinline__ unsigned kth_largest_key(const unsigned* key, int E, unsigned k, unsigned* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    unsigned th = 0;
-#pragma unroll 1
-    for (int shift = 28, half = 0; shift >= 0; shift -= 4, half ^= 1) {
-        // th has no bits below shift + 4 yet: comparing the bits above the digit against th orders
-        // a key against every candidate at once.
-        const unsigned above = shift == 28 ? 0u : 0xffffffffu << (shift + 4);
-        unsigned long long fields = 0;  // field d - 1: keys >= th | d << shift, d = 1..15
+__device__ __forceinline__ unsigned kth_largest_key(const unsigned* key, int E, unsigned k, unsigned* hist) {
+    const int lane = threadIdx.x & 31;
+    unsigned th = 0, krem = k;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const int shift = 24 - 8 * r;
+        const unsigned above = r == 0 ? 0u : 0xffffffffu << (shift + 8);
+        unsigned* h = hist + r * 256;
 #pragma unroll
         for (int e = 0; e < EM; ++e) {
-            if (e < E) {
-                const unsigned hi = key[e] & above;
-                const unsigned reach = hi > th ? 15u : hi < th ? 0u : (key[e] >> shift) & 15u;
-                fields += 0x0111111111111111ull & ((1ull << (4 * reach)) - 1ull);
+            if (e < E && (key[e] & above) == th) {
+                atomicAdd(h + ((key[e] >> shift) & 255u), 1u);
             }
         }
-        unsigned* s = scratch + half * 8 * QMK_WARPS;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const unsigned w = (unsigned)((fields >> (8 * j)) & 15ull) | ((unsigned)((fields >> (8 * j + 4)) & 15ull) << 16);
-            const unsigned total = __reduce_add_sync(0xffffffffu, w);
-            if (lane == 0) s[j * QMK_WARPS + warp] = total;
-        }
         block_sync();
-        // Lane l adds word l / 4 of warps 4 (l % 4) .. 4 (l % 4) + 3, then the four lanes of that word
-        // combine: lane 4 j holds the counts for d = 2 j + 1 (low half) and 2 j + 2 (high half).
-        const uint4 q = *reinterpret_cast<const uint4*>(s + (lane >> 2) * QMK_WARPS + (lane & 3) * 4);
-        unsigned t = (q.x + q.y) + (q.z + q.w);
-        t += __shfl_xor_sync(0xffffffffu, t, 1);
-        t += __shfl_xor_sync(0xffffffffu, t, 2);
-        // Counts fall as d grows, so the digit is the number of candidates that reach k.
-        const bool lead = (lane & 3) == 0;
-        const unsigned lo = __ballot_sync(0xffffffffu, lead && (t & 0xffffu) >= k);
-        const unsigned hi = __ballot_sync(0xffffffffu, lead && (t >> 16) >= k);  // d = 16 counts 0
-        th |= (unsigned)(__popc(lo) + __popc(hi)) << shift;
+        // Lane l holds bins 8 l .. 8 l + 7; S: the keys in bins >= 8 l.
+        const uint4 a = *reinterpret_cast<const uint4*>(h + lane * 8), b = *reinterpret_cast<const uint4*>(h + lane * 8 + 4);
+        const unsigned cnt[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        const unsigned tot = ((cnt[0] + cnt[1]) + (cnt[2] + cnt[3])) + ((cnt[4] + cnt[5]) + (cnt[6] + cnt[7]));
+        unsigned S = tot;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const unsigned y = __shfl_down_sync(0xffffffffu, S, o);
+            if (lane + o < 32) S += y;
+        }
+        // The digit's lane: the last whose suffix still reaches krem (suffixes fall with the lane).
+        const int L = 31 - __clz(__ballot_sync(0xffffffffu, S >= krem));
+        unsigned acc = S - tot, before = 0;
+        int d = 0;
+        bool found = false;
+#pragma unroll
+        for (int j = 7; j >= 0; --j) {
+            if (!found && acc + cnt[j] >= krem) {
+                found = true;
+                d = j;
+                before = acc;
+            }
+            acc += cnt[j];
+        }
+        d = __shfl_sync(0xffffffffu, 8 * lane + d, L);
+        before = __shfl_sync(0xffffffffu, before, L);
+        th |= (unsigned)d << shift;
+        krem -= before;
     }
     return th;
 }
@@ -124,6 +133,7 @@ __device__ int sample_block(const float* logits, int n, const qmk_sampler& cfg, 
     }
     mark(SAMPLE_LOADED);
 
+    if (cfg.do_sample) zero_hist(topk_scratch);  // ordered before the first round by umax's barrier
     unsigned mk = 0;
 #pragma unroll
     for (int e = 0; e < EM; ++e) mk = max(mk, key[e]);

@@ -31,8 +31,8 @@
 #define QMK_SMEM_QSRC (QMK_SMEM_ATTN + 16)            // const float*: next pass's table row (feed)
 #define QMK_SMEM_ACTS (QMK_SMEM_QSRC + 16)            // float [QMK_RED_ROWS / 2 + 4] this block's MLP activations
 #define QMK_SMEM_TABLES (QMK_SMEM_ACTS + 2 * QMK_RED_ROWS + 16)  // qmk_layer [QMK_MAX_LAYERS]
-#define QMK_SMEM_TOPK (QMK_SMEM_TABLES + 96 * QMK_MAX_LAYERS)  // unsigned [2][8][16] top-k counts
-#define QMK_SMEM_XS (QMK_SMEM_TOPK + 1024)            // float [3072] staged operand
+#define QMK_SMEM_TOPK (QMK_SMEM_TABLES + 96 * QMK_MAX_LAYERS)  // unsigned [4][256] top-k counts
+#define QMK_SMEM_XS (QMK_SMEM_TOPK + 4096)            // float [3072] staged operand
 #define QMK_SMEM_WS (QMK_SMEM_XS + 4 * 3072)          // float [2048] staged norm weight
 #define QMK_SMEM_SLOTS ((QMK_SMEM_WS + 4 * 2048 + 127) / 128 * 128)
 
