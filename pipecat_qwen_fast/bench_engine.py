@@ -221,7 +221,8 @@ def step_wall_per_frame(engine: QwenTTSEngine, n: int, chunk: int | None) -> flo
     vocode = chunk is not None
     size = chunk or 4
     session = engine.open_session(
-        request(engine, texts.RTF_TEXT, n + 2 * size, seed=8, first=size, chunk=size, vocode=vocode)
+        request(engine, texts.RTF_TEXT, n + 2 * size, seed=8, first=size, chunk=size, vocode=vocode,
+                max_chunk_frames=None)
     )
     try:
         for _ in range(size):  # one whole chunk first, so the timed steps hold whole chunks only
@@ -284,6 +285,7 @@ def measure_breakdown(engine: QwenTTSEngine, n: int) -> dict:
     device_s = decode_frames_back_to_back(engine, n)
     step_s = step_wall_per_frame(engine, n, None)
     voc4_s = step_wall_per_frame(engine, n, 4) - step_s
+    voc16_s = step_wall_per_frame(engine, max(16, n - n % 16), 16) - step_s
     voc1_s = step_wall_per_frame(engine, n, 1) - step_s
     out = {
         "frames": n,
@@ -291,8 +293,11 @@ def measure_breakdown(engine: QwenTTSEngine, n: int) -> dict:
         "engine_step_ms": 1e3 * step_s,
         "host_overhead_ms": 1e3 * (step_s - device_s),
         "vocoder_ms_per_frame_chunk4": 1e3 * voc4_s,
+        "vocoder_ms_per_frame_chunk16": 1e3 * voc16_s,
         "vocoder_ms_per_call_chunk1": 1e3 * voc1_s,
-        "streaming_frame_ms_estimate": 1e3 * (step_s + voc4_s),
+        # A streamed frame once the default schedule (1, 4, 16, 16, ... frames) reaches 16.
+        "streaming_frame_ms_estimate": 1e3 * (step_s + voc16_s),
+        "streaming_frame_ms_estimate_chunk4": 1e3 * (step_s + voc4_s),
     }
     try:
         split = instrumented_split(engine, n)

@@ -59,6 +59,24 @@ FRAME_CAP_MARGIN = 100
 MAX_SEGMENT_TOKENS = 200
 
 
+# A later chunk holds at most this many times the frames already sent. The second chunk (4 frames
+# after 1) already needs the decoder to run at >= 4x real time to reach the player before the first
+# one has played out; capping growth at the same ratio asks no more of it, so a chunk schedule of
+# 1, 4, 16, 16, ... starves the player under no load where 1, 4, 4, ... does not. A 16-frame
+# vocoder call costs 0.12 ms a frame against 0.38 for a 4-frame one (H200, bench/NOTES.md).
+CHUNK_GROWTH = 4
+
+
+def chunk_target(request: SynthesisRequest, frames_sent: int) -> int:
+    """Frames in the chunk that starts after `frames_sent` frames of audio."""
+    if frames_sent == 0:
+        return request.first_chunk_frames
+    n = request.chunk_frames
+    if request.max_chunk_frames is not None and frames_sent > request.first_chunk_frames:
+        n = max(n, min(request.max_chunk_frames, CHUNK_GROWTH * frames_sent))
+    return n
+
+
 @dataclass
 class SynthesisRequest:
     text: str
@@ -71,6 +89,9 @@ class SynthesisRequest:
     voice_clone: VoiceClonePrompt | None = None
     first_chunk_frames: int = 1
     chunk_frames: int = 4
+    # From the third chunk on, chunks grow up to this, each at most CHUNK_GROWTH x the frames already
+    # sent; None (or <= chunk_frames): every later chunk is chunk_frames.
+    max_chunk_frames: int | None = 16
     max_frames: int | None = None
     sampling: SamplingParams | None = None  # overrides generation_config.json
     vocode: bool = True
@@ -155,7 +176,7 @@ class QwenTTSEngine:
         self.closed = False
         # On a GPU the streaming vocoder step replays one CUDA graph per chunk size; those of the
         # default chunk sizes are captured from compiled code, with cuDNN's preferred weight layout.
-        defaults = (SynthesisRequest.first_chunk_frames, SynthesisRequest.chunk_frames)
+        defaults = (SynthesisRequest.first_chunk_frames, SynthesisRequest.chunk_frames, SynthesisRequest.max_chunk_frames)
         self.vocoder_graphs = None
         if device.type == "cuda":
             vocoder.use_channels_last()
@@ -227,8 +248,9 @@ class QwenTTSEngine:
             defaults = SamplingParams.from_defaults(self.generation)
             capture([defaults, defaults.greedy()])
         if self.vocoder_graphs is not None:
-            # First chunk, the default later chunk, the tails a 4-frame stream ends on, synthesize().
-            self.vocoder_graphs.capture([1, 2, 3, 4, 25])
+            # Every size a default stream can send (1, 4, 16 and the tails it may end on) and
+            # synthesize()'s 25: a size first seen mid-stream would be captured right then.
+            self.vocoder_graphs.capture([*range(1, SynthesisRequest.max_chunk_frames + 1), 25])
         voice = self.voices[0] if self.voices else None
         vc = None
         if self.config.model_type == "base":
@@ -294,6 +316,8 @@ class QwenTTSEngine:
             raise InvalidInputError(f"unknown text_mode {text_mode!r}; valid: {', '.join(TEXT_MODES)}")
         if request.first_chunk_frames < 1 or request.chunk_frames < 1:
             raise InvalidInputError("first_chunk_frames and chunk_frames must be >= 1")
+        if request.max_chunk_frames is not None and request.max_chunk_frames < 1:
+            raise InvalidInputError("max_chunk_frames must be >= 1, or None for fixed chunks")
         if request.max_frames is not None and request.max_frames < 1:
             raise InvalidInputError("max_frames must be >= 1")
         params = (request.sampling or SamplingParams.from_defaults(self.generation)).validated()
@@ -413,8 +437,7 @@ class QwenTTSEngine:
             return self._finish(s, "frame_cap")
         if s.segment_frames >= s.frame_cap:
             return self._end_segment(s, "frame_cap")
-        target = s.request.first_chunk_frames if s.chunk_start == 0 else s.request.chunk_frames
-        if len(s.pending) >= target:
+        if len(s.pending) >= chunk_target(s.request, s.chunk_start):
             return self._flush(s)
         return []
 
@@ -479,6 +502,7 @@ class QwenTTSEngine:
     def synthesize(self, text: str, **kwargs) -> SynthesisResult:
         kwargs.setdefault("first_chunk_frames", 25)
         kwargs.setdefault("chunk_frames", 25)
+        kwargs.setdefault("max_chunk_frames", None)
         s = self.open_session(SynthesisRequest(text, **kwargs))
         chunks: list[AudioChunk] = []
         try:

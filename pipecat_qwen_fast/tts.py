@@ -110,6 +110,7 @@ class QwenFastTTSService(TTSService):
         text_mode: str | None = None,
         first_chunk_frames: int = 1,
         chunk_frames: int = 4,
+        max_chunk_frames: int | None = 16,
         max_frames: int | None = None,
         engine_service: EngineService | None = None,
         stop_frame_timeout_s: float = DEFAULT_STOP_FRAME_TIMEOUT_S,
@@ -129,7 +130,10 @@ class QwenFastTTSService(TTSService):
             text_mode: "prefill" (whole text in the prompt) or "dual_track" (streamed text);
                 None uses the model variant's official default.
             first_chunk_frames: Codec frames (80 ms each) in the first audio chunk.
-            chunk_frames: Codec frames in every later chunk.
+            chunk_frames: Codec frames in the second chunk.
+            max_chunk_frames: From the third chunk on, chunks grow up to this many frames, each
+                at most 4x the audio already sent (fewer vocoder calls per second of audio); None
+                keeps every later chunk at ``chunk_frames``.
             max_frames: Cap on frames per utterance; None uses the model's limit.
             engine_service: Use this EngineService instead of the process-wide shared one.
             stop_frame_timeout_s: Idle time before a context is considered finished; large
@@ -158,6 +162,7 @@ class QwenFastTTSService(TTSService):
             "text_mode": text_mode,
             "first_chunk_frames": first_chunk_frames,
             "chunk_frames": chunk_frames,
+            "max_chunk_frames": max_chunk_frames,
             "max_frames": max_frames,
         }
         self._services = ServiceHandle(engine_service, device=device, dtype=dtype, backend=backend)

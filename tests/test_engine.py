@@ -21,7 +21,7 @@ from pipecat_qwen_fast import (
     UnsupportedFeatureError,
     VoiceClonePrompt,
 )
-from pipecat_qwen_fast.engine import MAX_SEGMENT_TOKENS, split_text
+from pipecat_qwen_fast.engine import MAX_SEGMENT_TOKENS, chunk_target, split_text
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +51,11 @@ def test_listings(engine):
 
 
 def test_stream_chunks_and_equals_whole(endless):
-    kw = dict(voice="ryan", language="english", seed=7, max_frames=11)
-    chunks = list(endless.stream("Hello there, how are you?", first_chunk_frames=1, chunk_frames=4, **kw))
-    assert [c.num_frames for c in chunks] == [1, 4, 4, 2]
-    assert [c.frame_index for c in chunks] == [0, 1, 5, 9]
+    kw = dict(voice="ryan", language="english", seed=7, max_frames=30)
+    chunks = list(endless.stream("Hello there, how are you?", **kw))
+    # Default schedule: 1 frame, then 4, then 16 (at most 4x the frames already sent), then the tail.
+    assert [c.num_frames for c in chunks] == [1, 4, 16, 9]
+    assert [c.frame_index for c in chunks] == [0, 1, 5, 21]
     for c in chunks:
         assert c.pcm.dtype == np.int16 and len(c.pcm) == 1920 * c.num_frames
     streamed = np.concatenate([c.pcm for c in chunks])
@@ -64,6 +65,35 @@ def test_stream_chunks_and_equals_whole(endless):
     # Exact streaming vocoder: chunking does not change the audio beyond int16 rounding.
     assert np.abs(streamed.astype(np.int32) - whole.pcm.astype(np.int32)).max() <= 1
     assert np.abs(streamed).max() > 0
+
+
+def test_fixed_chunks_without_growth(endless):
+    kw = dict(voice="ryan", seed=7, max_frames=11, first_chunk_frames=1, chunk_frames=4, max_chunk_frames=None)
+    assert [c.num_frames for c in endless.stream("Hello there.", **kw)] == [1, 4, 4, 2]
+
+
+@pytest.mark.parametrize(
+    "first, chunk, most, sizes",
+    [
+        (1, 4, 16, [1, 4, 16, 16, 16]),
+        (1, 2, 16, [1, 2, 12, 16, 16]),  # 12: four times the 3 frames already sent
+        (2, 4, 32, [2, 4, 24, 32, 32]),
+        (1, 4, None, [1, 4, 4, 4, 4]),
+        (1, 8, 4, [1, 8, 8, 8, 8]),  # a cap below chunk_frames never shrinks a chunk
+    ],
+)
+def test_chunk_schedule(first, chunk, most, sizes):
+    req = SynthesisRequest("x", first_chunk_frames=first, chunk_frames=chunk, max_chunk_frames=most)
+    sent, got = 0, []
+    for _ in sizes:
+        got.append(chunk_target(req, sent))
+        sent += got[-1]
+    assert got == sizes
+
+
+def test_bad_max_chunk_frames(engine):
+    with pytest.raises(InvalidInputError, match="max_chunk_frames must be >= 1, or None"):
+        engine.open_session(SynthesisRequest("Hello.", voice="ryan", max_chunk_frames=0))
 
 
 def test_seeded_sampling_repeats(endless):

@@ -52,6 +52,7 @@ class TTS(tts.TTS):
         text_mode: str | None = None,
         first_chunk_frames: int = 1,
         chunk_frames: int = 4,
+        max_chunk_frames: int | None = 16,
         max_frames: int | None = None,
         engine_service: EngineService | None = None,
         sentence_tokenizer: NotGivenOr[tokenize.SentenceTokenizer] = NOT_GIVEN,
@@ -71,7 +72,10 @@ class TTS(tts.TTS):
             greedy: Decode greedily instead of sampling.
             text_mode: "prefill" or "dual_track"; None uses the model variant's default.
             first_chunk_frames: Codec frames (80 ms each) in the first audio chunk.
-            chunk_frames: Codec frames in every later chunk.
+            chunk_frames: Codec frames in the second chunk.
+            max_chunk_frames: From the third chunk on, chunks grow up to this many frames, each
+                at most 4x the audio already sent (fewer vocoder calls per second of audio); None
+                keeps every later chunk at ``chunk_frames``.
             max_frames: Cap on frames per utterance; None uses the model's limit.
             engine_service: Use this EngineService instead of the process-wide shared one.
             sentence_tokenizer: Splits streamed text into sentences (default: blingfire).
@@ -94,6 +98,7 @@ class TTS(tts.TTS):
             text_mode=text_mode,
             first_chunk_frames=first_chunk_frames,
             chunk_frames=chunk_frames,
+            max_chunk_frames=max_chunk_frames,
             max_frames=max_frames,
         )
         self._services = ServiceHandle(engine_service, device=device, dtype=dtype, backend=backend)
