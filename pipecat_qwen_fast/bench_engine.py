@@ -129,6 +129,7 @@ def measure_stream(engine: QwenTTSEngine, text: str, frames: int, seed: int) -> 
         "audio_s": audio,
         "rtf": wall / audio,
         "frames_per_s_after_first_chunk": steady,
+        "chunk_sizes": sizes,
         "max_chunk_gap_ms": 1e3 * max(np.diff(arrivals), default=0.0),
         "underrun_ms": 1e3 * max_underrun(arrivals, [n / texts.FRAME_RATE_HZ for n in sizes]),
     }
@@ -295,7 +296,7 @@ def measure_breakdown(engine: QwenTTSEngine, n: int) -> dict:
         "vocoder_ms_per_frame_chunk4": 1e3 * voc4_s,
         "vocoder_ms_per_frame_chunk16": 1e3 * voc16_s,
         "vocoder_ms_per_call_chunk1": 1e3 * voc1_s,
-        # A streamed frame once the default schedule (1, 4, 16, 16, ... frames) reaches 16.
+        # A streamed frame once the default schedule (1, 4, 10, 16, 16, ... frames) reaches 16.
         "streaming_frame_ms_estimate": 1e3 * (step_s + voc16_s),
         "streaming_frame_ms_estimate_chunk4": 1e3 * (step_s + voc4_s),
     }

@@ -59,12 +59,14 @@ FRAME_CAP_MARGIN = 100
 MAX_SEGMENT_TOKENS = 200
 
 
-# A later chunk holds at most this many times the frames already sent. The second chunk (4 frames
-# after 1) already needs the decoder to run at >= 4x real time to reach the player before the first
-# one has played out; capping growth at the same ratio asks no more of it, so a chunk schedule of
-# 1, 4, 16, 16, ... starves the player under no load where 1, 4, 4, ... does not. A 16-frame
-# vocoder call costs 0.12 ms a frame against 0.38 for a 4-frame one (H200, bench/NOTES.md).
-CHUNK_GROWTH = 4
+# From the third chunk on, a chunk holds at most this many times the frames already sent. A chunk
+# of n frames after S sent reaches the player in time while the decoder runs at >= ~(n / S + 1)x
+# real time: 5x for the second chunk (4 after 1), 3x for the later ones, so growth never asks more
+# than the default second chunk already does. With 4x growth (1, 4, 16) the third chunk asked 4.2x
+# and 16 concurrent torch-backend streams (4.5x each) ran out of audio by 1 ms where 1, 4, 4 did
+# not (H200 full run at c332932). A 16-frame vocoder call costs 0.12-0.14 ms a frame against
+# 0.38-0.44 for a 4-frame one (bench/NOTES.md, "Chunk schedule").
+CHUNK_GROWTH = 2
 
 
 def chunk_target(request: SynthesisRequest, frames_sent: int) -> int:
@@ -248,7 +250,7 @@ class QwenTTSEngine:
             defaults = SamplingParams.from_defaults(self.generation)
             capture([defaults, defaults.greedy()])
         if self.vocoder_graphs is not None:
-            # Every size a default stream can send (1, 4, 16 and the tails it may end on) and
+            # Every size a default stream can send (1, 4, 10, 16 and the tails it may end on) and
             # synthesize()'s 25: a size first seen mid-stream would be captured right then.
             self.vocoder_graphs.capture([*range(1, SynthesisRequest.max_chunk_frames + 1), 25])
         voice = self.voices[0] if self.voices else None

@@ -132,8 +132,9 @@ class QwenFastTTSService(TTSService):
             first_chunk_frames: Codec frames (80 ms each) in the first audio chunk.
             chunk_frames: Codec frames in the second chunk.
             max_chunk_frames: From the third chunk on, chunks grow up to this many frames, each
-                at most 4x the audio already sent (fewer vocoder calls per second of audio); None
-                keeps every later chunk at ``chunk_frames``.
+                at most twice the audio already sent (1, 4, 10, 16, 16, ... by default: fewer
+                vocoder calls per second of audio); None keeps every later chunk at
+                ``chunk_frames``.
             max_frames: Cap on frames per utterance; None uses the model's limit.
             engine_service: Use this EngineService instead of the process-wide shared one.
             stop_frame_timeout_s: Idle time before a context is considered finished; large

@@ -53,9 +53,9 @@ def test_listings(engine):
 def test_stream_chunks_and_equals_whole(endless):
     kw = dict(voice="ryan", language="english", seed=7, max_frames=30)
     chunks = list(endless.stream("Hello there, how are you?", **kw))
-    # Default schedule: 1 frame, then 4, then 16 (at most 4x the frames already sent), then the tail.
-    assert [c.num_frames for c in chunks] == [1, 4, 16, 9]
-    assert [c.frame_index for c in chunks] == [0, 1, 5, 21]
+    # Default schedule: 1 frame, then 4, then 10 (twice the frames already sent), 16 (the cap), ...
+    assert [c.num_frames for c in chunks] == [1, 4, 10, 15]
+    assert [c.frame_index for c in chunks] == [0, 1, 5, 15]
     for c in chunks:
         assert c.pcm.dtype == np.int16 and len(c.pcm) == 1920 * c.num_frames
     streamed = np.concatenate([c.pcm for c in chunks])
@@ -75,9 +75,9 @@ def test_fixed_chunks_without_growth(endless):
 @pytest.mark.parametrize(
     "first, chunk, most, sizes",
     [
-        (1, 4, 16, [1, 4, 16, 16, 16]),
-        (1, 2, 16, [1, 2, 12, 16, 16]),  # 12: four times the 3 frames already sent
-        (2, 4, 32, [2, 4, 24, 32, 32]),
+        (1, 4, 16, [1, 4, 10, 16, 16]),
+        (1, 2, 16, [1, 2, 6, 16, 16]),  # 6: twice the 3 frames already sent
+        (2, 4, 32, [2, 4, 12, 32, 32]),
         (1, 4, None, [1, 4, 4, 4, 4]),
         (1, 8, 4, [1, 8, 8, 8, 8]),  # a cap below chunk_frames never shrinks a chunk
     ],
