@@ -16,7 +16,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "grid_barrier.cuh"
+#include "microbench.cuh"
 
 __global__ void read_kernel(const float4* src, size_t stride4, int n4, int iters, unsigned* counter,
                             long long* cycles, float* sink) {
@@ -64,15 +64,8 @@ int main() {
             const int n4 = kb * 1024 / 16;
             const size_t stride4 = own ? max_bytes / 16 : 0;
             read_kernel<<<sms, threads, smem>>>(buf, stride4, n4, 20, counter, cycles, sink);  // warm-up
-            cudaEvent_t a, b;
-            cudaEventCreate(&a);
-            cudaEventCreate(&b);
-            cudaEventRecord(a);
-            read_kernel<<<sms, threads, smem>>>(buf, stride4, n4, iters, counter, cycles, sink);
-            cudaEventRecord(b);
-            cudaEventSynchronize(b);
-            float ms = 0.f;
-            cudaEventElapsedTime(&ms, a, b);
+            const float ms =
+                launch_ms([&] { read_kernel<<<sms, threads, smem>>>(buf, stride4, n4, iters, counter, cycles, sink); });
             cudaMemcpy(host.data(), cycles, iters * sizeof(long long), cudaMemcpyDeviceToHost);
             std::sort(host.begin(), host.end());
             const double med_cyc = (double)host[iters / 2];
@@ -82,8 +75,6 @@ int main() {
                    first ? "" : ",\n", kb, own ? "own" : "same", med_cyc, us, ms * 1e3 / iters,
                    (double)kb * 1024 * sms / (us * 1e-6) / 1e9);
             first = false;
-            cudaEventDestroy(a);
-            cudaEventDestroy(b);
         }
     }
     printf("\n]}\n");

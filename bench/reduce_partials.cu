@@ -24,7 +24,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "grid_barrier.cuh"
+#include "microbench.cuh"
 
 enum Mode { M_BARRIER = 0, M_STORE, M_RED_U64, M_RED_F32, M_RED_F32X4, M_COUNT };
 static const char* kModes[] = {"barrier", "store", "red_u64", "red_f32", "red_f32x4"};
@@ -101,16 +101,9 @@ int main() {
             cudaMemset(acc64, 0, 2048 * 8);
             cudaMemset(acc32, 0, 2048 * 4);
             reduce_kernel<<<sms, threads, smem>>>(mode, width, 20, counter, cycles, acc64, acc32);  // warm-up
-            cudaEvent_t a, b;
-            cudaEventCreate(&a);
-            cudaEventCreate(&b);
             cudaMemset(acc64, 0, 2048 * 8);
-            cudaEventRecord(a);
-            reduce_kernel<<<sms, threads, smem>>>(mode, width, iters, counter, cycles, acc64, acc32);
-            cudaEventRecord(b);
-            cudaEventSynchronize(b);
-            float ms = 0.f;
-            cudaEventElapsedTime(&ms, a, b);
+            const float ms = launch_ms(
+                [&] { reduce_kernel<<<sms, threads, smem>>>(mode, width, iters, counter, cycles, acc64, acc32); });
             cudaMemcpy(host.data(), cycles, (iters - 1) * sizeof(long long), cudaMemcpyDeviceToHost);
             std::sort(host.begin(), host.end());
             const double med = (double)host[host.size() / 2], p90 = (double)host[host.size() * 9 / 10];
@@ -135,8 +128,6 @@ int main() {
                    first ? "" : ",\n", width, kModes[mode], med / (clock_khz / 1e3), p90 / (clock_khz / 1e3),
                    ms * 1e3 / iters);
             first = false;
-            cudaEventDestroy(a);
-            cudaEventDestroy(b);
         }
     }
     printf("\n], \"red_u64_exact\": %s}\n", exact ? "true" : "false");
