@@ -7,6 +7,7 @@
 #include "qwen_mk.h"
 
 #define QMK_MAX_PER_THREAD 8  // vocab <= 8 * QMK_THREADS
+#define QMK_TOPK_WORDS (4 * 256)  // kth_largest_key: a 256-bin histogram per 8-bit round
 
 struct TalkerRules {
     const uint8_t* seen;
@@ -49,9 +50,9 @@ __device__ __forceinline__ float block_exclusive_scan(float local, float* scratc
 // histogram itself, so a round has one barrier and the select 4 (a round's dependent chain, not its
 // per-key work, is the cost: 4-bit rounds took 8 x 0.65 us). Plain atomics: aggregating a warp's
 // equal bins first (__match_any_sync) measured slower, though the first round's keys share few bins.
-// `hist`: 4 x 256 words, zeroed before the block barrier that precedes the call (zero_hist).
+// `hist`: QMK_TOPK_WORDS words, zeroed before the block barrier that precedes the call (zero_hist).
 __device__ __forceinline__ void zero_hist(unsigned* hist) {
-    for (int i = threadIdx.x; i < 4 * 256; i += QMK_THREADS) hist[i] = 0u;
+    for (int i = threadIdx.x; i < QMK_TOPK_WORDS; i += QMK_THREADS) hist[i] = 0u;
 }
 
 template <int EM>

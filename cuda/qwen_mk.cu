@@ -49,7 +49,7 @@ static_assert(QMK_RED_ROWS >= QMK_TILE_ROWS, "row partials");
 static_assert(QMK_ATTN_SMEM_FLOATS <= 4, "attention scratch");
 static_assert(QMK_SMEM_XS % 16 == 0 && QMK_SMEM_WS % 16 == 0, "staged operands are read as float4");
 static_assert(QMK_SMEM_ACTS % 16 == 0, "activations are read as float4");
-static_assert(QMK_SMEM_TOPK % 16 == 0 && 2 * 8 * QMK_WARPS * 4 <= 1024, "top-k counts are read as uint4");
+static_assert(QMK_SMEM_TOPK % 16 == 0 && 4 * QMK_TOPK_WORDS <= QMK_SMEM_XS - QMK_SMEM_TOPK, "top-k histograms, read as uint4");
 static_assert(sizeof(qmk_layer) == 96, "layer table entry");
 
 template <class T>

@@ -16,7 +16,6 @@ FRAME_MS = 80.0
 BACKENDS = ("megakernel", "torch", "eager")  # ours, fastest expected first
 
 
-
 def _get(d: dict | None, *path, default=None):
     for key in path:
         if not isinstance(d, dict) or key not in d:
