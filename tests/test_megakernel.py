@@ -250,6 +250,21 @@ def test_predictor_matches_phase_reference(backends):
     assert max(errs) <= PHASE_BAR
 
 
+def side_by_side(b, other, frames: int = 8, seed: int = 3) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """The module's kernel and `other` (a build option switched off) from the same prefill, with
+    the same sampling seed: per frame (codes, talker hidden, predictor hidden of passes 1..15)."""
+    params = SamplingParams()
+    ts = REF.start_reference(b.tb, b.talker.cfg.hidden_size, params, frames)
+    runs = []
+    for backend in (b.mb, other):
+        ms = REF.start_kernel_from(backend, ts, params, seed=seed)
+        runs.append([(backend.decode_frame(ms).clone(), ms.buffers["hidden"].clone(),
+                      ms.buffers["pred_hidden"][1:].clone()) for _ in range(frames)])
+        backend.release(ms)
+    b.tb.release(ts)
+    return runs
+
+
 @needs_gpu
 @pytest.mark.gpu
 def test_input_tables_match_the_qkv_phase(backends):
@@ -260,17 +275,10 @@ def test_input_tables_match_the_qkv_phase(backends):
     b = backends
     plain = mk.MegakernelBackend(b.talker, torch.device("cuda"), torch.bfloat16, warmup=False, input_tables=False)
     assert len(b.mb.input_tables) == b.cfg.talker.num_code_groups - 1 and not plain.input_tables
-    params = SamplingParams()
-    ts = REF.start_reference(b.tb, b.talker.cfg.hidden_size, params, 8)
-    runs = []
-    for backend in (b.mb, plain):
-        ms = REF.start_kernel_from(backend, ts, params, seed=3)
-        runs.append([(backend.decode_frame(ms).clone(), ms.buffers["pred_hidden"][1:].clone()) for _ in range(8)])
-        backend.release(ms)
-    b.tb.release(ts)
-    errs = [rel_err(ha, hb) for (_, ha), (_, hb) in zip(*runs)]
+    runs = side_by_side(b, plain)
+    errs = [rel_err(pa, pb) for (_, _, pa), (_, _, pb) in zip(*runs)]
     print("predictor hidden, tables vs q/k/v phase per frame:", ", ".join(f"{e:.1e}" for e in errs))
-    for i, ((ca, _), (cb, _)) in enumerate(zip(*runs)):
+    for i, ((ca, _, _), (cb, _, _)) in enumerate(zip(*runs)):
         assert torch.equal(ca, cb), f"frame {i}: tables {ca.tolist()} vs q/k/v phase {cb.tolist()}"
     assert max(errs) <= 1e-5
 
@@ -285,15 +293,7 @@ def test_split_down_matches_the_down_phase(backends):
     b = backends
     plain = mk.MegakernelBackend(b.talker, torch.device("cuda"), torch.bfloat16, warmup=False, split_down=False)
     assert b.mb.split_down and not plain.split_down
-    params = SamplingParams()
-    ts = REF.start_reference(b.tb, b.talker.cfg.hidden_size, params, 8)
-    runs = []
-    for backend in (b.mb, plain):
-        ms = REF.start_kernel_from(backend, ts, params, seed=3)
-        runs.append([(backend.decode_frame(ms).clone(), ms.buffers["hidden"].clone(),
-                      ms.buffers["pred_hidden"][1:].clone()) for _ in range(8)])
-        backend.release(ms)
-    b.tb.release(ts)
+    runs = side_by_side(b, plain)
     talker_errs = [rel_err(ta, tb) for (_, ta, _), (_, tb, _) in zip(*runs)]
     pred_errs = [rel_err(pa, pb) for (_, _, pa), (_, _, pb) in zip(*runs)]
     print("split down vs down phase per frame: talker hidden", ", ".join(f"{e:.1e}" for e in talker_errs),
