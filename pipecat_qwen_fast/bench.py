@@ -25,12 +25,12 @@ from . import bench_texts as texts
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BASELINE_DIR = REPO_ROOT / "bench" / "baselines"
-BACKENDS = ("torch", "megakernel", "eager")
+BACKENDS = ("torch", "auto", "megakernel", "eager")
 BASELINES = ("faster", "official")
 # Relative shares of the time left when each phase starts; a phase that finishes early (an
 # unavailable backend, say) leaves its time to the phases after it.
-WEIGHTS = {"ceilings": 3, "torch": 40, "faster": 22, "official": 30, "megakernel": 18, "eager": 12}
-MIN_PHASE_S = {"ceilings": 10, "torch": 30, "faster": 30, "official": 30, "megakernel": 30, "eager": 40}
+WEIGHTS = {"ceilings": 3, "torch": 40, "auto": 30, "faster": 22, "official": 30, "megakernel": 18, "eager": 12}
+MIN_PHASE_S = {"ceilings": 10, "torch": 30, "auto": 30, "faster": 30, "official": 30, "megakernel": 30, "eager": 40}
 EXIT_GRACE_S = 20  # a phase stops its own work at its budget; this is its time to exit
 
 
@@ -115,8 +115,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--work-dir", type=Path, default=None, help="folder for per-phase JSONs (default: OUT/phases)")
     p.add_argument("--device", default="cuda", help="cuda | cuda:N | cpu")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float32")
-    p.add_argument("--backends", default="torch,megakernel,eager",
-                   help="comma list of: torch (CUDA graphs on CUDA), megakernel, eager (the plain PyTorch reference)")
+    p.add_argument("--backends", default="torch,auto,eager",
+                   help="comma list of: torch (CUDA graphs on CUDA), auto (the default: megakernel for the first "
+                        "calls, torch batches beyond), megakernel, eager (the plain PyTorch reference)")
     p.add_argument("--baselines", default="faster,official", help="comma list of: faster, official; or none")
     p.add_argument("--budget", type=float, default=540.0, help="seconds for everything after the checkpoint build")
     p.add_argument("--deadline", type=float, default=None, help="absolute UNIX time to finish by (overrides --budget)")
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     # Our default backend, then the baselines, then the others (the new kernel, then the slow eager
     # reference): a kernel that hangs or faults then costs only its own share, never a baseline row.
     ours_first = [b for b in args.backends if b == "torch"]
-    ours_last = [b for b in ("megakernel", "eager") if b in args.backends]
+    ours_last = [b for b in ("auto", "megakernel", "eager") if b in args.backends]
     phases = ["ceilings", *ours_first, *args.baselines, *ours_last]
     py = sys.executable
     base_env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -555,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--backend", default="torch", choices=["torch", "megakernel", "eager"])
+    p.add_argument("--backend", default="torch", choices=["torch", "auto", "megakernel", "eager"])
     p.add_argument("--budget", type=float, default=180.0, help="seconds this phase may use")
     p.add_argument("--bandwidth-gbs", type=float, default=None, help="copy bandwidth measured in this run")
     p.add_argument("--quick", action="store_true")

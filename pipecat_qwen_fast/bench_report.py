@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 FRAME_MS = 80.0
-BACKENDS = ("megakernel", "torch", "eager")  # ours, fastest expected first
+BACKENDS = ("auto", "megakernel", "torch", "eager")  # ours, the default first
 
 
 def _get(d: dict | None, *path, default=None):

@@ -9,6 +9,7 @@ thread-safe: drive it from one thread at a time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -200,9 +201,11 @@ class QwenTTSEngine:
         """Load a checkpoint from a local folder (Hugging Face layout) or a hub id.
 
         device "auto" picks CUDA when available; dtype "auto" is bfloat16 on CUDA, float32 on CPU;
-        backend "auto" picks the megakernel where it is supported and logs why when it falls back;
-        "torch" is the PyTorch path (one CUDA graph per frame on a GPU); "eager" is the plain
-        PyTorch reference without graphs.
+        backend "auto" runs the first concurrent calls on the megakernel and the rest batched on
+        the torch backend's CUDA graphs where the megakernel is supported (hybrid_backend.py), and
+        logs why when it falls back to "torch"; "megakernel" runs every call on the megakernel;
+        "torch" is the PyTorch path (one batched CUDA graph per frame on a GPU); "eager" is the
+        plain PyTorch reference without graphs.
         warmup (default: on for CUDA) runs every run-time path once so the first request is fast.
         """
         dev = _resolve_device(device)
@@ -257,17 +260,21 @@ class QwenTTSEngine:
         vc = None
         if self.config.model_type == "base":
             vc = VoiceClonePrompt(x_vector=torch.zeros(self.config.talker.hidden_size))
-        for greedy in (True, False):
-            req = SynthesisRequest(
-                "Hello there, this warms the engine up.", voice=voice, greedy=greedy, seed=0,
-                voice_clone=vc, max_frames=6, first_chunk_frames=1, chunk_frames=4,
-            )
-            s = self.open_session(req)
-            try:
-                while not s.done:
-                    self.step(s)
-            finally:
-                self.close_session(s)
+        # A backend that places sessions on one of two paths (the auto backend) warms up both.
+        placed = getattr(self.backend, "placed", None)
+        for place in (True, False) if placed is not None else (None,):
+            with placed(place) if placed is not None else contextlib.nullcontext():
+                for greedy in (True, False):
+                    req = SynthesisRequest(
+                        "Hello there, this warms the engine up.", voice=voice, greedy=greedy, seed=0,
+                        voice_clone=vc, max_frames=6, first_chunk_frames=1, chunk_frames=4,
+                    )
+                    s = self.open_session(req)
+                    try:
+                        while not s.done:
+                            self.step(s)
+                    finally:
+                        self.close_session(s)
 
     # ------------------------------------------------------------------ introspection
 
@@ -648,6 +655,18 @@ def _torch_backend(net: Qwen3TTSModel, device: torch.device, dtype: torch.dtype)
     return TorchBackend(net.talker, device, dtype)
 
 
+def _hybrid_backend(net: Qwen3TTSModel, device: torch.device, dtype: torch.dtype) -> DecodeBackend:
+    """`auto` on a supported GPU: the megakernel for the first calls, batched graphs for the rest."""
+    from .hybrid_backend import HybridBackend
+    from .megakernel import MegakernelBackend
+
+    # The graph backend first: it fuses the q/k/v and gate/up weights in place, and the megakernel
+    # must take its weight addresses after that. The two share the captured prefills.
+    bulk = _torch_backend(net, device, dtype)
+    fast = MegakernelBackend(net.talker, device, dtype, prefills=getattr(bulk, "prefills", None))
+    return HybridBackend(fast, bulk)
+
+
 def _select_backend(name: str, net: Qwen3TTSModel, device: torch.device, dtype: torch.dtype) -> DecodeBackend:
     if name == "eager":
         return TorchBackend(net.talker, device, dtype)
@@ -661,8 +680,10 @@ def _select_backend(name: str, net: Qwen3TTSModel, device: torch.device, dtype: 
             from .megakernel import MegakernelBackend, megakernel_unsupported_reason
 
             reason = megakernel_unsupported_reason(net, device, dtype)
-            if reason is None:
+            if reason is None and name == "megakernel":
                 return MegakernelBackend(net.talker, device, dtype)
+            if reason is None:
+                return _hybrid_backend(net, device, dtype)
         except ImportError as e:  # megakernel module not built / not available
             reason = f"megakernel unavailable ({e})"
     if name == "megakernel":

@@ -367,7 +367,7 @@ class MegakernelBackend:
     name = "megakernel"
 
     def __init__(self, talker, device: torch.device, dtype: torch.dtype, warmup: bool = True,
-                 input_tables: bool = True, split_down: bool = True):
+                 input_tables: bool = True, split_down: bool = True, prefills: PrefillGraphs | None = None):
         reason = shape_unsupported_reason(talker)
         if reason:
             raise UnsupportedFeatureError(reason)
@@ -390,7 +390,9 @@ class MegakernelBackend:
         self.pred_rope = rope_table(self.num_groups, self.pcfg.stack.rope_theta, device)
         # Per-code layer-0 q/k/v of the predictor passes (qmk_model.qkv0): -15 phases a frame.
         self.input_tables = build_input_tables(talker, device) if input_tables else []
-        self.prefills: PrefillGraphs | None = None
+        # The captured prefill per prompt-length bucket: made at warm-up, or shared with another
+        # backend on the same weights (the auto backend's batch).
+        self.prefills: PrefillGraphs | None = prefills
         if warmup:
             self.warmup()
 
@@ -564,7 +566,7 @@ class MegakernelBackend:
     def warmup(self) -> None:
         """Run greedy and sampled frames once so the first request pays no build or load cost."""
         try:
-            prefills = PrefillGraphs(self.talker, self.device, self.dtype)
+            prefills = self.prefills or PrefillGraphs(self.talker, self.device, self.dtype)
             prefills.capture_all()
             self.prefills = prefills
         except Exception as e:  # noqa: BLE001 - the eager prefill still works; say why it is used

@@ -163,7 +163,7 @@ def test_report_states_ratios_and_missing_rows():
 
 
 def test_cli_rejects_unknown_backend():
-    with pytest.raises(SystemExit, match="unknown warp; valid: torch, megakernel"):
+    with pytest.raises(SystemExit, match="unknown warp; valid: torch, auto, megakernel, eager"):
         bench.parse_args(["--model", "x", "--out", "y", "--backends", "torch,warp"])
 
 

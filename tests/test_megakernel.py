@@ -417,3 +417,53 @@ def test_eos_frame_stops_early_and_the_session_goes_on(backends):
         assert int(codes[0]) < 2048 and bool(((codes[1:] >= 0) & (codes[1:] < 2048)).all())
     torch.cuda.synchronize()
     assert int(first[0]) < 2048
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_auto_backend_mixes_megakernel_and_batch(backends):
+    """backend="auto" on a GPU: the first calls on the megakernel, the rest in the graph batch, in
+    the same rounds. Built as the engine builds it (the graph backend fuses the weights in place
+    first, then the megakernel takes their addresses; both share the captured prefills), on a copy
+    of the talker so the module's other kernels keep their own weights. Each call's codes equal
+    the same call run alone on its side."""
+    from types import SimpleNamespace
+
+    from pipecat_qwen_fast.engine import _hybrid_backend
+
+    talker = copy.deepcopy(backends.talker)
+    hb = _hybrid_backend(SimpleNamespace(talker=talker), torch.device("cuda"), torch.bfloat16)
+    assert isinstance(hb.fast, mk.MegakernelBackend) and hb.fast.prefills is hb.bulk.prefills
+    assert hb.name == "megakernel+torch-cudagraph"
+    params = SamplingParams()
+    frames = 6
+
+    def begin(i):
+        embeds, trailing, pad = REF.prompt_inputs(talker.cfg.hidden_size, PROMPT_LEN + i)
+        st = hb.new_state(max_positions=PROMPT_LEN + i + frames + 2, params=params, seed=40 + i,
+                          trailing=trailing, pad_vec=pad)
+        hb.prefill(st, embeds)
+        return st
+
+    # Alone: each megakernel call by itself; the two batch calls as a batch of two by themselves
+    # (a bf16 batch of one may round differently from a batch of two).
+    solo = []
+    for i in range(2):
+        with hb.placed(True):
+            st = begin(i)
+        solo.append(torch.stack([hb.decode_frame(st).clone() for _ in range(frames)]))
+        hb.release(st)
+    with hb.placed(False):
+        pair = [begin(i) for i in (2, 3)]
+    solo += list(torch.stack([hb.decode_frames(pair).clone() for _ in range(frames)], dim=1))
+    for st in pair:
+        hb.release(st)
+    states = [begin(i) for i in range(4)]
+    assert [s.on_fast for s in states] == [True, True, False, False]
+    mixed = torch.stack([hb.decode_frames(states).clone() for _ in range(frames)], dim=1)
+    for s in states:
+        hb.release(s)
+    assert (hb.live_fast, hb.live_bulk) == (0, 0)
+    for i in range(4):
+        assert torch.equal(mixed[i], solo[i]), f"call {i} ({'megakernel' if i < 2 else 'batch'})"
+    assert not torch.equal(solo[0], solo[1])

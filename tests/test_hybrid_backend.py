@@ -1,0 +1,127 @@
+"""The auto backend's placement (first calls on one backend, the rest batched on the other), on CPU
+over the two real PyTorch backends: the eager reference as the per-call side, the graph backend's
+batched frame (run eagerly) as the batch. On a GPU the per-call side is the megakernel
+(tests/test_megakernel.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipecat_qwen_fast import QwenTTSEngine, SynthesisRequest
+from pipecat_qwen_fast.backend import TorchBackend
+from pipecat_qwen_fast.graph_backend import GraphBackend
+from pipecat_qwen_fast.hybrid_backend import HybridBackend
+
+
+def _hybrid_engine(path, fast_sessions=2, max_sessions=4):
+    engine = QwenTTSEngine.from_pretrained(path, device="cpu", dtype="float32", backend="eager")
+    bulk = GraphBackend(engine.model.talker, engine.device, engine.dtype, max_sessions=max_sessions, capacity=512,
+                        use_graphs=False)
+    engine.backend = HybridBackend(engine.backend, bulk, fast_sessions=fast_sessions)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    return _hybrid_engine(tiny_checkpoint("custom_voice", zero_eos=True))
+
+
+def _request(i, frames=8):
+    # Default sampling with a seed per call: every draw is the session's own, so a session's codes
+    # do not depend on which others share its rounds.
+    return SynthesisRequest(f"Caller number {i} speaking.", voice="aiden", seed=10 + i, max_frames=frames, vocode=False)
+
+
+def _solo(engine, req, on_fast):
+    with engine.backend.placed(on_fast):
+        s = engine.open_session(req)
+    assert s.state.on_fast is on_fast
+    while not s.done:
+        engine.step(s)
+    return np.stack(s.codes)
+
+
+def test_first_calls_on_fast_then_batched(engine):
+    hb = engine.backend
+    assert hb.name == "torch+torch-cudagraph" and hb.max_batch == 4 and hb.max_positions == 512
+    sessions = [engine.open_session(_request(i)) for i in range(4)]
+    assert [s.state.on_fast for s in sessions] == [True, True, False, False]
+    assert (hb.live_fast, hb.live_bulk) == (2, 2)
+    engine.cancel(sessions[0])
+    # Three calls are still live: a new one joins the batch, not the freed megakernel place.
+    late = engine.open_session(_request(9))
+    assert not late.state.on_fast
+    for s in sessions[1:] + [late]:
+        engine.cancel(s)
+    assert (hb.live_fast, hb.live_bulk) == (0, 0)
+    assert len(hb.bulk.free_slots) == 4, "closed batch sessions return their slots"
+    s = engine.open_session(_request(5))
+    assert s.state.on_fast, "an idle engine starts the next call on the fast side again"
+    engine.cancel(s)
+
+
+def test_mixed_rounds_equal_each_call_alone(engine):
+    reqs = [_request(i) for i in range(4)]
+    solo = [_solo(engine, r, on_fast=i < 2) for i, r in enumerate(reqs)]
+    assert not np.array_equal(solo[0], solo[1]), "different seeds, different codes"
+    sessions = [engine.open_session(r) for r in reqs]
+    rounds = 0
+    while not all(s.done for s in sessions):
+        results = engine.step_many(sessions)
+        assert not any(isinstance(r, Exception) for r in results), results
+        rounds += 1
+    assert rounds == 8
+    for s, expected in zip(sessions, solo):
+        assert np.array_equal(np.stack(s.codes), expected)
+    assert (engine.backend.live_fast, engine.backend.live_bulk) == (0, 0)
+
+
+def test_full_batch_overflows_to_fast(tiny_checkpoint):
+    engine = _hybrid_engine(tiny_checkpoint("custom_voice", zero_eos=True), fast_sessions=0, max_sessions=2)
+    sessions = [engine.open_session(_request(i, frames=2)) for i in range(3)]
+    assert [s.state.on_fast for s in sessions] == [False, False, True]
+    while not all(s.done for s in sessions):
+        engine.step_many(sessions)
+    assert all(len(s.codes) == 2 for s in sessions)
+    assert (engine.backend.live_fast, engine.backend.live_bulk) == (0, 0)
+
+
+def test_warmup_runs_both_sides(engine):
+    hb = engine.backend
+    started = dict(hb.started)
+    engine.warmup()
+    assert hb.started["fast"] - started["fast"] == 2 and hb.started["bulk"] - started["bulk"] == 2
+    assert hb.force is None and (hb.live_fast, hb.live_bulk) == (0, 0)
+
+
+def test_released_state_and_double_release(engine):
+    hb = engine.backend
+    s = engine.open_session(_request(3, frames=4))
+    state = s.state
+    engine.cancel(s)
+    with pytest.raises(RuntimeError, match="released"):
+        hb.decode_frame(state)
+    hb.release(state)  # a second release changes nothing
+    assert (hb.live_fast, hb.live_bulk) == (0, 0)
+
+
+def test_bad_fast_sessions():
+    with pytest.raises(ValueError, match="fast_sessions"):
+        HybridBackend(object(), object(), fast_sessions=-1)
+
+
+def test_eager_bulk_without_decode_frames(tiny_checkpoint):
+    # Any backend pair works: a batch side with no decode_frames is stepped one call at a time.
+    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", zero_eos=True), device="cpu",
+                                           dtype="float32", backend="eager")
+    talker = engine.model.talker
+    engine.backend = HybridBackend(engine.backend, TorchBackend(talker, engine.device, engine.dtype), fast_sessions=1)
+    sessions = [engine.open_session(SynthesisRequest("Two calls.", voice="ryan", greedy=True, max_frames=3,
+                                                     vocode=False)) for _ in range(2)]
+    assert [s.state.on_fast for s in sessions] == [True, False]
+    while not all(s.done for s in sessions):
+        engine.step_many(sessions)
+    assert np.array_equal(np.stack(sessions[0].codes), np.stack(sessions[1].codes)), "greedy: same codes on both"
+    assert torch.is_tensor(engine.generate_codes("One more.", voice="ryan", greedy=True, max_frames=2))
