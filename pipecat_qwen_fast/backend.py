@@ -33,6 +33,24 @@ class DecodeBackend(Protocol):
 
 
 @dataclass
+class SessionSnapshot:
+    """A decode session between frames, in a form any backend can start from (the auto backend
+    moves sessions from the megakernel into the batch with it). Tensors may be views of the old
+    state's buffers: adopt them before that state is released."""
+
+    k: Tensor  # talker K of positions 0..length-1 (after norm and RoPE): [layers, kv_heads, length, head_dim]
+    v: Tensor
+    frame: int  # frames decoded so far
+    hidden: Tensor  # post-norm talker hidden at the newest position (what frame 0 starts from)
+    pending: Tensor  # next talker input (frames > 0)
+    seen: Tensor  # bool [vocab]: code-0 ids generated so far
+    params: SamplingParams
+    seed: int  # seeds the adopting backend's draws from here on
+    trailing: Tensor
+    pad_vec: Tensor
+
+
+@dataclass
 class TorchDecodeState:
     talker_cache: KVCache
     predictor_cache: KVCache
@@ -119,6 +137,17 @@ class TorchBackend:
             code = sample_residual(cp.lm_head[g - 1](out[-1]), state.params, state.generator)
             codes.append(code)
         return torch.stack(codes).long()
+
+    def export_state(self, state: TorchDecodeState) -> SessionSnapshot:
+        n = state.talker_cache.length
+        seed = 0
+        if state.generator is not None:  # the session's own stream continues the next one
+            seed = int(torch.randint(0, 2**62, (1,), generator=state.generator, device=self.device).item())
+        return SessionSnapshot(
+            k=state.talker_cache.k[:, :, :n], v=state.talker_cache.v[:, :, :n], frame=state.frame,
+            hidden=state.hidden, pending=state.pending if state.pending is not None else torch.zeros_like(state.hidden),
+            seen=state.seen, params=state.params, seed=seed, trailing=state.trailing, pad_vec=state.pad_vec,
+        )
 
     def release(self, state: TorchDecodeState) -> None:
         if state.released:

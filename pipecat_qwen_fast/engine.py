@@ -201,9 +201,9 @@ class QwenTTSEngine:
         """Load a checkpoint from a local folder (Hugging Face layout) or a hub id.
 
         device "auto" picks CUDA when available; dtype "auto" is bfloat16 on CUDA, float32 on CPU;
-        backend "auto" runs the first concurrent calls on the megakernel and the rest batched on
-        the torch backend's CUDA graphs where the megakernel is supported (hybrid_backend.py), and
-        logs why when it falls back to "torch"; "megakernel" runs every call on the megakernel;
+        backend "auto", where the megakernel is supported, runs up to 4 concurrent calls on it and
+        more as one batch on the torch backend's CUDA graphs, moving live calls into the batch
+        (hybrid_backend.py); elsewhere it logs why and uses "torch"; "megakernel" runs every call on the megakernel;
         "torch" is the PyTorch path (one batched CUDA graph per frame on a GPU); "eager" is the
         plain PyTorch reference without graphs.
         warmup (default: on for CUDA) runs every run-time path once so the first request is fast.
@@ -656,7 +656,7 @@ def _torch_backend(net: Qwen3TTSModel, device: torch.device, dtype: torch.dtype)
 
 
 def _hybrid_backend(net: Qwen3TTSModel, device: torch.device, dtype: torch.dtype) -> DecodeBackend:
-    """`auto` on a supported GPU: the megakernel for the first calls, batched graphs for the rest."""
+    """`auto` on a supported GPU: the megakernel for a few calls, batched graphs for more."""
     from .hybrid_backend import HybridBackend
     from .megakernel import MegakernelBackend
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .backend import SessionSnapshot
 from .cuda_graphs import GraphCapturer
 from .errors import NoFreeSlotError, QwenTTSError
 from .layers import KVCache, apply_rotary, fuse_projections, rotary_cos_sin
@@ -176,6 +177,23 @@ class GraphBackend:
             cache = KVCache.over(self.pool_k[:, state.slot], self.pool_v[:, state.slot])
             self.pool_hidden[state.slot].copy_(self.talker.model(embeds, cache)[-1])
         state.position = n
+
+    @torch.no_grad()
+    def adopt_state(self, snap: SessionSnapshot) -> GraphState:
+        """A session started elsewhere (SessionSnapshot), continued in this batch from its next frame."""
+        n = snap.k.shape[2]
+        if n + 1 > self.capacity:
+            raise QwenTTSError(f"a session at position {n} does not fit this backend's {self.capacity} positions")
+        state = self.new_state(max_positions=n + 1, params=snap.params, seed=snap.seed, trailing=snap.trailing,
+                               pad_vec=snap.pad_vec)
+        slot = state.slot
+        self.pool_k[:, slot, :, :n].copy_(snap.k)
+        self.pool_v[:, slot, :, :n].copy_(snap.v)
+        self.pool_hidden[slot].copy_(snap.hidden)
+        self.pool_pending[slot].copy_(snap.pending)
+        self.pool_seen[slot].copy_(snap.seen)
+        state.position, state.frame = n, snap.frame
+        return state
 
     def decode_frame(self, state: GraphState) -> Tensor:
         return self.decode_frames([state])[0]

@@ -1,21 +1,28 @@
-"""The `auto` backend on a GPU: the megakernel for the first few concurrent calls, the batched CUDA
-graph backend for the rest.
+"""The `auto` backend on a GPU: the megakernel while few calls are live, the batched CUDA-graph
+backend beyond.
 
-The two backends scale differently (README, "Concurrent streams"). The megakernel runs one session
-per launch, ~2.9 ms an engine frame on the H200: the fastest first audio, but a fixed ~350 frames/s
-for any number of calls. The graph backend replays one batch of every ready session, ~10 ms plus
-~0.4 ms a session: slower alone, 1700+ frames/s at 64 calls. A session cannot move between them
-(its K/V cache lives in one), so each is placed when it starts: on the megakernel while fewer than
-`fast_sessions` sessions are live in total, else in the batch. A round then costs the megakernel
-frames plus one batch replay; the megakernel's share is bounded by `fast_sessions` launches, and
-its sessions drain as their utterances end, after which a busy server runs batches only.
+The two scale differently (README, "Concurrent streams"). The megakernel runs one session per
+launch, ~2.9 ms an engine frame on the H200: the fastest first audio, but ~350 frames/s whatever
+the number of calls. The graph backend replays one batch of every ready session, ~10 ms plus ~0.4 ms
+a session: slower alone, 1700+ frames/s at 64 calls. A round that runs both pays both (the batch's
+fixed cost plus a launch per megakernel call), so rounds are kept pure:
 
-When the batch has no free slot a new session goes to the megakernel instead, which allocates
-per session: a full pool never turns a call away while memory lasts.
+* a new call goes to the megakernel while no call is in the batch and fewer than `fast_sessions`
+  are on the megakernel;
+* otherwise it joins the batch, and the megakernel's live calls move into the batch with it, each
+  from its next frame: its K/V rows, hidden state, next input and code-0 history are copied
+  (`SessionSnapshot`, a few MB per call, queued on the device like any other work).
+
+Once the batch drains, new calls start on the megakernel again. A moved call's later draws come
+from a generator seeded from its own seed and frame, so a seeded sampled call repeats only under
+the same load; `backend="megakernel"` or `"torch"` fixes the path. When the batch has no free slot
+a call goes to (or stays on) the megakernel, which allocates per session: a full pool never turns
+a call away while memory lasts.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,13 +33,14 @@ from torch import Tensor
 from .errors import NoFreeSlotError
 from .sampling import SamplingParams
 
-# Up to this many concurrent calls the megakernel beats the batch on the H200 (per round: 2.9 ms a
-# call against ~10 ms + 0.4 ms a call), and mixed rounds (its calls plus a batch) stay short
-# enough that 16 calls keep up with the second audio chunk (bench/NOTES.md, "Auto backend").
-FAST_SESSIONS = 2
+logger = logging.getLogger("pipecat_qwen_fast")
+
+# Up to this many concurrent calls the megakernel's round is no longer than the batch's on the H200
+# (2.9 ms a call against ~10 ms + 0.4 ms a call; bench/NOTES.md, "Auto backend").
+FAST_SESSIONS = 4
 
 
-@dataclass
+@dataclass(eq=False)
 class HybridState:
     inner: object
     on_fast: bool
@@ -50,10 +58,17 @@ class HybridBackend:
         self.fast_sessions = fast_sessions
         self.name = f"{fast.name}+{bulk.name}"
         self.max_batch = getattr(bulk, "max_batch", 1)
-        self.live_fast = 0
+        # Moving calls needs a snapshot from one side and an adopter on the other.
+        self.can_move = hasattr(fast, "export_state") and hasattr(bulk, "adopt_state")
+        self.on_fast: list[HybridState] = []  # live calls on the megakernel, oldest first
         self.live_bulk = 0
-        self.force: bool | None = None  # placed(): every new session on one side (warm-up)
-        self.started = {"fast": 0, "bulk": 0}  # sessions placed on each side since load
+        self.force: bool | None = None  # placed(): every new call on one side, nothing moved (warm-up)
+        self.started = {"fast": 0, "bulk": 0}  # calls placed on each side since load
+        self.moved = 0  # calls moved from fast into the batch since load
+
+    @property
+    def live_fast(self) -> int:
+        return len(self.on_fast)
 
     @property
     def max_positions(self) -> int | None:
@@ -63,20 +78,45 @@ class HybridBackend:
 
     def new_state(self, *, max_positions: int, params: SamplingParams, seed: int | None, trailing: Tensor,
                   pad_vec: Tensor) -> HybridState:
-        kwargs = dict(max_positions=max_positions, params=params, seed=seed, trailing=trailing, pad_vec=pad_vec)
-        to_bulk = self.live_fast + self.live_bulk >= self.fast_sessions if self.force is None else not self.force
+        kwargs = {"max_positions": max_positions, "params": params, "seed": seed, "trailing": trailing,
+                  "pad_vec": pad_vec}
+        if self.force is not None:
+            to_bulk = not self.force
+        else:
+            to_bulk = self.live_bulk > 0 or self.live_fast >= self.fast_sessions
         if to_bulk:
             try:
                 state = HybridState(self.bulk.new_state(**kwargs), on_fast=False)
-                self.live_bulk += 1
-                self.started["bulk"] += 1
-                return state
             except NoFreeSlotError:
                 pass  # every batch slot is taken: this call goes to the megakernel
+            else:
+                self.live_bulk += 1
+                self.started["bulk"] += 1
+                if self.force is None:
+                    self._move_fast_calls()
+                return state
         state = HybridState(self.fast.new_state(**kwargs), on_fast=True)
-        self.live_fast += 1
+        self.on_fast.append(state)
         self.started["fast"] += 1
         return state
+
+    def _move_fast_calls(self) -> None:
+        """Every live megakernel call into the batch, from its next frame (rounds stay pure)."""
+        if not self.can_move or not self.on_fast:
+            return
+        before = self.moved
+        for hs in list(self.on_fast):
+            try:
+                moved = self.bulk.adopt_state(self.fast.export_state(hs.inner))
+            except NoFreeSlotError:
+                break  # the batch is full: the rest stay where they are
+            self.fast.release(hs.inner)
+            hs.inner, hs.on_fast = moved, False
+            self.on_fast.remove(hs)
+            self.live_bulk += 1
+            self.moved += 1
+        logger.debug("moved %d calls from the megakernel into the batch (%d in the batch, %d left)",
+                     self.moved - before, self.live_bulk, self.live_fast)
 
     def _of(self, state: HybridState):
         if state.released:
@@ -91,15 +131,17 @@ class HybridBackend:
 
     @torch.no_grad()
     def decode_frames(self, states: list[HybridState]) -> Tensor:
-        """One frame for each state -> LongTensor [n, 16]: the megakernel's sessions one launch each,
-        then the batch's in one replay, all queued on the device without a host read."""
+        """One frame for each state -> LongTensor [n, 16]: megakernel calls one launch each, the
+        batch's in one replay, all queued on the device without a host read."""
         for s in states:
             self._of(s)
-        fast = [i for i, s in enumerate(states) if s.on_fast]
-        bulk = [i for i, s in enumerate(states) if not s.on_fast]
         rows: list[Tensor | None] = [None] * len(states)
-        for i in fast:
-            rows[i] = self.fast.decode_frame(states[i].inner)
+        bulk = []
+        for i, s in enumerate(states):
+            if s.on_fast:
+                rows[i] = self.fast.decode_frame(s.inner)
+            else:
+                bulk.append(i)
         batched = getattr(self.bulk, "decode_frames", None)
         if bulk and batched is not None:
             codes = batched([states[i].inner for i in bulk])
@@ -115,7 +157,7 @@ class HybridBackend:
             return
         state.released = True
         if state.on_fast:
-            self.live_fast -= 1
+            self.on_fast.remove(state)
             self.fast.release(state.inner)
         else:
             self.live_bulk -= 1
@@ -123,7 +165,8 @@ class HybridBackend:
 
     @contextmanager
     def placed(self, on_fast: bool) -> Iterator[None]:
-        """Sessions started inside go to `fast` (True) or `bulk` (False): warm-up runs both paths."""
+        """Calls started inside go to `fast` (True) or `bulk` (False), and none is moved: warm-up
+        runs both paths."""
         prev, self.force = self.force, on_fast
         try:
             yield

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .backend import SessionSnapshot
 from .errors import UnsupportedFeatureError
 from .layers import KVCache, rotary_cos_sin
 from .prefill_graphs import PrefillGraphs
@@ -553,6 +554,17 @@ class MegakernelBackend:
             cache.length += 1
         state.frame += 1
         return out[: self.num_groups]
+
+    def export_state(self, state: MegakernelState) -> SessionSnapshot:
+        n, buf = state.talker_cache.length, state.buffers
+        # The kernel's draws are a hash of (seed, frame, group); the adopter's generator gets a seed
+        # mixed with the frame, so a session moved at the same frame repeats.
+        seed = (state.seed ^ (state.frame * 0x9E3779B97F4A7C15)) & (2**62 - 1)
+        return SessionSnapshot(
+            k=state.talker_cache.k[:, :, :n], v=state.talker_cache.v[:, :, :n], frame=state.frame,
+            hidden=buf["hidden"], pending=buf["pending"], seen=buf["seen"].bool(), params=state.params, seed=seed,
+            trailing=state.trailing, pad_vec=state.pad_vec,
+        )
 
     def release(self, state: MegakernelState) -> None:
         if state.released:

@@ -43,57 +43,106 @@ def _solo(engine, req, on_fast):
     return np.stack(s.codes)
 
 
-def test_first_calls_on_fast_then_batched(engine):
+def _run(engine, sessions):
+    while not all(s.done for s in sessions):
+        results = engine.step_many(sessions)
+        assert not any(isinstance(r, Exception) for r in results), results
+    return [np.stack(s.codes) for s in sessions]
+
+
+def test_few_calls_on_fast_more_move_into_the_batch(engine):
     hb = engine.backend
-    assert hb.name == "torch+torch-cudagraph" and hb.max_batch == 4 and hb.max_positions == 512
-    sessions = [engine.open_session(_request(i)) for i in range(4)]
-    assert [s.state.on_fast for s in sessions] == [True, True, False, False]
-    assert (hb.live_fast, hb.live_bulk) == (2, 2)
+    assert hb.name == "torch+torch-cudagraph" and hb.max_batch == 4 and hb.max_positions == 512 and hb.can_move
+    sessions = [engine.open_session(_request(i)) for i in range(2)]
+    assert [s.state.on_fast for s in sessions] == [True, True]
+    moved = hb.moved
+    sessions.append(engine.open_session(_request(2)))
+    # The third call starts in the batch, and the two megakernel calls move in with it.
+    assert [s.state.on_fast for s in sessions] == [False, False, False]
+    assert (hb.live_fast, hb.live_bulk, hb.moved - moved) == (0, 3, 2)
     engine.cancel(sessions[0])
-    # Three calls are still live: a new one joins the batch, not the freed megakernel place.
     late = engine.open_session(_request(9))
-    assert not late.state.on_fast
+    assert not late.state.on_fast, "while the batch has calls, new calls join it"
     for s in sessions[1:] + [late]:
         engine.cancel(s)
     assert (hb.live_fast, hb.live_bulk) == (0, 0)
     assert len(hb.bulk.free_slots) == 4, "closed batch sessions return their slots"
     s = engine.open_session(_request(5))
-    assert s.state.on_fast, "an idle engine starts the next call on the fast side again"
+    assert s.state.on_fast, "once the batch drains, calls start on the fast side again"
     engine.cancel(s)
 
 
+def test_moved_calls_continue_exactly(engine):
+    # Greedy in fp32: both sides give the same codes, so a call moved mid-utterance (K/V rows,
+    # next input, code-0 history) must give the codes it gives alone.
+    reqs = [SynthesisRequest(f"Moved call {i}, a little longer.", voice="aiden", greedy=True, max_frames=10,
+                             vocode=False) for i in range(3)]
+    solo = [engine.generate_codes(r.text, voice="aiden", greedy=True, max_frames=10).numpy() for r in reqs]
+    first = [engine.open_session(r) for r in reqs[:2]]
+    for _ in range(4):
+        engine.step_many(first)
+    assert all(s.state.on_fast for s in first)
+    third = engine.open_session(reqs[2])
+    assert not any(s.state.on_fast for s in first + [third])
+    for codes, expected in zip(_run(engine, first + [third]), solo):
+        assert np.array_equal(codes, expected)
+
+
+def test_moved_sampled_calls_repeat(engine):
+    def scenario():
+        first = [engine.open_session(_request(i)) for i in range(2)]
+        for _ in range(3):
+            engine.step_many(first)
+        return _run(engine, first + [engine.open_session(_request(2))])
+
+    a, b = scenario(), scenario()
+    assert all(np.array_equal(x, y) for x, y in zip(a, b)), "same seeds, same moment of the move: same codes"
+    assert all(x.shape == (8, 16) and int(x.max()) < 2048 for x in a)
+
+
 def test_mixed_rounds_equal_each_call_alone(engine):
-    reqs = [_request(i) for i in range(4)]
-    solo = [_solo(engine, r, on_fast=i < 2) for i, r in enumerate(reqs)]
-    assert not np.array_equal(solo[0], solo[1]), "different seeds, different codes"
-    sessions = [engine.open_session(r) for r in reqs]
-    rounds = 0
-    while not all(s.done for s in sessions):
-        results = engine.step_many(sessions)
-        assert not any(isinstance(r, Exception) for r in results), results
-        rounds += 1
-    assert rounds == 8
-    for s, expected in zip(sessions, solo):
-        assert np.array_equal(np.stack(s.codes), expected)
-    assert (engine.backend.live_fast, engine.backend.live_bulk) == (0, 0)
+    # Backends that cannot move a call share rounds: each call's codes are still its own.
+    hb = engine.backend
+    hb.can_move = False
+    try:
+        reqs = [_request(i) for i in range(4)]
+        solo = [_solo(engine, r, on_fast=i < 2) for i, r in enumerate(reqs)]
+        assert not np.array_equal(solo[0], solo[1]), "different seeds, different codes"
+        with hb.placed(True):
+            sessions = [engine.open_session(r) for r in reqs[:2]]
+        with hb.placed(False):
+            sessions += [engine.open_session(r) for r in reqs[2:]]
+        for codes, expected in zip(_run(engine, sessions), solo):
+            assert np.array_equal(codes, expected)
+    finally:
+        hb.can_move = True
+    assert (hb.live_fast, hb.live_bulk) == (0, 0)
 
 
 def test_full_batch_overflows_to_fast(tiny_checkpoint):
     engine = _hybrid_engine(tiny_checkpoint("custom_voice", zero_eos=True), fast_sessions=0, max_sessions=2)
     sessions = [engine.open_session(_request(i, frames=2)) for i in range(3)]
     assert [s.state.on_fast for s in sessions] == [False, False, True]
-    while not all(s.done for s in sessions):
-        engine.step_many(sessions)
-    assert all(len(s.codes) == 2 for s in sessions)
+    assert all(len(c) == 2 for c in _run(engine, sessions))
+    assert (engine.backend.live_fast, engine.backend.live_bulk) == (0, 0)
+
+
+def test_move_stops_when_the_batch_is_full(tiny_checkpoint):
+    engine = _hybrid_engine(tiny_checkpoint("custom_voice", zero_eos=True), fast_sessions=2, max_sessions=2)
+    sessions = [engine.open_session(_request(i, frames=3)) for i in range(3)]
+    # The third call takes a slot, the first moves into the last one, the second stays.
+    assert [s.state.on_fast for s in sessions] == [False, True, False]
+    assert all(len(c) == 3 for c in _run(engine, sessions))
     assert (engine.backend.live_fast, engine.backend.live_bulk) == (0, 0)
 
 
 def test_warmup_runs_both_sides(engine):
     hb = engine.backend
-    started = dict(hb.started)
+    started, moved = dict(hb.started), hb.moved
     engine.warmup()
     assert hb.started["fast"] - started["fast"] == 2 and hb.started["bulk"] - started["bulk"] == 2
     assert hb.force is None and (hb.live_fast, hb.live_bulk) == (0, 0)
+    assert hb.moved == moved, "warm-up moves nothing"
 
 
 def test_released_state_and_double_release(engine):

@@ -421,12 +421,14 @@ def test_eos_frame_stops_early_and_the_session_goes_on(backends):
 
 @needs_gpu
 @pytest.mark.gpu
-def test_auto_backend_mixes_megakernel_and_batch(backends):
-    """backend="auto" on a GPU: the first calls on the megakernel, the rest in the graph batch, in
-    the same rounds. Built as the engine builds it (the graph backend fuses the weights in place
-    first, then the megakernel takes their addresses; both share the captured prefills), on a copy
-    of the talker so the module's other kernels keep their own weights. Each call's codes equal
-    the same call run alone on its side."""
+def test_auto_backend_places_and_moves_calls(backends):
+    """backend="auto" on a GPU, built as the engine builds it (the graph backend fuses the weights
+    in place first, then the megakernel takes their addresses; both share the captured prefills),
+    on a copy of the talker so the module's other tests keep their weights.
+    1. Rounds that mix megakernel calls and a batch (backends that cannot move calls): each call's
+       codes equal the same call run alone on its side.
+    2. Calls moved from the megakernel into the batch at frame 0 (their prefill K/V and hidden go
+       fp32 -> bf16 exactly) give the codes of calls started in the batch."""
     from types import SimpleNamespace
 
     from pipecat_qwen_fast.engine import _hybrid_backend
@@ -434,36 +436,51 @@ def test_auto_backend_mixes_megakernel_and_batch(backends):
     talker = copy.deepcopy(backends.talker)
     hb = _hybrid_backend(SimpleNamespace(talker=talker), torch.device("cuda"), torch.bfloat16)
     assert isinstance(hb.fast, mk.MegakernelBackend) and hb.fast.prefills is hb.bulk.prefills
-    assert hb.name == "megakernel+torch-cudagraph"
-    params = SamplingParams()
+    assert hb.name == "megakernel+torch-cudagraph" and hb.can_move
     frames = 6
 
-    def begin(i):
+    def begin(i, params):
         embeds, trailing, pad = REF.prompt_inputs(talker.cfg.hidden_size, PROMPT_LEN + i)
         st = hb.new_state(max_positions=PROMPT_LEN + i + frames + 2, params=params, seed=40 + i,
                           trailing=trailing, pad_vec=pad)
         hb.prefill(st, embeds)
         return st
 
-    # Alone: each megakernel call by itself; the two batch calls as a batch of two by themselves
+    def run(states):
+        codes = torch.stack([hb.decode_frames(states).clone() for _ in range(frames)], dim=1)
+        for st in states:
+            hb.release(st)
+        return codes
+
+    # 1. Alone: each megakernel call by itself; the two batch calls as a batch of two by themselves
     # (a bf16 batch of one may round differently from a batch of two).
+    params = SamplingParams()
+    hb.can_move = False
     solo = []
     for i in range(2):
         with hb.placed(True):
-            st = begin(i)
-        solo.append(torch.stack([hb.decode_frame(st).clone() for _ in range(frames)]))
-        hb.release(st)
+            solo.append(run([begin(i, params)])[0])
     with hb.placed(False):
-        pair = [begin(i) for i in (2, 3)]
-    solo += list(torch.stack([hb.decode_frames(pair).clone() for _ in range(frames)], dim=1))
-    for st in pair:
-        hb.release(st)
-    states = [begin(i) for i in range(4)]
+        solo += list(run([begin(i, params) for i in (2, 3)]))
+    with hb.placed(True):
+        states = [begin(i, params) for i in range(2)]
+    with hb.placed(False):
+        states += [begin(i, params) for i in (2, 3)]
     assert [s.on_fast for s in states] == [True, True, False, False]
-    mixed = torch.stack([hb.decode_frames(states).clone() for _ in range(frames)], dim=1)
-    for s in states:
-        hb.release(s)
-    assert (hb.live_fast, hb.live_bulk) == (0, 0)
+    mixed = run(states)
     for i in range(4):
         assert torch.equal(mixed[i], solo[i]), f"call {i} ({'megakernel' if i < 2 else 'batch'})"
     assert not torch.equal(solo[0], solo[1])
+
+    # 2. Moved at frame 0 against started in the batch (greedy: the move reseeds later draws).
+    hb.can_move = True
+    with hb.placed(False):
+        started = run([begin(i, GREEDY) for i in range(3)])
+    hb.fast_sessions = 2
+    states = [begin(i, GREEDY) for i in range(2)]
+    assert [s.on_fast for s in states] == [True, True]
+    moved = hb.moved
+    states.append(begin(2, GREEDY))
+    assert [s.on_fast for s in states] == [False, False, False] and hb.moved - moved == 2
+    assert torch.equal(run(states), started)
+    assert (hb.live_fast, hb.live_bulk) == (0, 0)
