@@ -9,8 +9,8 @@ fixed cost plus a launch per megakernel call), so rounds are kept pure:
 
 * a new call goes to the megakernel while no call is in the batch and fewer than `fast_sessions`
   are on the megakernel;
-* otherwise it joins the batch, and the megakernel's live calls move into the batch with it, each
-  from its next frame: its K/V rows, hidden state, next input and code-0 history are copied
+* otherwise it joins the batch, and before the next frame the megakernel's live calls move into
+  the batch too: their K/V rows, hidden state, next input and code-0 history are copied
   (`SessionSnapshot`, a few MB per call, queued on the device like any other work).
 
 Once the batch drains, new calls start on the megakernel again. A moved call's later draws come
@@ -62,7 +62,7 @@ class HybridBackend:
         self.can_move = hasattr(fast, "export_state") and hasattr(bulk, "adopt_state")
         self.on_fast: list[HybridState] = []  # live calls on the megakernel, oldest first
         self.live_bulk = 0
-        self.force: bool | None = None  # placed(): every new call on one side, nothing moved (warm-up)
+        self.force: bool | None = None  # placed(): every new call on one side, nothing moved (warm-up, tests)
         self.started = {"fast": 0, "bulk": 0}  # calls placed on each side since load
         self.moved = 0  # calls moved from fast into the batch since load
 
@@ -92,8 +92,6 @@ class HybridBackend:
             else:
                 self.live_bulk += 1
                 self.started["bulk"] += 1
-                if self.force is None:
-                    self._move_fast_calls()
                 return state
         state = HybridState(self.fast.new_state(**kwargs), on_fast=True)
         self.on_fast.append(state)
@@ -101,8 +99,9 @@ class HybridBackend:
         return state
 
     def _move_fast_calls(self) -> None:
-        """Every live megakernel call into the batch, from its next frame (rounds stay pure)."""
-        if not self.can_move or not self.on_fast:
+        """While the batch has calls, every live megakernel call moves into it before its next
+        frame (rounds stay pure). Done at decode time, so a call is moved after its prefill."""
+        if not self.can_move or not self.on_fast or not self.live_bulk or self.force is not None:
             return
         before = self.moved
         for hs in list(self.on_fast):
@@ -127,6 +126,8 @@ class HybridBackend:
         self._of(state).prefill(state.inner, embeds)
 
     def decode_frame(self, state: HybridState) -> Tensor:
+        self._of(state)
+        self._move_fast_calls()
         return self._of(state).decode_frame(state.inner)
 
     @torch.no_grad()
@@ -135,6 +136,7 @@ class HybridBackend:
         batch's in one replay, all queued on the device without a host read."""
         for s in states:
             self._of(s)
+        self._move_fast_calls()
         rows: list[Tensor | None] = [None] * len(states)
         bulk = []
         for i, s in enumerate(states):

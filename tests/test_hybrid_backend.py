@@ -57,7 +57,9 @@ def test_few_calls_on_fast_more_move_into_the_batch(engine):
     assert [s.state.on_fast for s in sessions] == [True, True]
     moved = hb.moved
     sessions.append(engine.open_session(_request(2)))
-    # The third call starts in the batch, and the two megakernel calls move in with it.
+    # The third call starts in the batch; the two fast calls move in with it before the next frame.
+    assert [s.state.on_fast for s in sessions] == [True, True, False]
+    engine.step_many(sessions)
     assert [s.state.on_fast for s in sessions] == [False, False, False]
     assert (hb.live_fast, hb.live_bulk, hb.moved - moved) == (0, 3, 2)
     engine.cancel(sessions[0])
@@ -82,9 +84,11 @@ def test_moved_calls_continue_exactly(engine):
     for _ in range(4):
         engine.step_many(first)
     assert all(s.state.on_fast for s in first)
+    moved = engine.backend.moved
     third = engine.open_session(reqs[2])
-    assert not any(s.state.on_fast for s in first + [third])
-    for codes, expected in zip(_run(engine, first + [third]), solo):
+    codes = _run(engine, first + [third])
+    assert engine.backend.moved - moved == 2
+    for codes, expected in zip(codes, solo):
         assert np.array_equal(codes, expected)
 
 
@@ -130,6 +134,7 @@ def test_full_batch_overflows_to_fast(tiny_checkpoint):
 def test_move_stops_when_the_batch_is_full(tiny_checkpoint):
     engine = _hybrid_engine(tiny_checkpoint("custom_voice", zero_eos=True), fast_sessions=2, max_sessions=2)
     sessions = [engine.open_session(_request(i, frames=3)) for i in range(3)]
+    engine.step_many(sessions)
     # The third call takes a slot, the first moves into the last one, the second stays.
     assert [s.state.on_fast for s in sessions] == [False, True, False]
     assert all(len(c) == 3 for c in _run(engine, sessions))

@@ -481,6 +481,8 @@ def test_auto_backend_places_and_moves_calls(backends):
     assert [s.on_fast for s in states] == [True, True]
     moved = hb.moved
     states.append(begin(2, GREEDY))
+    assert [s.on_fast for s in states] == [True, True, False], "calls move at the next frame"
+    codes = run(states)
     assert [s.on_fast for s in states] == [False, False, False] and hb.moved - moved == 2
-    assert torch.equal(run(states), started)
+    assert torch.equal(codes, started)
     assert (hb.live_fast, hb.live_bulk) == (0, 0)
