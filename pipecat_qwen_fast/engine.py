@@ -304,8 +304,54 @@ class QwenTTSEngine:
 
     def open_session(self, request: SynthesisRequest) -> Session:
         """Validate the request, build the prompt of its first segment and run the prefill."""
+        opened = self.open_sessions([request])[0]
+        if isinstance(opened, Exception):
+            raise opened
+        return opened
+
+    def open_sessions(self, requests: list[SynthesisRequest]) -> list[Session | Exception]:
+        """Open several sessions at once: each is validated and given its state on its own, then
+        their prefills run as one batched pass on a backend that has `prefill_many` (a burst of
+        calls pays one prefill, not one each). Returns, per request, its session or the exception
+        that refused it (NoFreeSlotError when the backend is full); the others go on."""
         if self.closed:
             raise EngineClosedError("the engine is closed")
+        out: list[Session | Exception | None] = [None] * len(requests)
+        begun: list[tuple[int, Session, Tensor]] = []
+        try:
+            for i, request in enumerate(requests):
+                s = None
+                try:
+                    s = self._new_session(request)
+                    begun.append((i, s, self._begin_segment(s)))
+                except BaseException as e:
+                    if s is not None:
+                        self.close_session(s)
+                    if not isinstance(e, Exception):
+                        raise
+                    out[i] = e  # reported to that request's caller
+            try:
+                self._prefill([s for _, s, _ in begun], [e for _, _, e in begun])
+            except Exception as e:  # noqa: BLE001 - the shared prefill failed: each of its sessions ends
+                for i, s, _ in begun:
+                    self.close_session(s)
+                    out[i] = e
+                begun = []
+            for i, s, _ in begun:
+                try:
+                    self._start_vocoder(s)
+                    out[i] = s
+                except Exception as e:  # noqa: BLE001
+                    self.close_session(s)
+                    out[i] = e
+        except BaseException:
+            for _, s, _ in begun:
+                self.close_session(s)
+            raise
+        return out  # type: ignore[return-value]
+
+    def _new_session(self, request: SynthesisRequest) -> Session:
+        """A validated session with no backend state yet."""
         text = normalize_text(request.text)
         cfg = self.config
         voice = request.voice
@@ -333,25 +379,34 @@ class QwenTTSEngine:
         if request.greedy:
             params = params.greedy()
         seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(6), "little")
-        session = Session(
+        return Session(
             request=request, speaker=speaker, language=language, text_mode=text_mode, params=params,
             segments=split_text(text, self.tokenizer, MAX_SEGMENT_TOKENS), seed=seed,
         )
-        try:
-            self._start_segment(session)
-            if request.vocode:
-                session.vocoder_state = self.vocoder.new_stream(batch=1, device=self.device, dtype=self.dtype)
-                vc = request.voice_clone
-                if vc is not None and vc.icl:
-                    # The talker continues right after the reference frames; so does the vocoder.
-                    ref = vc.ref_codes.to(self.device).T[None]
-                    self.vocoder.prime_stream(ref, session.vocoder_state)
-        except BaseException:
-            self.close_session(session)
-            raise
-        return session
+
+    def _start_vocoder(self, s: Session) -> None:
+        if s.request.vocode:
+            s.vocoder_state = self.vocoder.new_stream(batch=1, device=self.device, dtype=self.dtype)
+            vc = s.request.voice_clone
+            if vc is not None and vc.icl:
+                # The talker continues right after the reference frames; so does the vocoder.
+                ref = vc.ref_codes.to(self.device).T[None]
+                self.vocoder.prime_stream(ref, s.vocoder_state)
+
+    def _prefill(self, sessions: list[Session], embeds: list[Tensor]) -> None:
+        many = getattr(self.backend, "prefill_many", None)
+        if many is not None and len(sessions) > 1:
+            many([s.state for s in sessions], embeds)
+            return
+        for s, e in zip(sessions, embeds):
+            self.backend.prefill(s.state, e)
 
     def _start_segment(self, s: Session) -> None:
+        self._prefill([s], [self._begin_segment(s)])
+
+    def _begin_segment(self, s: Session) -> Tensor:
+        """The prompt of the session's current segment and a fresh backend state for it; returns
+        the prompt embeddings (the caller runs the prefill)."""
         if s.state is not None:
             self.backend.release(s.state)
             s.state = None
@@ -379,7 +434,7 @@ class QwenTTSEngine:
             max_positions=prompt.embeds.shape[0] + budget + 1, params=s.params, seed=seed,
             trailing=prompt.trailing, pad_vec=prompt.pad_vec,
         )
-        self.backend.prefill(s.state, prompt.embeds)
+        return prompt.embeds
 
     def step(self, s: Session) -> list[AudioChunk]:
         """Decode one frame of `s`; returns the audio chunk completed by it, if any."""

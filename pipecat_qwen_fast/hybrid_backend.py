@@ -125,6 +125,25 @@ class HybridBackend:
     def prefill(self, state: HybridState, embeds: Tensor) -> None:
         self._of(state).prefill(state.inner, embeds)
 
+    def prefill_many(self, states: list[HybridState], embeds: list[Tensor]) -> None:
+        """Megakernel calls one by one (its captured prefill), the batch's calls in one pass."""
+        bulk = []
+        for s, e in zip(states, embeds):
+            if s.on_fast:
+                self.fast.prefill(self._inner(s), e)
+            else:
+                bulk.append((s, e))
+        many = getattr(self.bulk, "prefill_many", None)
+        if many is not None and len(bulk) > 1:
+            many([self._inner(s) for s, _ in bulk], [e for _, e in bulk])
+            return
+        for s, e in bulk:
+            self.bulk.prefill(self._inner(s), e)
+
+    def _inner(self, state: HybridState):
+        self._of(state)
+        return state.inner
+
     def decode_frame(self, state: HybridState) -> Tensor:
         self._of(state)
         self._move_fast_calls()

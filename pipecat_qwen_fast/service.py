@@ -389,8 +389,7 @@ class EngineService:
                     self._end(stream, EngineClosedError("the TTS engine service is closed"))
                 return
             waiting, self._waiting = self._waiting, []
-            for stream in waiting + new:
-                self._open(stream)
+            self._open(waiting + new)
             ready = []
             for stream in list(self._active):
                 if stream.cancel_requested:
@@ -407,23 +406,34 @@ class EngineService:
             else:
                 self._wake.wait()
 
-    def _open(self, stream: SynthesisStream) -> None:
-        if stream.cancel_requested:
-            self._end(stream, None, reason="cancelled")
+    def _open(self, streams: list[SynthesisStream]) -> None:
+        """Open every stream that arrived since the last round together: one batched prefill."""
+        live = []
+        for stream in streams:
+            if stream.cancel_requested:
+                self._end(stream, None, reason="cancelled")
+            else:
+                live.append(stream)
+        if not live:
             return
         try:
-            stream.session = self._engine.open_session(stream.request)
-        except NoFreeSlotError:
-            # Every KV slot is taken: wait for a running session to finish.
-            self._waiting.append(stream)
-            return
-        except Exception as exc:
+            results = self._engine.open_sessions([stream.request for stream in live])
+        except Exception as exc:  # noqa: BLE001 - the engine refused them all (closed, say)
             if _is_fatal(exc):
                 raise
-            self._end(stream, exc)
-            return
-        stream.record.opened = True
-        self._active.append(stream)
+            results = [exc] * len(live)
+        for stream, opened in zip(live, results):
+            if isinstance(opened, NoFreeSlotError):
+                # Every KV slot is taken: wait for a running session to finish.
+                self._waiting.append(stream)
+            elif isinstance(opened, Exception):
+                if _is_fatal(opened):
+                    raise opened
+                self._end(stream, opened)
+            else:
+                stream.session = opened
+                stream.record.opened = True
+                self._active.append(stream)
 
     def _after_step(self, stream: SynthesisStream, result: list[AudioChunk] | Exception) -> None:
         session = stream.session

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
@@ -172,3 +174,69 @@ async def test_service_batches_and_queues_when_slots_run_out(tiny_checkpoint):
     for out, expected in zip(outs, solo):
         assert torch.equal(torch.from_numpy(out), expected)
     assert len(fast.backend.free_slots) == 2
+
+
+def test_prefill_many_equals_one_by_one(pair):
+    # Prompts of different lengths, right-padded into one batched pass: K/V rows, hidden state and
+    # the codes that follow match each prompt prefilled alone.
+    _, fast = pair
+    gb = fast.backend
+    reqs = [SynthesisRequest(text, voice=v, greedy=True, max_frames=6, vocode=False)
+            for text, v in (("Short one.", "ryan"), ("A rather longer sentence to prefill here.", "aiden"),
+                            ("Medium length words.", "serena"))]
+    alone = []
+    for r in reqs:
+        s = fast.open_session(r)
+        n = s.state.position
+        alone.append((n, gb.pool_k[:, s.state.slot, :, :n].clone(), gb.pool_hidden[s.state.slot].clone()))
+        fast.cancel(s)
+    before = gb.batched_prefills
+    sessions = fast.open_sessions(reqs)
+    assert gb.batched_prefills == before + 1
+    assert len({s.state.position for s in sessions}) == 3, "three prompt lengths"
+    for s, (n, k, h) in zip(sessions, alone):
+        assert s.state.position == n
+        torch.testing.assert_close(gb.pool_k[:, s.state.slot, :, :n], k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gb.pool_hidden[s.state.slot], h, rtol=1e-5, atol=1e-5)
+    while not all(s.done for s in sessions):
+        fast.step_many(sessions)
+    for s, r in zip(sessions, reqs):
+        assert np.array_equal(np.stack(s.codes), fast.generate_codes(r.text, voice=r.voice, greedy=True, max_frames=6).numpy())
+
+
+def test_open_sessions_reports_each_refusal(pair):
+    _, fast = pair
+    gb = fast.backend
+    reqs = [SynthesisRequest("Fine.", voice="ryan", max_frames=2), SynthesisRequest("Bad voice.", voice="nobody"),
+            SynthesisRequest("Also fine.", voice="ryan", max_frames=2)]
+    out = fast.open_sessions(reqs)
+    assert isinstance(out[1], Exception) and "nobody" in str(out[1])
+    assert not isinstance(out[0], Exception) and not isinstance(out[2], Exception)
+    # More calls than slots: the ones past the pool get NoFreeSlotError, in their own places.
+    more = fast.open_sessions([SynthesisRequest(f"Extra {i}.", voice="ryan", max_frames=2) for i in range(3)])
+    assert [isinstance(x, NoFreeSlotError) for x in more] == [False, False, True]
+    for s in [out[0], out[2], *more[:2]]:
+        fast.cancel(s)
+    assert len(gb.free_slots) == 4
+
+
+async def test_service_opens_a_burst_with_one_prefill(pair):
+    from pipecat_qwen_fast.service import EngineService
+
+    _, fast = pair
+    before = fast.backend.batched_prefills
+    service = EngineService.for_engine(fast)
+    try:
+        await service.wait_ready()
+        reqs = [SynthesisRequest(f"Burst call {i}.", voice="ryan", seed=i, max_frames=3) for i in range(4)]
+        streams = [service.open_stream(r) for r in reqs]
+
+        async def collect(stream):
+            return np.concatenate([c.pcm async for c in stream])
+
+        pcm = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 120)
+        assert all(len(p) == 3 * 1920 for p in pcm)
+        assert all(s.record.stop_reason == "frame_cap" for s in streams)
+        assert fast.backend.batched_prefills >= before + 1
+    finally:
+        await service.aclose()

@@ -179,3 +179,19 @@ def test_eager_bulk_without_decode_frames(tiny_checkpoint):
         engine.step_many(sessions)
     assert np.array_equal(np.stack(sessions[0].codes), np.stack(sessions[1].codes)), "greedy: same codes on both"
     assert torch.is_tensor(engine.generate_codes("One more.", voice="ryan", greedy=True, max_frames=2))
+
+
+def test_burst_opened_together(engine):
+    # A burst opened in one call: the fast calls prefill on their side, the batch's calls in one
+    # pass; the fast calls move once the first frame is asked for, after their prefill.
+    hb = engine.backend
+    reqs = [SynthesisRequest(f"Burst call {i} of four.", voice="aiden", greedy=True, max_frames=5, vocode=False)
+            for i in range(4)]
+    solo = [engine.generate_codes(r.text, voice="aiden", greedy=True, max_frames=5).numpy() for r in reqs]
+    before, moved = hb.bulk.batched_prefills, hb.moved
+    sessions = engine.open_sessions(reqs)
+    assert [s.state.on_fast for s in sessions] == [True, True, False, False]
+    assert hb.bulk.batched_prefills == before + 1
+    for codes, expected in zip(_run(engine, sessions), solo):
+        assert np.array_equal(codes, expected)
+    assert hb.moved - moved == 2 and (hb.live_fast, hb.live_bulk) == (0, 0)

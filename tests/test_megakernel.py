@@ -472,6 +472,25 @@ def test_auto_backend_places_and_moves_calls(backends):
         assert torch.equal(mixed[i], solo[i]), f"call {i} ({'megakernel' if i < 2 else 'batch'})"
     assert not torch.equal(solo[0], solo[1])
 
+    # Prefilled together (one batched pass, prompts of 12-14 positions) against one by one
+    # (captured per bucket): bf16 K/V rows and hidden states within bf16 rounding.
+    with hb.placed(False):
+        one = [begin(i, GREEDY) for i in range(3)]
+        embeds = [REF.prompt_inputs(talker.cfg.hidden_size, PROMPT_LEN + i)[0] for i in range(3)]
+        many = [hb.new_state(max_positions=PROMPT_LEN + i + frames + 2, params=GREEDY, seed=0,
+                             trailing=REF.prompt_inputs(talker.cfg.hidden_size, PROMPT_LEN + i)[1],
+                             pad_vec=REF.prompt_inputs(talker.cfg.hidden_size, PROMPT_LEN + i)[2]) for i in range(3)]
+    hb.prefill_many(many, embeds)
+    gb = hb.bulk
+    for i, (a, b) in enumerate(zip(one, many)):
+        n = PROMPT_LEN + i
+        assert a.inner.position == b.inner.position == n
+        for pool in (gb.pool_k, gb.pool_v):
+            assert rel_err(pool[:, b.inner.slot, :, :n].float(), pool[:, a.inner.slot, :, :n].float()) < 2e-2
+        assert rel_err(gb.pool_hidden[b.inner.slot].float(), gb.pool_hidden[a.inner.slot].float()) < 2e-2
+    for st in one + many:
+        hb.release(st)
+
     # 2. Moved at frame 0 against started in the batch (greedy: the move reseeds later draws).
     hb.can_move = True
     with hb.placed(False):
