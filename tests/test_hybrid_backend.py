@@ -86,9 +86,9 @@ def test_moved_calls_continue_exactly(engine):
     assert all(s.state.on_fast for s in first)
     moved = engine.backend.moved
     third = engine.open_session(reqs[2])
-    codes = _run(engine, first + [third])
+    results = _run(engine, first + [third])
     assert engine.backend.moved - moved == 2
-    for codes, expected in zip(codes, solo):
+    for codes, expected in zip(results, solo):
         assert np.array_equal(codes, expected)
 
 
