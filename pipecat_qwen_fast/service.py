@@ -418,7 +418,7 @@ class EngineService:
             return
         try:
             results = self._engine.open_sessions([stream.request for stream in live])
-        except Exception as exc:  # noqa: BLE001 - the engine refused them all (closed, say)
+        except Exception as exc:  # the engine refused them all (closed, say)
             if _is_fatal(exc):
                 raise
             results = [exc] * len(live)
