@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .backend import SessionSnapshot
 from .cuda_graphs import GraphCapturer
@@ -38,6 +39,13 @@ from .talker import Talker
 logger = logging.getLogger("pipecat_qwen_fast")
 
 ATTN_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
+# The batched (eager) prefill costs ~20 ms on the H200 whatever the number of calls (launch-bound);
+# a captured one-by-one prefill ~3 ms a call: batching pays from ~7 calls on
+# (bench/results/prefill_profile_h200_2026-11-23.json).
+BATCHED_PREFILL_MIN = 8
+# cuDNN's attention builds a plan for every new (calls, length) shape, ~70-90 ms each: every
+# burst has a new shape, so the batched prefill uses the other kernels.
+PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 ROW_SLOT, ROW_STEP_SLOT, ROW_POS, ROW_FRAME, ROW_FIRST = range(5)
 
@@ -93,6 +101,7 @@ class GraphBackend:
         self.pool_seen = torch.zeros(slots, v, device=device, dtype=torch.bool)
         self.free_slots = list(range(max_sessions - 1, -1, -1))
         self.batched_prefills = 0  # prefill_many passes run since load (bench and tests read it)
+        self.batched_prefill_min = BATCHED_PREFILL_MIN
 
         self.max_batch = next((b for b in BATCH_BUCKETS if b >= max_sessions), BATCH_BUCKETS[-1])
         b = self.max_batch
@@ -182,11 +191,13 @@ class GraphBackend:
     @torch.no_grad()
     def prefill_many(self, states: list[GraphState], embeds: list[Tensor]) -> None:
         """Several prompts in one batched pass, written straight into their slots: a burst of calls
-        pays one launch-bound prefill (~300 kernels), not one captured replay each. Prompts are
+        pays one launch-bound prefill (~400 kernels), not one captured replay each (fewer than
+        `batched_prefill_min` calls: one replay each, cheaper). Prompts are
         right-padded to the longest; causal attention keeps the padding out of every real position,
         and the padding's K/V rows lie beyond each session's position, masked until overwritten."""
-        if len(states) == 1:
-            self.prefill(states[0], embeds[0])
+        if len(states) < self.batched_prefill_min:
+            for s, e in zip(states, embeds):
+                self.prefill(s, e)
             return
         lengths = [e.shape[0] for e in embeds]
         longest = max(lengths)
@@ -196,12 +207,28 @@ class GraphBackend:
         for i, e in enumerate(embeds):
             x[i, : e.shape[0]].copy_(e)
         slots = torch.tensor([s.slot for s in states], device=self.device)
-        hidden = self._prefill_forward(x, slots)
+        with sdpa_kernel(PREFILL_ATTENTION):
+            hidden = self._prefill_forward(x, slots)
         last = torch.tensor([n - 1 for n in lengths], device=self.device)
         self.pool_hidden.index_copy_(0, slots, hidden[torch.arange(len(states), device=self.device), last])
         for s, n in zip(states, lengths):
             s.position = n
         self.batched_prefills += 1
+
+    def _warm_batched_prefill(self, params: SamplingParams) -> None:
+        """One batched prefill at load: its kernels' first use costs ~10-170 ms."""
+        n = min(self.batched_prefill_min, len(self.free_slots))
+        if n < 2:
+            return
+        d = self.cfg.hidden_size
+        zeros = torch.zeros(1, d, device=self.device, dtype=self.dtype)
+        states = [self.new_state(max_positions=16, params=params, seed=0, trailing=zeros, pad_vec=zeros[0])
+                  for _ in range(n)]
+        try:
+            self.prefill_many(states, [torch.zeros(8 + i, d, device=self.device, dtype=self.dtype) for i in range(n)])
+        finally:
+            for s in states:
+                self.release(s)
 
     def _prefill_forward(self, x: Tensor, slots: Tensor) -> Tensor:
         """Talker positions 0..L-1 of rows x [B, L, D] into pool slots `slots`: post-norm [B, L, D]."""
@@ -321,6 +348,7 @@ class GraphBackend:
         if not self.use_graphs:
             return
         self.prefills.capture_all()
+        self._warm_batched_prefill(params_list[0])
         batches = batches or tuple(b for b in BATCH_BUCKETS if b <= self.max_batch)
         attn = (0, *sorted({self._attn_bucket(b) for b in ATTN_BUCKETS}))
         rows = self.rows_host

@@ -189,7 +189,11 @@ def test_burst_opened_together(engine):
             for i in range(4)]
     solo = [engine.generate_codes(r.text, voice="aiden", greedy=True, max_frames=5).numpy() for r in reqs]
     before, moved = hb.bulk.batched_prefills, hb.moved
-    sessions = engine.open_sessions(reqs)
+    hb.bulk.batched_prefill_min = 2
+    try:
+        sessions = engine.open_sessions(reqs)
+    finally:
+        hb.bulk.batched_prefill_min = 8
     assert [s.state.on_fast for s in sessions] == [True, True, False, False]
     assert hb.bulk.batched_prefills == before + 1
     for codes, expected in zip(_run(engine, sessions), solo):

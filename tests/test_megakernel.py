@@ -480,8 +480,11 @@ def test_auto_backend_places_and_moves_calls(backends):
         many = [hb.new_state(max_positions=PROMPT_LEN + i + frames + 2, params=GREEDY, seed=0,
                              trailing=REF.prompt_inputs(talker.cfg.hidden_size, PROMPT_LEN + i)[1],
                              pad_vec=REF.prompt_inputs(talker.cfg.hidden_size, PROMPT_LEN + i)[2]) for i in range(3)]
-    hb.prefill_many(many, embeds)
     gb = hb.bulk
+    batched, gb.batched_prefill_min = gb.batched_prefills, 2  # 8 by default: 3 calls would go one by one
+    hb.prefill_many(many, embeds)
+    gb.batched_prefill_min = 8
+    assert gb.batched_prefills == batched + 1
     for i, (a, b) in enumerate(zip(one, many)):
         n = PROMPT_LEN + i
         assert a.inner.position == b.inner.position == n
