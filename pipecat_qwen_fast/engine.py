@@ -276,6 +276,13 @@ class QwenTTSEngine:
                     finally:
                         self.close_session(s)
 
+    @torch.no_grad()
+    def prepare_thread(self) -> None:
+        """Warm the calling thread's per-thread GPU state (the service's engine thread calls it)."""
+        prepare = getattr(self.backend, "prepare_thread", None)
+        if prepare is not None and self.device.type == "cuda":
+            prepare(SamplingParams.from_defaults(self.generation))
+
     # ------------------------------------------------------------------ introspection
 
     @property
@@ -318,7 +325,10 @@ class QwenTTSEngine:
             raise EngineClosedError("the engine is closed")
         out: list[Session | Exception | None] = [None] * len(requests)
         begun: list[tuple[int, Session, Tensor]] = []
+        opening = getattr(self.backend, "opening", None)  # a backend that places calls by load
         try:
+            if opening is not None:
+                opening(len(requests))
             for i, request in enumerate(requests):
                 s = None
                 try:
@@ -348,6 +358,9 @@ class QwenTTSEngine:
             for _, s, _ in begun:
                 self.close_session(s)
             raise
+        finally:
+            if opening is not None:
+                opening(0)
         return out  # type: ignore[return-value]
 
     def _new_session(self, request: SynthesisRequest) -> Session:

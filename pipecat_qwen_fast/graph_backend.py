@@ -215,6 +215,9 @@ class GraphBackend:
             s.position = n
         self.batched_prefills += 1
 
+    def prepare_thread(self, params: SamplingParams) -> None:
+        self._warm_batched_prefill(params)
+
     def _warm_batched_prefill(self, params: SamplingParams) -> None:
         """One batched prefill at load: its kernels' first use costs ~10-170 ms."""
         n = min(self.batched_prefill_min, len(self.free_slots))

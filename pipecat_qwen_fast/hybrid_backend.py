@@ -7,8 +7,9 @@ the number of calls. The graph backend replays one batch of every ready session,
 a session: slower alone, 1700+ frames/s at 64 calls. A round that runs both pays both (the batch's
 fixed cost plus a launch per megakernel call), so rounds are kept pure:
 
-* a new call goes to the megakernel while no call is in the batch and fewer than `fast_sessions`
-  are on the megakernel;
+* a new call goes to the megakernel while no call is in the batch and it makes at most
+  `fast_sessions` there (calls opened together count together: a larger burst goes to the batch
+  whole);
 * otherwise it joins the batch, and before the next frame the megakernel's live calls move into
   the batch too: their K/V rows, hidden state, next input and code-0 history are copied
   (`SessionSnapshot`, a few MB per call, queued on the device like any other work).
@@ -65,6 +66,7 @@ class HybridBackend:
         self.force: bool | None = None  # placed(): every new call on one side, nothing moved (warm-up, tests)
         self.started = {"fast": 0, "bulk": 0}  # calls placed on each side since load
         self.moved = 0  # calls moved from fast into the batch since load
+        self.burst = 0  # calls of a burst being opened together (opening()) not placed yet
 
     @property
     def live_fast(self) -> int:
@@ -83,7 +85,10 @@ class HybridBackend:
         if self.force is not None:
             to_bulk = not self.force
         else:
-            to_bulk = self.live_bulk > 0 or self.live_fast >= self.fast_sessions
+            # A burst larger than the megakernel's share goes to the batch whole: no megakernel
+            # prefill just to move the call a frame later.
+            to_bulk = self.live_bulk > 0 or self.live_fast + max(1, self.burst) > self.fast_sessions
+        self.burst = max(0, self.burst - 1)  # the calls of the burst still to place, this one excluded
         if to_bulk:
             try:
                 state = HybridState(self.bulk.new_state(**kwargs), on_fast=False)
@@ -183,6 +188,15 @@ class HybridBackend:
         else:
             self.live_bulk -= 1
             self.bulk.release(state.inner)
+
+    def opening(self, n: int) -> None:
+        """`n` calls are about to be opened together (0: done): they are placed as one burst."""
+        self.burst = n
+
+    def prepare_thread(self, params: SamplingParams) -> None:
+        prepare = getattr(self.bulk, "prepare_thread", None)
+        if prepare is not None:
+            prepare(params)
 
     @contextmanager
     def placed(self, on_fast: bool) -> Iterator[None]:

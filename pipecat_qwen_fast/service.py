@@ -367,6 +367,14 @@ class EngineService:
             self._finish_thread(None)
             return
         self._engine = engine
+        # GPU libraries set up per thread on first use (cuBLAS handles: ~45 ms before the first
+        # batched prefill in a new thread, bench/NOTES.md): pay it here, not in a burst's TTFC.
+        prepare = getattr(engine, "prepare_thread", None)
+        if prepare is not None:
+            try:
+                prepare()
+            except Exception as exc:  # noqa: BLE001 - only a warm-up: the work itself will say what fails
+                logger.warning("engine thread warm-up failed: %s: %s", type(exc).__name__, exc)
         self._ready.set_result(engine)
         fault: BaseException | None = None
         try:

@@ -182,20 +182,24 @@ def test_eager_bulk_without_decode_frames(tiny_checkpoint):
 
 
 def test_burst_opened_together(engine):
-    # A burst opened in one call: the fast calls prefill on their side, the batch's calls in one
-    # pass; the fast calls move once the first frame is asked for, after their prefill.
+    # Calls opened in one go are placed as one: a burst within the fast side's share stays there;
+    # a larger one goes to the batch whole (one batched prefill, nothing to move).
     hb = engine.backend
     reqs = [SynthesisRequest(f"Burst call {i} of four.", voice="aiden", greedy=True, max_frames=5, vocode=False)
             for i in range(4)]
     solo = [engine.generate_codes(r.text, voice="aiden", greedy=True, max_frames=5).numpy() for r in reqs]
+    pair = engine.open_sessions(reqs[:2])
+    assert [s.state.on_fast for s in pair] == [True, True]
+    for s in pair:
+        engine.cancel(s)
     before, moved = hb.bulk.batched_prefills, hb.moved
     hb.bulk.batched_prefill_min = 2
     try:
         sessions = engine.open_sessions(reqs)
     finally:
         hb.bulk.batched_prefill_min = 8
-    assert [s.state.on_fast for s in sessions] == [True, True, False, False]
+    assert [s.state.on_fast for s in sessions] == [False] * 4 and hb.burst == 0
     assert hb.bulk.batched_prefills == before + 1
     for codes, expected in zip(_run(engine, sessions), solo):
         assert np.array_equal(codes, expected)
-    assert hb.moved - moved == 2 and (hb.live_fast, hb.live_bulk) == (0, 0)
+    assert hb.moved == moved and (hb.live_fast, hb.live_bulk) == (0, 0)
