@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import re
+import threading
 import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -177,6 +178,7 @@ class QwenTTSEngine:
         self.backend = backend
         self.model_dir = model_dir
         self.closed = False
+        self._prepared_threads: set[int] = set()  # prepare_thread() done in these threads
         # On a GPU the streaming vocoder step replays one CUDA graph per chunk size; those of the
         # default chunk sizes are captured from compiled code, with cuDNN's preferred weight layout.
         defaults = (SynthesisRequest.first_chunk_frames, SynthesisRequest.chunk_frames, SynthesisRequest.max_chunk_frames)
@@ -252,6 +254,7 @@ class QwenTTSEngine:
         if capture is not None:
             defaults = SamplingParams.from_defaults(self.generation)
             capture([defaults, defaults.greedy()])
+        self.prepare_thread()
         if self.vocoder_graphs is not None:
             # Every size a default stream can send (1, 4, 10, 16 and the tails it may end on) and
             # synthesize()'s 25: a size first seen mid-stream would be captured right then.
@@ -278,10 +281,14 @@ class QwenTTSEngine:
 
     @torch.no_grad()
     def prepare_thread(self) -> None:
-        """Warm the calling thread's per-thread GPU state (the service's engine thread calls it)."""
+        """Warm the calling thread's per-thread GPU state, once per thread: warm-up does it for the
+        loading thread, the service for its engine thread."""
         prepare = getattr(self.backend, "prepare_thread", None)
-        if prepare is not None and self.device.type == "cuda":
-            prepare(SamplingParams.from_defaults(self.generation))
+        thread = threading.get_ident()
+        if prepare is None or self.device.type != "cuda" or thread in self._prepared_threads:
+            return
+        prepare(SamplingParams.from_defaults(self.generation))
+        self._prepared_threads.add(thread)
 
     # ------------------------------------------------------------------ introspection
 
@@ -407,8 +414,8 @@ class QwenTTSEngine:
                 self.vocoder.prime_stream(ref, s.vocoder_state)
 
     def _prefill(self, sessions: list[Session], embeds: list[Tensor]) -> None:
-        many = getattr(self.backend, "prefill_many", None)
-        if many is not None and len(sessions) > 1:
+        many = getattr(self.backend, "prefill_many", None)  # it decides when batching pays
+        if many is not None:
             many([s.state for s in sessions], embeds)
             return
         for s, e in zip(sessions, embeds):

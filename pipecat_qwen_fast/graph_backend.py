@@ -100,7 +100,7 @@ class GraphBackend:
         self.pool_hidden = torch.zeros(slots, d, device=device, dtype=dtype)
         self.pool_seen = torch.zeros(slots, v, device=device, dtype=torch.bool)
         self.free_slots = list(range(max_sessions - 1, -1, -1))
-        self.batched_prefills = 0  # prefill_many passes run since load (bench and tests read it)
+        self.batched_prefills = 0  # prefill_many passes run since load (tests read it)
         self.batched_prefill_min = BATCHED_PREFILL_MIN
 
         self.max_batch = next((b for b in BATCH_BUCKETS if b >= max_sessions), BATCH_BUCKETS[-1])
@@ -191,7 +191,7 @@ class GraphBackend:
     @torch.no_grad()
     def prefill_many(self, states: list[GraphState], embeds: list[Tensor]) -> None:
         """Several prompts in one batched pass, written straight into their slots: a burst of calls
-        pays one launch-bound prefill (~400 kernels), not one captured replay each (fewer than
+        pays one launch-bound eager prefill (~20 ms on the H200), not one captured replay each (fewer than
         `batched_prefill_min` calls: one replay each, cheaper). Prompts are
         right-padded to the longest; causal attention keeps the padding out of every real position,
         and the padding's K/V rows lie beyond each session's position, masked until overwritten."""
@@ -216,10 +216,8 @@ class GraphBackend:
         self.batched_prefills += 1
 
     def prepare_thread(self, params: SamplingParams) -> None:
-        self._warm_batched_prefill(params)
-
-    def _warm_batched_prefill(self, params: SamplingParams) -> None:
-        """One batched prefill at load: its kernels' first use costs ~10-170 ms."""
+        """One batched prefill in the calling thread: its kernels' first use costs ~10-170 ms, and
+        the first eager pass in a new thread ~45 ms more (bench/NOTES.md, "Calls opened together")."""
         n = min(self.batched_prefill_min, len(self.free_slots))
         if n < 2:
             return
@@ -351,7 +349,6 @@ class GraphBackend:
         if not self.use_graphs:
             return
         self.prefills.capture_all()
-        self._warm_batched_prefill(params_list[0])
         batches = batches or tuple(b for b in BATCH_BUCKETS if b <= self.max_batch)
         attn = (0, *sorted({self._attn_bucket(b) for b in ATTN_BUCKETS}))
         rows = self.rows_host

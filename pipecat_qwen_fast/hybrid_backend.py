@@ -139,7 +139,7 @@ class HybridBackend:
             else:
                 bulk.append((s, e))
         many = getattr(self.bulk, "prefill_many", None)
-        if many is not None and len(bulk) > 1:
+        if many is not None:
             many([self._inner(s) for s, _ in bulk], [e for _, e in bulk])
             return
         for s, e in bulk:

@@ -367,8 +367,8 @@ class EngineService:
             self._finish_thread(None)
             return
         self._engine = engine
-        # GPU libraries set up per thread on first use (cuBLAS handles: ~45 ms before the first
-        # batched prefill in a new thread, bench/NOTES.md): pay it here, not in a burst's TTFC.
+        # The first batched prefill in a new thread cost ~45 ms more (bench/NOTES.md; likely GPU
+        # library state made per thread, such as cuBLAS handles): pay it here, not in a burst's TTFC.
         prepare = getattr(engine, "prepare_thread", None)
         if prepare is not None:
             try:

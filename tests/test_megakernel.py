@@ -439,10 +439,14 @@ def test_auto_backend_places_and_moves_calls(backends):
     assert hb.name == "megakernel+torch-cudagraph" and hb.can_move
     frames = 6
 
-    def begin(i, params):
+    def state(i, params):
+        """Call i's state and its prompt embeddings, not prefilled yet."""
         embeds, trailing, pad = REF.prompt_inputs(talker.cfg.hidden_size, PROMPT_LEN + i)
-        st = hb.new_state(max_positions=PROMPT_LEN + i + frames + 2, params=params, seed=40 + i,
-                          trailing=trailing, pad_vec=pad)
+        return hb.new_state(max_positions=PROMPT_LEN + i + frames + 2, params=params, seed=40 + i,
+                            trailing=trailing, pad_vec=pad), embeds
+
+    def begin(i, params):
+        st, embeds = state(i, params)
         hb.prefill(st, embeds)
         return st
 
@@ -476,13 +480,10 @@ def test_auto_backend_places_and_moves_calls(backends):
     # (captured per bucket): bf16 K/V rows and hidden states within bf16 rounding.
     with hb.placed(False):
         one = [begin(i, GREEDY) for i in range(3)]
-        embeds = [REF.prompt_inputs(talker.cfg.hidden_size, PROMPT_LEN + i)[0] for i in range(3)]
-        many = [hb.new_state(max_positions=PROMPT_LEN + i + frames + 2, params=GREEDY, seed=0,
-                             trailing=REF.prompt_inputs(talker.cfg.hidden_size, PROMPT_LEN + i)[1],
-                             pad_vec=REF.prompt_inputs(talker.cfg.hidden_size, PROMPT_LEN + i)[2]) for i in range(3)]
+        many, embeds = zip(*(state(i, GREEDY) for i in range(3)))
     gb = hb.bulk
     batched, gb.batched_prefill_min = gb.batched_prefills, 2  # 8 by default: 3 calls would go one by one
-    hb.prefill_many(many, embeds)
+    hb.prefill_many(list(many), list(embeds))
     gb.batched_prefill_min = 8
     assert gb.batched_prefills == batched + 1
     for i, (a, b) in enumerate(zip(one, many)):
@@ -491,7 +492,7 @@ def test_auto_backend_places_and_moves_calls(backends):
         for pool in (gb.pool_k, gb.pool_v):
             assert rel_err(pool[:, b.inner.slot, :, :n].float(), pool[:, a.inner.slot, :, :n].float()) < 2e-2
         assert rel_err(gb.pool_hidden[b.inner.slot].float(), gb.pool_hidden[a.inner.slot].float()) < 2e-2
-    for st in one + many:
+    for st in one + list(many):
         hb.release(st)
 
     # 2. Moved at frame 0 against started in the batch (greedy: the move reseeds later draws).
