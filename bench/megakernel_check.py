@@ -108,7 +108,7 @@ def summary(ms: list[float]) -> dict[str, float]:
             "min_ms": ms[0]}
 
 
-PHASES = ["qkv", "attention", "o_proj", "mlp_in", "down", "head", "proj", "sample_sync", "start"]
+PHASES = ["qkv", "attention", "o_proj", "mlp_in", "down", "head", "proj", "sample_sync", "start", "attention_o"]
 
 
 # cuda/qwen_mk.cu STEP_*, then cuda/mk_sample.cuh SAMPLE_* (the draw's stages)

@@ -24,6 +24,8 @@ struct AttnArgs {
     unsigned* count;
     int pos, num_heads, num_kv_heads, max_pos;
     float eps;
+    int out_head0;  // head h's output goes to out + (h - out_head0) * 128
+    int append;     // store the new position's k and v (one of the items that compute a head)
 };
 
 __host__ __device__ __forceinline__ int attn_nchunk(int pos) { return (pos + QMK_CHUNK) / QMK_CHUNK; }
@@ -102,7 +104,7 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
     const float4 q = norm_rope(ld_act4(qkv + (size_t)(2 * g + w) * QMK_HD + lane * 4), a.q_norm, rope, a.eps, lane);
     const float4 k = norm_rope(ld_act4(qkv + (size_t)(H + g) * QMK_HD + lane * 4), a.k_norm, rope, a.eps, lane);
     const float4 v = ld_act4(qkv + (size_t)(H + KV + g) * QMK_HD + lane * 4);
-    if (last && w == 0) {
+    if (last && w == 0 && a.append) {
         const size_t row = ((size_t)g * a.max_pos + pos) * QMK_HD + lane * 4;
         *reinterpret_cast<float4*>(a.kc + row) = k;
         *reinterpret_cast<float4*>(a.vc + row) = v;
@@ -139,7 +141,8 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
     }
     const int h = 2 * g + w;
     if (nchunk == 1) {
-        *reinterpret_cast<float4*>(a.out + (size_t)h * QMK_HD + lane * 4) = make_float4(o.x / l, o.y / l, o.z / l, o.w / l);
+        *reinterpret_cast<float4*>(a.out + (size_t)(h - a.out_head0) * QMK_HD + lane * 4) =
+            make_float4(o.x / l, o.y / l, o.z / l, o.w / l);
         return;
     }
     // Several chunks: publish (m, l, acc); the last item of this kv head to finish merges.

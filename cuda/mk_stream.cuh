@@ -31,6 +31,7 @@ struct Range {
 struct Tile {
     Range r[QMK_TILE_RANGES];
     int n;
+    int kv = 0;  // K/V rows (activations) rather than weights
 };
 
 struct RingState {

@@ -17,6 +17,7 @@
 #define QMK_MAX_LAYERS 48  // talker + predictor layers
 #define QMK_OWN_MAX 256    // residual rows one block may own (hidden / blocks)
 #define QMK_RED_ROWS 192   // matrix rows one block may own in a phase (gate and up count twice)
+#define QMK_AO_ROWS 64     // o_proj rows per fused attention + o_proj item
 #define QMK_SMEM_RING 0                               // RingState (mbarriers, producer cursor)
 #define QMK_SMEM_GEO (QMK_SMEM_RING + 512)            // Geo [16]: this block's slice per matrix kind
 #define QMK_SMEM_RED (QMK_SMEM_GEO + 512)             // float [QMK_RED_ROWS][4] row partials
@@ -31,7 +32,7 @@
 #define QMK_SMEM_QSRC (QMK_SMEM_ATTN + 16)            // const float*: next pass's table row (feed)
 #define QMK_SMEM_ACTS (QMK_SMEM_QSRC + 16)            // float [QMK_RED_ROWS / 2 + 4] this block's MLP activations
 #define QMK_SMEM_TABLES (QMK_SMEM_ACTS + 2 * QMK_RED_ROWS + 16)  // qmk_layer [QMK_MAX_LAYERS]
-#define QMK_SMEM_TOPK (QMK_SMEM_TABLES + 96 * QMK_MAX_LAYERS)  // unsigned [4][256] top-k counts
+#define QMK_SMEM_TOPK (QMK_SMEM_TABLES + 104 * QMK_MAX_LAYERS)  // unsigned [4][256] top-k counts
 #define QMK_SMEM_XS (QMK_SMEM_TOPK + 4096)            // float [3072] staged operand
 #define QMK_SMEM_WS (QMK_SMEM_XS + 4 * 3072)          // float [2048] staged norm weight
 #define QMK_SMEM_SLOTS ((QMK_SMEM_WS + 4 * 2048 + 127) / 128 * 128)
@@ -50,7 +51,9 @@ static_assert(QMK_ATTN_SMEM_FLOATS <= 4, "attention scratch");
 static_assert(QMK_SMEM_XS % 16 == 0 && QMK_SMEM_WS % 16 == 0, "staged operands are read as float4");
 static_assert(QMK_SMEM_ACTS % 16 == 0, "activations are read as float4");
 static_assert(QMK_SMEM_TOPK % 16 == 0 && 4 * QMK_TOPK_WORDS <= QMK_SMEM_XS - QMK_SMEM_TOPK, "top-k histograms, read as uint4");
-static_assert(sizeof(qmk_layer) == 96, "layer table entry");
+static_assert(sizeof(qmk_layer) == 104, "layer table entry");
+static_assert(QMK_THREADS == 8 * QMK_AO_ROWS, "fused attention + o_proj: 8 threads per o_proj row");
+static_assert(QMK_AO_ROWS * 2 * QMK_HD * 2 == QMK_SLOT_BYTES, "fused attention + o_proj: one item's rows fill a slot");
 
 template <class T>
 __device__ __forceinline__ T* sm(int off) {
@@ -70,10 +73,11 @@ __device__ __forceinline__ T* dptr(uint64_t a) {
 
 __device__ __forceinline__ const bf16* bfp(uint64_t a) { return reinterpret_cast<const bf16*>(a); }
 
-enum Kind { K_QKV = 0, K_ATTN, K_O, K_GU, K_DOWN, K_HEAD_T, K_PROJ, K_HEAD_P };
+// K_AO: the predictor's attention and o_proj in one phase (qmk_stack.fuse_attn_o); no Geo.
+enum Kind { K_QKV = 0, K_ATTN, K_O, K_GU, K_DOWN, K_HEAD_T, K_PROJ, K_HEAD_P, K_AO };
 
 // Phase ids in the trace (predictor phases add 16), and the steps stamped inside a phase.
-enum { PH_QKV = 0, PH_ATTN, PH_O, PH_MLP, PH_DOWN, PH_HEAD, PH_PROJ, PH_SAMPLE, PH_START };
+enum { PH_QKV = 0, PH_ATTN, PH_O, PH_MLP, PH_DOWN, PH_HEAD, PH_PROJ, PH_SAMPLE, PH_START, PH_AO };
 enum { STEP_OPERAND = 1, STEP_TILE, STEP_DOTS, STEP_EPILOGUE, STEP_DONE, STEP_ARRIVED };
 
 struct Phase {
@@ -93,11 +97,18 @@ __device__ __forceinline__ Phase first_phase(const qmk_frame& f) {
 // instead of a q/k/v phase.
 __device__ __forceinline__ bool from_table(const qmk_model& m, int pass) { return pass >= 1 && m.qkv0[pass - 1] != 0; }
 
+// The attention phase of a layer: fused with o_proj for the predictor (qmk_stack.fuse_attn_o),
+// except pass 0's last layer, which has no o_proj (only its K/V rows are used).
+__device__ __forceinline__ int attn_kind(const qmk_model& m, int layer, int pass) {
+    const bool fused = pass >= 0 && m.pred.fuse_attn_o && !(pass == 0 && layer + 1 == m.pred.num_layers);
+    return fused ? K_AO : K_ATTN;
+}
+
 // Advance `ph` to the phase after it; false when the frame has no more.
 __device__ bool next_phase(const qmk_model& m, const qmk_frame& f, Phase& ph) {
     const int passes = f.run_predictor ? m.num_groups : 0;
     const int has_proj = m.proj_w != 0;
-    const auto layer0 = [&](int p) { return Phase{from_table(m, p) ? K_ATTN : K_QKV, 0, p}; };
+    const auto layer0 = [&](int p) { return Phase{from_table(m, p) ? attn_kind(m, 0, p) : K_QKV, 0, p}; };
     const auto start = [&](int p) { return has_proj && !from_table(m, p) ? Phase{K_PROJ, 0, p} : layer0(p); };
     switch (ph.kind) {
         case K_HEAD_T:
@@ -109,6 +120,8 @@ __device__ bool next_phase(const qmk_model& m, const qmk_frame& f, Phase& ph) {
             ph = start(ph.pass + 1);
             return true;
         case K_PROJ: ph = layer0(ph.pass); return true;
+        case K_QKV: ph.kind = attn_kind(m, ph.layer, ph.pass); return true;
+        case K_AO: ph.kind = K_GU; return true;  // fuse_attn_o needs split_down: the layer ends there
         case K_DOWN: break;
         case K_GU:
             if ((ph.pass < 0 ? m.talker : m.pred).split_down) break;  // down ran inside gate/up
@@ -293,14 +306,49 @@ __device__ Tile attn_tile(const Frame& F, const Phase& ph, int t) {
     tl.r[0] = {dptr<const float>(S.k_cache) + row, bytes};
     tl.r[1] = {dptr<const float>(S.v_cache) + row, bytes};
     tl.n = 2;
+    tl.kv = 1;
+    return tl;
+}
+
+// Fused attention + o_proj items (kv head g, o_proj row group r), g-major, dealt to blocks
+// round-robin. An item streams its head's cached K/V rows (from pass 1 on), then its o_proj tile.
+__device__ __forceinline__ int ao_row_groups(const qmk_stack& S) { return S.hidden / QMK_AO_ROWS; }
+__device__ __forceinline__ int ao_items(const qmk_stack& S) { return S.num_kv_heads * ao_row_groups(S); }
+__device__ __forceinline__ int ao_tiles_per_item(const Phase& ph) { return ph.pass > 0 ? 2 : 1; }
+
+__device__ int ao_tiles(const Frame& F, const Phase& ph) {
+    const int items = ao_items(F.m().pred);
+    const int mine = blockIdx.x < items ? (items - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+    return mine * ao_tiles_per_item(ph);
+}
+
+__device__ Tile ao_tile(const Frame& F, const Phase& ph, int t) {
+    const qmk_stack& S = F.m().pred;
+    const int per = ao_tiles_per_item(ph), it = blockIdx.x + (t / per) * gridDim.x;
+    const int R = ao_row_groups(S), g = it / R, r = it % R;
+    Tile tl;
+    if (per == 2 && t % per == 0) {  // K then V rows of positions 0 .. pass - 1
+        const size_t row = ((size_t)ph.layer * S.num_kv_heads + g) * S.max_pos * QMK_HD;
+        const uint32_t bytes = (uint32_t)ph.pass * QMK_HD * 4;
+        tl.r[0] = {dptr<const float>(S.k_cache) + row, bytes};
+        tl.r[1] = {dptr<const float>(S.v_cache) + row, bytes};
+        tl.n = 2;
+        tl.kv = 1;
+        return tl;
+    }
+    const size_t first = ((size_t)g * S.hidden + (size_t)r * QMK_AO_ROWS) * 2 * QMK_HD;
+    tl.r[0] = {bfp(F.layer(ph).o_blk) + first, (uint32_t)QMK_SLOT_BYTES};
+    tl.n = 1;
     return tl;
 }
 
 __device__ int phase_tiles(const Frame& F, const Phase& ph) {
+    if (ph.kind == K_AO) return ao_tiles(F, ph);
     return ph.kind == K_ATTN ? attn_tiles(F, ph) : geo(ph).ntiles;
 }
 
 __device__ Tile phase_tile(const Frame& F, const Phase& ph, int t) {
+    if (ph.kind == K_AO) return ao_tile(F, ph, t);
     return ph.kind == K_ATTN ? attn_tile(F, ph, t) : mat_tile(F, ph, geo(ph), t);
 }
 
@@ -335,7 +383,8 @@ __device__ __noinline__ void produce(const Params* P) {
         if (!wait_slot_free(i, nslot)) break;
         // The predictor's K/V rows were stored by other blocks earlier in this launch.
         const Phase& ph = cur.ph;
-        issue_tile(phase_tile(F, ph, cur.tile++), i++, nslot, ph.kind == K_ATTN && ph.pass >= 0, ph.kind != K_ATTN);
+        const Tile t = phase_tile(F, ph, cur.tile++);
+        issue_tile(t, i++, nslot, t.kv && ph.pass >= 0, !t.kv);
     }
     *reinterpret_cast<volatile uint32_t*>(&ring_state().issued) = i;
 }
@@ -576,7 +625,7 @@ __device__ void run_attention(Ctx& c, const Phase& ph, int id, bool tabled) {
     const AttnArgs a{dptr<const float>(m.qkv), dptr<float>(m.attn),   dptr<float>(S.k_cache) + off,
                      dptr<float>(S.v_cache) + off, bfp(L.q_norm), bfp(L.k_norm), dptr<const float>(S.rope),
                      dptr<float>(m.attn_part), dptr<unsigned>(m.attn_count), A.pos, S.num_heads,
-                     S.num_kv_heads, S.max_pos, S.eps};
+                     S.num_kv_heads, S.max_pos, S.eps, 0, 1};
     for (int it = blockIdx.x; it < A.items; it += gridDim.x) {
         const bool has = A.has_tile(it);
         const float* tile = has ? reinterpret_cast<const float*>(c.ring.wait(0)) : nullptr;
@@ -589,6 +638,142 @@ __device__ void run_attention(Ctx& c, const Phase& ph, int id, bool tabled) {
         // One tile per item; a long context gives a block more items than the ring has slots, so
         // each goes back at once (deferring K/V tiles to the arrival measured 0.02 ms slower).
         if (has) c.ring.release(1);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The predictor with attention and o_proj fused (qmk_stack.fuse_attn_o)
+//
+// Every block adds partials into the residual, so a layer needs two accumulators that start at
+// zero: `a` gets the layer's input plus o_proj (the residual after attention, the MLP's operand),
+// `b` the same plus the MLP's down partials (the layer's output). Three buffers rotate over the
+// frame's fused layers (pass 0 has L - 1: its last layer has no o_proj; later passes L each):
+// layer n's b is X[n % 3], its a X[(n + 1) % 3], and its input, layer n - 1's b, the third. The
+// two are zeroed in the phase with a barrier just before their first addition (the layer's q/k/v
+// phase, or the head before a pass whose layer 0 comes from a table), which reads neither.
+struct Acc {
+    float* a;
+    float* b;
+};
+
+__device__ __forceinline__ int fused_layer(int L, int pass, int layer) { return pass == 0 ? layer : L - 1 + (pass - 1) * L + layer; }
+
+__device__ __forceinline__ Acc pred_acc(const qmk_model& m, int n) {
+    float* X = dptr<float>(m.pres);
+    const int D = m.pred.hidden;
+    return {X + (size_t)((n + 1) % 3) * D, X + (size_t)(n % 3) * D};
+}
+
+// The block's share of both accumulators set to zero.
+__device__ __forceinline__ void zero_acc(const Acc& z, int D) {
+    const int r0 = D * blockIdx.x / gridDim.x, r1 = D * (blockIdx.x + 1) / gridDim.x;
+    for (int i = r0 + (int)threadIdx.x; i < r1; i += QMK_THREADS) z.a[i] = z.b[i] = 0.f;
+}
+
+// Item (g, r): kv head g's two query heads (every row group recomputes them: a predictor position
+// attends to at most 16 positions), then rows 64 r .. 64 r + 63 of o_proj over those heads' 256
+// columns (qmk_layer.o_blk, one 32 KB tile), added into both accumulators; head 0's items also
+// add the layer input's rows. Row group 0 appends the K/V rows.
+__device__ void run_attn_o(Ctx& c, const Phase& ph, int id, bool tabled, VecRef in, const Acc& acc) {
+    const qmk_model& m = c.F.m();
+    const qmk_stack& S = m.pred;
+    const qmk_layer& L = c.F.layer(ph);
+    const int pos = ph.pass, R = ao_row_groups(S), items = ao_items(S);
+    const int mine = blockIdx.x < items ? (items - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+    const size_t off = (size_t)ph.layer * S.num_kv_heads * S.max_pos * QMK_HD;
+    float* heads = sm<float>(QMK_SMEM_XS);  // the item's two heads' outputs
+    float* sums = sm<float>(QMK_SMEM_RED);
+    const int row = threadIdx.x >> 3, part = threadIdx.x & 7;
+    for (int it = blockIdx.x; it < items; it += gridDim.x) {
+        const int g = it / R, r = it % R;
+        const float* kv = pos > 0 ? reinterpret_cast<const float*>(c.ring.wait(0)) : nullptr;
+        c.stamp(id, STEP_TILE);
+        const AttnArgs a{dptr<const float>(m.qkv), heads, dptr<float>(S.k_cache) + off, dptr<float>(S.v_cache) + off,
+                         bfp(L.q_norm), bfp(L.k_norm), dptr<const float>(S.rope), nullptr, nullptr, pos,
+                         S.num_heads, S.num_kv_heads, S.max_pos, S.eps, 2 * g, r == 0};
+        const float* qkv = tabled ? *sm<const float* volatile>(QMK_SMEM_QSRC) : a.qkv;
+        attention_item(a, qkv, g, 0, 1, kv, sm<float>(QMK_SMEM_ATTN));
+        block_sync();
+        if (pos > 0) c.ring.release(1);
+        // 8 threads per o_proj row; thread `part` takes columns 8 part + 64 i (a quarter warp
+        // reads 128 contiguous bytes of the row).
+        const bf16* w = reinterpret_cast<const bf16*>(c.ring.wait(0)) + (size_t)row * 2 * QMK_HD;
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int col = 8 * part + 64 * i;
+            float wv[8], xv[8];
+            unpack8(*reinterpret_cast<const uint4*>(w + col), wv);
+            read8(heads + col, xv);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) s = fmaf(wv[e], xv[e], s);
+        }
+        s += __shfl_xor_sync(0xffffffffu, s, 4);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        if (part == 0) sums[row] = s;
+        block_sync();
+        c.stamp(id, STEP_DOTS);
+        // The o_proj tile goes back at the grid arrival when it is the block's only item (like a
+        // matrix phase's); with several items the next one may need its slot.
+        if (mine == 1) c.ring.defer(1);
+        else c.ring.release(1);
+        if (threadIdx.x < QMK_AO_ROWS / 4) {
+            const int k = 4 * threadIdx.x, u = r * QMK_AO_ROWS + k;
+            float v[4] = {sums[k], sums[k + 1], sums[k + 2], sums[k + 3]};
+            if (g == 0) {
+                float x[4];
+                if (in.is_bf16) {
+                    const uint2 b = *reinterpret_cast<const uint2*>(static_cast<const bf16*>(in.p) + u);
+                    x[0] = bf_lo(b.x), x[1] = bf_hi(b.x), x[2] = bf_lo(b.y), x[3] = bf_hi(b.y);
+                } else {
+                    const float4 f = ld_act4(static_cast<const float*>(in.p) + u);
+                    x[0] = f.x, x[1] = f.y, x[2] = f.z, x[3] = f.w;
+                }
+#pragma unroll
+                for (int e = 0; e < 4; ++e) v[e] += x[e];
+            }
+            red_add4(acc.a + u, v[0], v[1], v[2], v[3]);
+            red_add4(acc.b + u, v[0], v[1], v[2], v[3]);
+        }
+    }
+    c.stamp(id, STEP_EPILOGUE);
+}
+
+// The predictor's layers at one pass with fuse_attn_o; `src` is the pass's input. The result is
+// layer L - 1's `b` (pred_out).
+__device__ void run_pred_fused(Ctx& c, int pass, VecRef src) {
+    const qmk_model& m = c.F.m();
+    const qmk_stack& S = m.pred;
+    const int L = S.num_layers, D = S.hidden;
+    float* qkv = dptr<float>(m.qkv);
+    for (int l = 0; l < L; ++l) {
+        const Phase pq{K_QKV, l, pass};
+        const qmk_layer& Ly = c.F.layer(pq);
+        const bool last0 = pass == 0 && l + 1 == L;
+        const VecRef in = l == 0 ? src : VecRef{pred_acc(m, fused_layer(L, pass, l - 1)).b, 0};
+        const bool tabled = l == 0 && from_table(m, pass);
+        if (!tabled) {
+            Operand<2> x;
+            load_xn<2>(in, bfp(Ly.input_norm), D, S.eps, x);
+            // The next fused layer's accumulators: this layer's, or pass 1's first.
+            zero_acc(pred_acc(m, last0 ? fused_layer(L, 1, 0) : fused_layer(L, pass, l)), D);
+            run_mat<2>(c, pq, 16 + PH_QKV, x, [&](int u, int j, const float* red) { qkv[u] = row_sum(red, j); });
+            c.sync(16 + PH_QKV);
+        }
+        if (last0) {  // only the K/V rows are used; no barrier (as in run_stack)
+            run_attention(c, Phase{K_ATTN, l, pass}, 16 + PH_ATTN, false);
+            return;
+        }
+        const Acc acc = pred_acc(m, fused_layer(L, pass, l));
+        run_attn_o(c, Phase{K_AO, l, pass}, 16 + PH_AO, tabled, in, acc);
+        c.sync(16 + PH_AO);
+        Operand<2> xm;
+        load_xn<2>(VecRef{acc.a, 0}, bfp(Ly.post_norm), D, S.eps, xm);
+        const Phase pg{K_GU, l, pass};
+        if (D == 2048) run_gu_split<4>(c, pg, 16 + PH_MLP, xm, acc.b);
+        else run_gu_split<2>(c, pg, 16 + PH_MLP, xm, acc.b);
+        c.sync(16 + PH_MLP);
     }
 }
 
@@ -774,12 +959,19 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
             c.sync(16 + PH_PROJ);
             src = VecRef{proj_out, 0};
         }
-        run_stack(c, pp, src);
+        const bool fused = m.pred.fuse_attn_o;
+        const int Lp = m.pred.num_layers;
+        if (fused) run_pred_fused(c, pp, src);
+        else run_stack(c, pp, src);
         if (pp == 0) continue;
         float* lg = dptr<float>(m.pred_logits) + (size_t)(pp - 1) * m.pred_vocab;
         {
             Operand<2> x;
-            load_xn<2>(VecRef{dptr<const float>(m.resid), 0}, bfp(m.pred.final_norm), Dp, m.pred.eps, x);
+            const float* out = fused ? pred_acc(m, fused_layer(Lp, pp, Lp - 1)).b : dptr<const float>(m.resid);
+            load_xn<2>(VecRef{out, 0}, bfp(m.pred.final_norm), Dp, m.pred.eps, x);
+            // The next pass's first accumulators, for a layer 0 that comes from a table (no q/k/v
+            // phase before it).
+            if (fused && pp + 1 < G) zero_acc(pred_acc(m, fused_layer(Lp, pp + 1, 0)), Dp);
             if (blockIdx.x == 0) store_operand<2>(x, Dp, dptr<float>(m.pred_hidden) + (size_t)pp * Dp);
             run_mat<2>(c, Phase{K_HEAD_P, 0, pp}, 16 + PH_HEAD, x, [&](int u, int j, const float* red) { lg[u] = row_sum(red, j); });
         }

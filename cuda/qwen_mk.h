@@ -19,14 +19,16 @@
 extern "C" {
 #endif
 
-#define QMK_ABI_VERSION 5
+#define QMK_ABI_VERSION 6
 #define QMK_MAX_GROUPS 16
 #define QMK_HEAD_DIM 128
 
 /* One Qwen3 decoder layer (bf16 weights). down_t: down transposed, bf16 [inter][hidden], read
- * instead of down when the stack's split_down is set. */
+ * instead of down when the stack's split_down is set. o_blk: o regrouped per KV head, bf16
+ * [kv_heads][hidden][2 * 128] (o_blk[g][r][c] = o[r][256 g + c]), read instead of o when the
+ * stack's fuse_attn_o is set (0 otherwise). */
 typedef struct {
-    uint64_t input_norm, q, k, v, q_norm, k_norm, o, post_norm, gate, up, down, down_t;
+    uint64_t input_norm, q, k, v, q_norm, k_norm, o, post_norm, gate, up, down, down_t, o_blk;
 } qmk_layer;
 
 /* A stack of layers (talker or code predictor) and its KV cache. */
@@ -38,6 +40,12 @@ typedef struct {
      * order of the additions varies from run to run in the last bit). 0: down is a phase of its
      * own behind a grid barrier (bitwise reproducible). */
     int32_t split_down;
+    /* 1 (code predictor only; needs split_down and at most 32 positions): attention and o_proj
+     * are one phase. Each (KV head, 64 o_proj rows) item recomputes its head's attention and adds
+     * its o_proj partial with float atomics into accumulators that start at zero; no barrier
+     * between attention and o_proj. 0: o_proj is a phase of its own. */
+    int32_t fuse_attn_o;
+    int32_t reserved;
     uint64_t layers;     /* qmk_layer[num_layers] in device memory */
     uint64_t final_norm; /* bf16 [hidden] */
     uint64_t rope;       /* fp32 [max_pos][2][64]: cos then sin per position */
@@ -72,6 +80,7 @@ typedef struct {
     /* scratch (fp32 unless noted) */
     uint64_t resid;       /* [max(Dt, Dp)] residual stream (after the MLP) */
     uint64_t mid;         /* [max(Dt, Dp)] residual stream after attention (the MLP's input) */
+    uint64_t pres;        /* [3][Dp] the predictor's residual accumulators with fuse_attn_o */
     uint64_t qkv;         /* [(H + 2 KV) * 128], raw projections */
     uint64_t attn;        /* [H * 128] attention output */
     uint64_t act;         /* [max(It, Ip)] MLP activations (the down phase's input; unused when split) */

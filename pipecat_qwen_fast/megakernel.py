@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_FILES = ("qwen_mk.h", "mk_util.cuh", "mk_stream.cuh", "mk_matvec.cuh", "mk_attention.cuh", "mk_sample.cuh",
                 "qwen_mk.cu")
-ABI_VERSION = 5
+ABI_VERSION = 6
 TRACE_MAX = 8192
 MAX_GROUPS = 16
 HEAD_DIM = 128
@@ -128,7 +128,8 @@ def build_library(arch: str) -> Path:
 
 class QmkLayer(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint64) for n in
-                ("input_norm", "q", "k", "v", "q_norm", "k_norm", "o", "post_norm", "gate", "up", "down", "down_t")]
+                ("input_norm", "q", "k", "v", "q_norm", "k_norm", "o", "post_norm", "gate", "up", "down", "down_t",
+                 "o_blk")]
 
 
 class QmkStack(ctypes.Structure):
@@ -136,6 +137,7 @@ class QmkStack(ctypes.Structure):
         ("hidden", ctypes.c_int32), ("inter", ctypes.c_int32), ("num_layers", ctypes.c_int32),
         ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32), ("max_pos", ctypes.c_int32),
         ("eps", ctypes.c_float), ("split_down", ctypes.c_int32),
+        ("fuse_attn_o", ctypes.c_int32), ("reserved", ctypes.c_int32),
         ("layers", ctypes.c_uint64), ("final_norm", ctypes.c_uint64), ("rope", ctypes.c_uint64),
         ("k_cache", ctypes.c_uint64), ("v_cache", ctypes.c_uint64),
     ]
@@ -156,7 +158,7 @@ class QmkModel(ctypes.Structure):
         ("pred_emb", ctypes.c_uint64 * (MAX_GROUPS - 1)), ("lm_head", ctypes.c_uint64 * (MAX_GROUPS - 1)),
         ("qkv0", ctypes.c_uint64 * (MAX_GROUPS - 1)),
         ("pending", ctypes.c_uint64), ("hidden", ctypes.c_uint64), ("seen", ctypes.c_uint64),
-        ("resid", ctypes.c_uint64), ("mid", ctypes.c_uint64), ("qkv", ctypes.c_uint64), ("attn", ctypes.c_uint64),
+        ("resid", ctypes.c_uint64), ("mid", ctypes.c_uint64), ("pres", ctypes.c_uint64), ("qkv", ctypes.c_uint64), ("attn", ctypes.c_uint64),
         ("act", ctypes.c_uint64), ("proj_out", ctypes.c_uint64), ("logits", ctypes.c_uint64),
         ("pred_logits", ctypes.c_uint64), ("pred_hidden", ctypes.c_uint64),
         ("attn_part", ctypes.c_uint64), ("attn_count", ctypes.c_uint64), ("barrier", ctypes.c_uint64),
@@ -309,6 +311,16 @@ def transposed_down(weight: Tensor, device: torch.device) -> Tensor:
 
 
 @torch.no_grad()
+def grouped_o(weight: Tensor, kv_heads: int, device: torch.device) -> Tensor:
+    """o_proj regrouped per KV head as the fused attention + o_proj phase reads it
+    (qmk_layer.o_blk): bf16 [kv_heads, hidden, 2 * 128], so the 64 rows of one head's 256 columns
+    that one item multiplies are one contiguous 32 KB tile."""
+    w = weight.detach().to(device, torch.bfloat16)
+    hidden, width = w.shape
+    return w.view(hidden, kv_heads, width // kv_heads).permute(1, 0, 2).contiguous()
+
+
+@torch.no_grad()
 def build_input_tables(talker, device: torch.device) -> list[Tensor]:
     """The megakernel's input tables (qmk_model.qkv0). For predictor pass p = 1..15: the raw
     layer-0 q/k/v projections (fp32 [ids, (H + 2 KV) * 128]) of every input the pass can be fed:
@@ -368,7 +380,8 @@ class MegakernelBackend:
     name = "megakernel"
 
     def __init__(self, talker, device: torch.device, dtype: torch.dtype, warmup: bool = True,
-                 input_tables: bool = True, split_down: bool = True, prefills: PrefillGraphs | None = None):
+                 input_tables: bool = True, split_down: bool = True, fuse_attn_o: bool = True,
+                 prefills: PrefillGraphs | None = None):
         reason = shape_unsupported_reason(talker)
         if reason:
             raise UnsupportedFeatureError(reason)
@@ -386,8 +399,13 @@ class MegakernelBackend:
         # one grid barrier less per layer, reading a transposed copy of each down matrix (0.6B:
         # +208 MB, 1.7B: +736 MB). False keeps down as its own phase: bitwise reproducible runs.
         self.split_down = split_down
+        # The code predictor's attention and o_proj in one phase (qmk_stack.fuse_attn_o): one
+        # grid barrier less per predictor layer, reading o regrouped per KV head (+20 MB). It adds
+        # into the residual with atomics, as the split down projection does, so it needs that.
+        self.fuse_attn_o = fuse_attn_o and split_down
         self.talker_layers = self._layer_table(talker.model)
-        self.pred_layers = self._layer_table(talker.code_predictor.model)
+        self.pred_layers = self._layer_table(talker.code_predictor.model,
+                                             grouped_kv_heads=self.pcfg.stack.num_kv_heads if self.fuse_attn_o else 0)
         self.pred_rope = rope_table(self.num_groups, self.pcfg.stack.rope_theta, device)
         # Per-code layer-0 q/k/v of the predictor passes (qmk_model.qkv0): -15 phases a frame.
         self.input_tables = build_input_tables(talker, device) if input_tables else []
@@ -403,7 +421,7 @@ class MegakernelBackend:
             self._keep.append(t)
         return t.data_ptr()
 
-    def _layer_table(self, stack) -> Tensor:
+    def _layer_table(self, stack, grouped_kv_heads: int = 0) -> Tensor:
         rows = []
         for layer in stack.layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -415,13 +433,18 @@ class MegakernelBackend:
             if down_t is not None:
                 self._keep.append(down_t)
             rows[-1].append(ptr(down_t))
+            o_blk = grouped_o(a.o_proj.weight, grouped_kv_heads, self.device) if grouped_kv_heads else None
+            if o_blk is not None:
+                self._keep.append(o_blk)
+            rows[-1].append(ptr(o_blk))
         return torch.tensor(rows, dtype=torch.int64).to(self.device)
 
-    def _stack(self, cfg, table: Tensor, final_norm: Tensor, rope: Tensor, k: Tensor, v: Tensor, max_pos: int) -> QmkStack:
+    def _stack(self, cfg, table: Tensor, final_norm: Tensor, rope: Tensor, k: Tensor, v: Tensor, max_pos: int,
+               fuse_attn_o: bool = False) -> QmkStack:
         return QmkStack(
             hidden=cfg.hidden_size, inter=cfg.intermediate_size, num_layers=cfg.num_layers,
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, max_pos=max_pos, eps=cfg.rms_norm_eps,
-            split_down=int(self.split_down), layers=ptr(table), final_norm=self._w(final_norm), rope=ptr(rope),
+            split_down=int(self.split_down), fuse_attn_o=int(fuse_attn_o), layers=ptr(table), final_norm=self._w(final_norm), rope=ptr(rope),
             k_cache=ptr(k), v_cache=ptr(v),
         )
 
@@ -442,6 +465,7 @@ class MegakernelBackend:
             "seen": torch.zeros(self.tcfg.vocab_size, device=dev, dtype=torch.uint8),
             "resid": torch.empty(max(Dt, Dp), device=dev, dtype=f32),
             "mid": torch.empty(max(Dt, Dp), device=dev, dtype=f32),
+            "pres": torch.empty((3, Dp), device=dev, dtype=f32),
             "qkv": torch.empty(max(ts.num_heads + 2 * ts.num_kv_heads, ps.num_heads + 2 * ps.num_kv_heads) * HEAD_DIM,
                                device=dev, dtype=f32),
             "attn": torch.empty(max(ts.num_heads, ps.num_heads) * HEAD_DIM, device=dev, dtype=f32),
@@ -465,7 +489,8 @@ class MegakernelBackend:
         m = QmkModel(
             talker=self._stack(ts, self.talker_layers, self.talker.model.norm.weight, buf["rope"],
                                talker_cache.k, talker_cache.v, max_positions),
-            pred=self._stack(ps, self.pred_layers, cp.model.norm.weight, self.pred_rope, pk, pv, G),
+            pred=self._stack(ps, self.pred_layers, cp.model.norm.weight, self.pred_rope, pk, pv, G,
+                             fuse_attn_o=self.fuse_attn_o),
             vocab=self.tcfg.vocab_size, pred_vocab=self.pcfg.vocab_size, eos_id=self.eos_id, num_groups=G,
             codec_head=self._w(self.talker.codec_head.weight),
             talker_emb=self._w(self.talker.model.codec_embedding.weight),
@@ -476,7 +501,7 @@ class MegakernelBackend:
             m.pred_emb[g] = self._w(cp.model.codec_embedding[g].weight)
             m.lm_head[g] = self._w(cp.lm_head[g].weight)
             m.qkv0[g] = ptr(self.input_tables[g]) if self.input_tables else 0
-        for name in ("pending", "hidden", "seen", "resid", "mid", "qkv", "attn", "act", "proj_out", "logits",
+        for name in ("pending", "hidden", "seen", "resid", "mid", "pres", "qkv", "attn", "act", "proj_out", "logits",
                      "pred_logits", "pred_hidden", "attn_part", "attn_count", "barrier"):
             setattr(m, name, ptr(buf[name]))
         if seed is None:
