@@ -185,6 +185,20 @@ __device__ __forceinline__ const Geo& geo(const Phase& ph) {
     return sm<const Geo>(QMK_SMEM_GEO)[(ph.pass < 0 ? 0 : 8) + ph.kind];
 }
 
+// Fused attention + o_proj items: (kv head g, o_proj row group r), g-major, dealt to blocks
+// round-robin (qwen_mk.cu, run_attn_o).
+__device__ __forceinline__ int ao_row_groups(const qmk_stack& S) { return S.hidden / QMK_AO_ROWS; }
+__device__ __forceinline__ int ao_items(const qmk_stack& S) { return S.num_kv_heads * ao_row_groups(S); }
+
+// With fuse_attn_o and one item per block, block (g, r) of the fused phase also computes the
+// predictor's q/k/v rows of kv head g (its two query heads, its k, its v: 512 rows, 512 / R each),
+// so the fused phase waits for its head's R blocks (qmk_model.head_ready), not a grid barrier.
+__device__ __forceinline__ bool grouped_qkv(const qmk_model& m) {
+    const qmk_stack& S = m.pred;
+    const int rows = 4 * QMK_HD / ao_row_groups(S);
+    return S.fuse_attn_o && ao_items(S) <= (int)gridDim.x && rows % QMK_TILE_ROWS == 0 && QMK_HD % rows == 0;
+}
+
 __device__ Geo geo_of(const Frame& F, const Phase& ph) {
     const qmk_model& m = F.m();
     const qmk_stack& S = F.stack(ph);
@@ -202,7 +216,15 @@ __device__ Geo geo_of(const Frame& F, const Phase& ph) {
     K /= ksplit;
     const int per_tile = QMK_SLOT_BYTES / (2 * K * rows_per_unit);
     const int B = gridDim.x, b = blockIdx.x;
-    const int u0 = N * b / B, u1 = N * (b + 1) / B;
+    int u0 = N * b / B, u1 = N * (b + 1) / B;
+    if (ph.kind == K_QKV && ph.pass >= 0 && grouped_qkv(m)) {
+        const int R = ao_row_groups(S), rows = 4 * QMK_HD / R, g = b / R, p = (b % R) * rows;
+        const int H = S.num_heads * QMK_HD, KV = S.num_kv_heads * QMK_HD;
+        u0 = b >= ao_items(S) ? 0 : p < 2 * QMK_HD ? 2 * g * QMK_HD + p
+                               : p < 3 * QMK_HD ? H + g * QMK_HD + p - 2 * QMK_HD
+                                                : H + KV + g * QMK_HD + p - 3 * QMK_HD;
+        u1 = b >= ao_items(S) ? 0 : u0 + rows;
+    }
     const int ntiles = ksplit * ((u1 - u0 + per_tile - 1) / per_tile);
     if (ph.kind == K_GU && S.split_down) {
         const int dpt = QMK_SLOT_BYTES / (2 * K);
@@ -312,8 +334,6 @@ __device__ Tile attn_tile(const Frame& F, const Phase& ph, int t) {
 
 // Fused attention + o_proj items (kv head g, o_proj row group r), g-major, dealt to blocks
 // round-robin. An item streams its head's cached K/V rows (from pass 1 on), then its o_proj tile.
-__device__ __forceinline__ int ao_row_groups(const qmk_stack& S) { return S.hidden / QMK_AO_ROWS; }
-__device__ __forceinline__ int ao_items(const qmk_stack& S) { return S.num_kv_heads * ao_row_groups(S); }
 __device__ __forceinline__ int ao_tiles_per_item(const Phase& ph) { return ph.pass > 0 ? 2 : 1; }
 
 __device__ int ao_tiles(const Frame& F, const Phase& ph) {
@@ -427,6 +447,21 @@ struct Ctx {
             ring.release_deferred();
             stamp(phase, STEP_ARRIVED);
             grid_wait(counter, arrived);
+            stamp(phase, 0);
+        }
+        block_sync();
+        ring.end_deferred();
+    }
+
+    // The end of a phase that only the blocks of one group wait for: its stores released to them
+    // through `counter` (blocks outside any group pass null), the tiles handed back as at a grid
+    // arrival, no wait.
+    __device__ void group_arrive(unsigned* counter, int phase) {
+        block_sync();
+        if (threadIdx.x == 0) {
+            stamp(phase, STEP_DONE);
+            if (counter) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+            ring.release_deferred();
             stamp(phase, 0);
         }
         block_sync();
@@ -646,11 +681,11 @@ __device__ void run_attention(Ctx& c, const Phase& ph, int id, bool tabled) {
 //
 // Every block adds partials into the residual, so a layer needs two accumulators that start at
 // zero: `a` gets the layer's input plus o_proj (the residual after attention, the MLP's operand),
-// `b` the same plus the MLP's down partials (the layer's output). Three buffers rotate over the
-// frame's fused layers (pass 0 has L - 1: its last layer has no o_proj; later passes L each):
-// layer n's b is X[n % 3], its a X[(n + 1) % 3], and its input, layer n - 1's b, the third. The
-// two are zeroed in the phase with a barrier just before their first addition (the layer's q/k/v
-// phase, or the head before a pass whose layer 0 comes from a table), which reads neither.
+// `b` the same plus the MLP's down partials (the layer's output). The frame's fused layers (pass 0
+// has L - 1: its last layer has no o_proj; later passes L each) alternate between two pairs of
+// buffers, so layer n's input (layer n - 1's b) is never one of its own. Layer n's pair is zeroed
+// during layer n - 1's MLP phase (the codec head's for the first), which neither reads nor adds
+// to it; the q/k/v phase in between may end without a grid barrier (grouped_qkv).
 struct Acc {
     float* a;
     float* b;
@@ -659,9 +694,8 @@ struct Acc {
 __device__ __forceinline__ int fused_layer(int L, int pass, int layer) { return pass == 0 ? layer : L - 1 + (pass - 1) * L + layer; }
 
 __device__ __forceinline__ Acc pred_acc(const qmk_model& m, int n) {
-    float* X = dptr<float>(m.pres);
-    const int D = m.pred.hidden;
-    return {X + (size_t)((n + 1) % 3) * D, X + (size_t)(n % 3) * D};
+    float* X = dptr<float>(m.pres) + (size_t)(n % 2) * 2 * m.pred.hidden;
+    return {X, X + m.pred.hidden};
 }
 
 // The block's share of both accumulators set to zero.
@@ -674,7 +708,9 @@ __device__ __forceinline__ void zero_acc(const Acc& z, int D) {
 // attends to at most 16 positions), then rows 64 r .. 64 r + 63 of o_proj over those heads' 256
 // columns (qmk_layer.o_blk, one 32 KB tile), added into both accumulators; head 0's items also
 // add the layer input's rows. Row group 0 appends the K/V rows.
-__device__ void run_attn_o(Ctx& c, const Phase& ph, int id, bool tabled, VecRef in, const Acc& acc) {
+// `wait_head`: the q/k/v rows come from the grouped q/k/v phase (grouped_qkv): wait for the head's
+// blocks first.
+__device__ void run_attn_o(Ctx& c, const Phase& ph, int id, bool tabled, bool wait_head, VecRef in, const Acc& acc) {
     const qmk_model& m = c.F.m();
     const qmk_stack& S = m.pred;
     const qmk_layer& L = c.F.layer(ph);
@@ -692,6 +728,12 @@ __device__ void run_attn_o(Ctx& c, const Phase& ph, int id, bool tabled, VecRef 
                          bfp(L.q_norm), bfp(L.k_norm), dptr<const float>(S.rope), nullptr, nullptr, pos,
                          S.num_heads, S.num_kv_heads, S.max_pos, S.eps, 2 * g, r == 0};
         const float* qkv = tabled ? *sm<const float* volatile>(QMK_SMEM_QSRC) : a.qkv;
+        if (wait_head) {
+            if (threadIdx.x == 0)
+                while (ld_acquire(dptr<const unsigned>(m.head_ready) + g) < (unsigned)R) {
+                }
+            block_sync();
+        }
         attention_item(a, qkv, g, 0, 1, kv, sm<float>(QMK_SMEM_ATTN));
         block_sync();
         if (pos > 0) c.ring.release(1);
@@ -745,7 +787,9 @@ __device__ void run_attn_o(Ctx& c, const Phase& ph, int id, bool tabled, VecRef 
 __device__ void run_pred_fused(Ctx& c, int pass, VecRef src) {
     const qmk_model& m = c.F.m();
     const qmk_stack& S = m.pred;
-    const int L = S.num_layers, D = S.hidden;
+    const int L = S.num_layers, D = S.hidden, R = ao_row_groups(S);
+    const bool grouped = grouped_qkv(m);
+    unsigned* ready = dptr<unsigned>(m.head_ready);
     float* qkv = dptr<float>(m.qkv);
     for (int l = 0; l < L; ++l) {
         const Phase pq{K_QKV, l, pass};
@@ -756,20 +800,24 @@ __device__ void run_pred_fused(Ctx& c, int pass, VecRef src) {
         if (!tabled) {
             Operand<2> x;
             load_xn<2>(in, bfp(Ly.input_norm), D, S.eps, x);
-            // The next fused layer's accumulators: this layer's, or pass 1's first.
-            zero_acc(pred_acc(m, last0 ? fused_layer(L, 1, 0) : fused_layer(L, pass, l)), D);
             run_mat<2>(c, pq, 16 + PH_QKV, x, [&](int u, int j, const float* red) { qkv[u] = row_sum(red, j); });
-            c.sync(16 + PH_QKV);
+            // Pass 0's last attention has no barrier after it and reads whole heads: a grid barrier.
+            if (grouped && !last0) c.group_arrive(blockIdx.x < ao_items(S) ? ready + blockIdx.x / R : nullptr, 16 + PH_QKV);
+            else c.sync(16 + PH_QKV);
         }
         if (last0) {  // only the K/V rows are used; no barrier (as in run_stack)
             run_attention(c, Phase{K_ATTN, l, pass}, 16 + PH_ATTN, false);
             return;
         }
         const Acc acc = pred_acc(m, fused_layer(L, pass, l));
-        run_attn_o(c, Phase{K_AO, l, pass}, 16 + PH_AO, tabled, in, acc);
+        run_attn_o(c, Phase{K_AO, l, pass}, 16 + PH_AO, tabled, grouped && !tabled, in, acc);
         c.sync(16 + PH_AO);
+        // Every block waiting on head_ready passed it before that barrier; the next q/k/v phase
+        // counts from zero after the next one.
+        if (grouped && threadIdx.x == 0 && blockIdx.x < ao_items(S) && blockIdx.x % R == 0) ready[blockIdx.x / R] = 0u;
         Operand<2> xm;
         load_xn<2>(VecRef{acc.a, 0}, bfp(Ly.post_norm), D, S.eps, xm);
+        zero_acc(pred_acc(m, fused_layer(L, pass, l) + 1), D);
         const Phase pg{K_GU, l, pass};
         if (D == 2048) run_gu_split<4>(c, pg, 16 + PH_MLP, xm, acc.b);
         else run_gu_split<2>(c, pg, 16 + PH_MLP, xm, acc.b);
@@ -919,6 +967,7 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
             load_x<2>(VecRef{dptr<const float>(m.hidden), 0}, Dt, x);
         }
         float* logits = dptr<float>(m.logits);
+        if (m.pred.fuse_attn_o) zero_acc(pred_acc(m, 0), Dp);  // the predictor's first fused layer
         run_mat<2>(c, ph, PH_HEAD, x, [&](int u, int j, const float* red) { logits[u] = row_sum(red, j); });
         c.sync(PH_HEAD);
     }
@@ -969,9 +1018,6 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
             Operand<2> x;
             const float* out = fused ? pred_acc(m, fused_layer(Lp, pp, Lp - 1)).b : dptr<const float>(m.resid);
             load_xn<2>(VecRef{out, 0}, bfp(m.pred.final_norm), Dp, m.pred.eps, x);
-            // The next pass's first accumulators, for a layer 0 that comes from a table (no q/k/v
-            // phase before it).
-            if (fused && pp + 1 < G) zero_acc(pred_acc(m, fused_layer(Lp, pp + 1, 0)), Dp);
             if (blockIdx.x == 0) store_operand<2>(x, Dp, dptr<float>(m.pred_hidden) + (size_t)pp * Dp);
             run_mat<2>(c, Phase{K_HEAD_P, 0, pp}, 16 + PH_HEAD, x, [&](int u, int j, const float* red) { lg[u] = row_sum(red, j); });
         }

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define QMK_ABI_VERSION 6
+#define QMK_ABI_VERSION 7
 #define QMK_MAX_GROUPS 16
 #define QMK_HEAD_DIM 128
 
@@ -80,7 +80,7 @@ typedef struct {
     /* scratch (fp32 unless noted) */
     uint64_t resid;       /* [max(Dt, Dp)] residual stream (after the MLP) */
     uint64_t mid;         /* [max(Dt, Dp)] residual stream after attention (the MLP's input) */
-    uint64_t pres;        /* [3][Dp] the predictor's residual accumulators with fuse_attn_o */
+    uint64_t pres;        /* [4][Dp] the predictor's residual accumulators with fuse_attn_o */
     uint64_t qkv;         /* [(H + 2 KV) * 128], raw projections */
     uint64_t attn;        /* [H * 128] attention output */
     uint64_t act;         /* [max(It, Ip)] MLP activations (the down phase's input; unused when split) */
@@ -91,6 +91,8 @@ typedef struct {
     uint64_t attn_part;   /* split-attention partials, qmk_attn_part_floats() */
     uint64_t attn_count;  /* uint32 [max KV heads], zero-initialised, self-resetting */
     uint64_t barrier;     /* uint32 [1], zero-initialised: the grid barrier's counter */
+    uint64_t head_ready;  /* uint32 [pred kv heads], zero-initialised, self-resetting: blocks done
+                             with a head's q/k/v rows (fuse_attn_o) */
 } qmk_model;
 
 /* Per-frame arguments. */

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_FILES = ("qwen_mk.h", "mk_util.cuh", "mk_stream.cuh", "mk_matvec.cuh", "mk_attention.cuh", "mk_sample.cuh",
                 "qwen_mk.cu")
-ABI_VERSION = 6
+ABI_VERSION = 7
 TRACE_MAX = 8192
 MAX_GROUPS = 16
 HEAD_DIM = 128
@@ -162,6 +162,7 @@ class QmkModel(ctypes.Structure):
         ("act", ctypes.c_uint64), ("proj_out", ctypes.c_uint64), ("logits", ctypes.c_uint64),
         ("pred_logits", ctypes.c_uint64), ("pred_hidden", ctypes.c_uint64),
         ("attn_part", ctypes.c_uint64), ("attn_count", ctypes.c_uint64), ("barrier", ctypes.c_uint64),
+        ("head_ready", ctypes.c_uint64),
     ]
 
 
@@ -465,7 +466,7 @@ class MegakernelBackend:
             "seen": torch.zeros(self.tcfg.vocab_size, device=dev, dtype=torch.uint8),
             "resid": torch.empty(max(Dt, Dp), device=dev, dtype=f32),
             "mid": torch.empty(max(Dt, Dp), device=dev, dtype=f32),
-            "pres": torch.empty((3, Dp), device=dev, dtype=f32),
+            "pres": torch.empty((4, Dp), device=dev, dtype=f32),
             "qkv": torch.empty(max(ts.num_heads + 2 * ts.num_kv_heads, ps.num_heads + 2 * ps.num_kv_heads) * HEAD_DIM,
                                device=dev, dtype=f32),
             "attn": torch.empty(max(ts.num_heads, ps.num_heads) * HEAD_DIM, device=dev, dtype=f32),
@@ -478,6 +479,7 @@ class MegakernelBackend:
             "attn_count": torch.zeros(max(ts.num_kv_heads, ps.num_kv_heads), device=dev, dtype=torch.int32),
             # The grid barrier counts arrivals from zero; one per state, so two sessions never share it.
             "barrier": torch.zeros(1, device=dev, dtype=torch.int32),
+            "head_ready": torch.zeros(ps.num_kv_heads, device=dev, dtype=torch.int32),
             # Text vectors stay bf16: the ABI reads them at that width (the engine makes them in bf16).
             "trailing": trailing.to(dev, bf).contiguous(),
             "pad_vec": pad_vec.to(dev, bf).contiguous(),
@@ -502,7 +504,7 @@ class MegakernelBackend:
             m.lm_head[g] = self._w(cp.lm_head[g].weight)
             m.qkv0[g] = ptr(self.input_tables[g]) if self.input_tables else 0
         for name in ("pending", "hidden", "seen", "resid", "mid", "pres", "qkv", "attn", "act", "proj_out", "logits",
-                     "pred_logits", "pred_hidden", "attn_part", "attn_count", "barrier"):
+                     "pred_logits", "pred_hidden", "attn_part", "attn_count", "barrier", "head_ready"):
             setattr(m, name, ptr(buf[name]))
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
