@@ -190,14 +190,16 @@ __device__ __forceinline__ const Geo& geo(const Phase& ph) {
 __device__ __forceinline__ int ao_row_groups(const qmk_stack& S) { return S.hidden / QMK_AO_ROWS; }
 __device__ __forceinline__ int ao_items(const qmk_stack& S) { return S.num_kv_heads * ao_row_groups(S); }
 
-// With fuse_attn_o and one item per block, block (g, r) of the fused phase also computes the
-// predictor's q/k/v rows of kv head g (its two query heads, its k, its v: 512 rows, 512 / R each),
-// so the fused phase waits for its head's R blocks (qmk_model.head_ready), not a grid barrier.
-__device__ __forceinline__ bool grouped_qkv(const qmk_model& m) {
+// Grouped q/k/v (qmk_stack.group_qkv, the predictor's with fuse_attn_o): block 16 g + r computes
+// rows 32 r .. 32 r + 31 of kv head g's 512 q/k/v rows (its two query heads, its k, its v), so the
+// fused phase's items of head g wait for those 16 blocks (qmk_model.head_ready), not a grid
+// barrier. (The talker's attention grouped the same way measured no gain: bench/NOTES.md, v19.)
+#define QMK_QKV_GROUP 16
+__device__ __forceinline__ bool grouped_qkv(const qmk_model& m, int pass) {
     const qmk_stack& S = m.pred;
-    const int rows = 4 * QMK_HD / ao_row_groups(S);
-    return S.fuse_attn_o && ao_items(S) <= (int)gridDim.x && rows % QMK_TILE_ROWS == 0 && QMK_HD % rows == 0;
+    return pass >= 0 && S.group_qkv && S.fuse_attn_o && QMK_QKV_GROUP * S.num_kv_heads <= (int)gridDim.x;
 }
+__device__ __forceinline__ unsigned* head_ready(const qmk_model& m) { return dptr<unsigned>(m.head_ready); }
 
 __device__ Geo geo_of(const Frame& F, const Phase& ph) {
     const qmk_model& m = F.m();
@@ -217,13 +219,13 @@ __device__ Geo geo_of(const Frame& F, const Phase& ph) {
     const int per_tile = QMK_SLOT_BYTES / (2 * K * rows_per_unit);
     const int B = gridDim.x, b = blockIdx.x;
     int u0 = N * b / B, u1 = N * (b + 1) / B;
-    if (ph.kind == K_QKV && ph.pass >= 0 && grouped_qkv(m)) {
-        const int R = ao_row_groups(S), rows = 4 * QMK_HD / R, g = b / R, p = (b % R) * rows;
-        const int H = S.num_heads * QMK_HD, KV = S.num_kv_heads * QMK_HD;
-        u0 = b >= ao_items(S) ? 0 : p < 2 * QMK_HD ? 2 * g * QMK_HD + p
-                               : p < 3 * QMK_HD ? H + g * QMK_HD + p - 2 * QMK_HD
-                                                : H + KV + g * QMK_HD + p - 3 * QMK_HD;
-        u1 = b >= ao_items(S) ? 0 : u0 + rows;
+    if (ph.kind == K_QKV && grouped_qkv(m, ph.pass)) {
+        const int rows = 4 * QMK_HD / QMK_QKV_GROUP, g = b / QMK_QKV_GROUP, p = (b % QMK_QKV_GROUP) * rows;
+        const int H = S.num_heads * QMK_HD, KV = S.num_kv_heads * QMK_HD, grouped = QMK_QKV_GROUP * S.num_kv_heads;
+        u0 = b >= grouped ? 0 : p < 2 * QMK_HD ? 2 * g * QMK_HD + p
+                             : p < 3 * QMK_HD ? H + g * QMK_HD + p - 2 * QMK_HD
+                                              : H + KV + g * QMK_HD + p - 3 * QMK_HD;
+        u1 = b >= grouped ? 0 : u0 + rows;
     }
     const int ntiles = ksplit * ((u1 - u0 + per_tile - 1) / per_tile);
     if (ph.kind == K_GU && S.split_down) {
@@ -649,6 +651,25 @@ __device__ void run_gu_split(Ctx& c, const Phase& ph, int id, const Operand<2>& 
     c.stamp(id, STEP_EPILOGUE);
 }
 
+// Grouped q/k/v: the end of the phase (this block's head counter, if it has rows), the wait for
+// head g's blocks (thread 0, then the block), and the reset once every waiter has passed a grid
+// barrier since (the block of row group 0, before the next q/k/v phase's barrier).
+__device__ __forceinline__ void arrive_head(Ctx& c, const qmk_model& m, int id) {
+    const int b = blockIdx.x;
+    c.group_arrive(b < QMK_QKV_GROUP * m.pred.num_kv_heads ? head_ready(m) + b / QMK_QKV_GROUP : nullptr, id);
+}
+__device__ __forceinline__ void wait_head(const qmk_model& m, int g) {
+    if (threadIdx.x == 0)
+        while (ld_acquire(head_ready(m) + g) < (unsigned)QMK_QKV_GROUP) {
+        }
+    block_sync();
+}
+__device__ __forceinline__ void reset_head(const qmk_model& m) {
+    const int b = blockIdx.x;
+    if (threadIdx.x == 0 && b < QMK_QKV_GROUP * m.pred.num_kv_heads && b % QMK_QKV_GROUP == 0)
+        head_ready(m)[b / QMK_QKV_GROUP] = 0u;
+}
+
 // `tabled`: the position's raw q/k/v projections are this pass's table row (feed), not the q/k/v
 // phase's output.
 __device__ void run_attention(Ctx& c, const Phase& ph, int id, bool tabled) {
@@ -708,9 +729,8 @@ __device__ __forceinline__ void zero_acc(const Acc& z, int D) {
 // attends to at most 16 positions), then rows 64 r .. 64 r + 63 of o_proj over those heads' 256
 // columns (qmk_layer.o_blk, one 32 KB tile), added into both accumulators; head 0's items also
 // add the layer input's rows. Row group 0 appends the K/V rows.
-// `wait_head`: the q/k/v rows come from the grouped q/k/v phase (grouped_qkv): wait for the head's
-// blocks first.
-__device__ void run_attn_o(Ctx& c, const Phase& ph, int id, bool tabled, bool wait_head, VecRef in, const Acc& acc) {
+// `grouped`: the q/k/v rows come from a grouped q/k/v phase: wait for the head's blocks first.
+__device__ void run_attn_o(Ctx& c, const Phase& ph, int id, bool tabled, bool grouped, VecRef in, const Acc& acc) {
     const qmk_model& m = c.F.m();
     const qmk_stack& S = m.pred;
     const qmk_layer& L = c.F.layer(ph);
@@ -728,12 +748,7 @@ __device__ void run_attn_o(Ctx& c, const Phase& ph, int id, bool tabled, bool wa
                          bfp(L.q_norm), bfp(L.k_norm), dptr<const float>(S.rope), nullptr, nullptr, pos,
                          S.num_heads, S.num_kv_heads, S.max_pos, S.eps, 2 * g, r == 0};
         const float* qkv = tabled ? *sm<const float* volatile>(QMK_SMEM_QSRC) : a.qkv;
-        if (wait_head) {
-            if (threadIdx.x == 0)
-                while (ld_acquire(dptr<const unsigned>(m.head_ready) + g) < (unsigned)R) {
-                }
-            block_sync();
-        }
+        if (grouped) wait_head(m, g);
         attention_item(a, qkv, g, 0, 1, kv, sm<float>(QMK_SMEM_ATTN));
         block_sync();
         if (pos > 0) c.ring.release(1);
@@ -787,9 +802,8 @@ __device__ void run_attn_o(Ctx& c, const Phase& ph, int id, bool tabled, bool wa
 __device__ void run_pred_fused(Ctx& c, int pass, VecRef src) {
     const qmk_model& m = c.F.m();
     const qmk_stack& S = m.pred;
-    const int L = S.num_layers, D = S.hidden, R = ao_row_groups(S);
-    const bool grouped = grouped_qkv(m);
-    unsigned* ready = dptr<unsigned>(m.head_ready);
+    const int L = S.num_layers, D = S.hidden;
+    const bool grouped = grouped_qkv(m, pass);
     float* qkv = dptr<float>(m.qkv);
     for (int l = 0; l < L; ++l) {
         const Phase pq{K_QKV, l, pass};
@@ -802,7 +816,7 @@ __device__ void run_pred_fused(Ctx& c, int pass, VecRef src) {
             load_xn<2>(in, bfp(Ly.input_norm), D, S.eps, x);
             run_mat<2>(c, pq, 16 + PH_QKV, x, [&](int u, int j, const float* red) { qkv[u] = row_sum(red, j); });
             // Pass 0's last attention has no barrier after it and reads whole heads: a grid barrier.
-            if (grouped && !last0) c.group_arrive(blockIdx.x < ao_items(S) ? ready + blockIdx.x / R : nullptr, 16 + PH_QKV);
+            if (grouped && !last0) arrive_head(c, m, 16 + PH_QKV);
             else c.sync(16 + PH_QKV);
         }
         if (last0) {  // only the K/V rows are used; no barrier (as in run_stack)
@@ -812,9 +826,7 @@ __device__ void run_pred_fused(Ctx& c, int pass, VecRef src) {
         const Acc acc = pred_acc(m, fused_layer(L, pass, l));
         run_attn_o(c, Phase{K_AO, l, pass}, 16 + PH_AO, tabled, grouped && !tabled, in, acc);
         c.sync(16 + PH_AO);
-        // Every block waiting on head_ready passed it before that barrier; the next q/k/v phase
-        // counts from zero after the next one.
-        if (grouped && threadIdx.x == 0 && blockIdx.x < ao_items(S) && blockIdx.x % R == 0) ready[blockIdx.x / R] = 0u;
+        if (grouped) reset_head(m);
         Operand<2> xm;
         load_xn<2>(VecRef{acc.a, 0}, bfp(Ly.post_norm), D, S.eps, xm);
         zero_acc(pred_acc(m, fused_layer(L, pass, l) + 1), D);

@@ -45,7 +45,10 @@ typedef struct {
      * its o_proj partial with float atomics into accumulators that start at zero; no barrier
      * between attention and o_proj. 0: o_proj is a phase of its own. */
     int32_t fuse_attn_o;
-    int32_t reserved;
+    /* 1 (code predictor with fuse_attn_o; 16 blocks per KV head in the grid): the q/k/v phase
+     * gives each head's 512 rows to 16 blocks and ends without a grid barrier; the fused phase's
+     * items wait for their head's blocks through qmk_model.head_ready. 0: a grid barrier. */
+    int32_t group_qkv;
     uint64_t layers;     /* qmk_layer[num_layers] in device memory */
     uint64_t final_norm; /* bf16 [hidden] */
     uint64_t rope;       /* fp32 [max_pos][2][64]: cos then sin per position */
@@ -92,7 +95,7 @@ typedef struct {
     uint64_t attn_count;  /* uint32 [max KV heads], zero-initialised, self-resetting */
     uint64_t barrier;     /* uint32 [1], zero-initialised: the grid barrier's counter */
     uint64_t head_ready;  /* uint32 [pred kv heads], zero-initialised, self-resetting: blocks done
-                             with a head's q/k/v rows (fuse_attn_o) */
+                             with a head's q/k/v rows (group_qkv) */
 } qmk_model;
 
 /* Per-frame arguments. */

@@ -137,7 +137,7 @@ class QmkStack(ctypes.Structure):
         ("hidden", ctypes.c_int32), ("inter", ctypes.c_int32), ("num_layers", ctypes.c_int32),
         ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32), ("max_pos", ctypes.c_int32),
         ("eps", ctypes.c_float), ("split_down", ctypes.c_int32),
-        ("fuse_attn_o", ctypes.c_int32), ("reserved", ctypes.c_int32),
+        ("fuse_attn_o", ctypes.c_int32), ("group_qkv", ctypes.c_int32),
         ("layers", ctypes.c_uint64), ("final_norm", ctypes.c_uint64), ("rope", ctypes.c_uint64),
         ("k_cache", ctypes.c_uint64), ("v_cache", ctypes.c_uint64),
     ]
@@ -382,6 +382,7 @@ class MegakernelBackend:
 
     def __init__(self, talker, device: torch.device, dtype: torch.dtype, warmup: bool = True,
                  input_tables: bool = True, split_down: bool = True, fuse_attn_o: bool = True,
+                 group_qkv: bool = True,
                  prefills: PrefillGraphs | None = None):
         reason = shape_unsupported_reason(talker)
         if reason:
@@ -404,6 +405,11 @@ class MegakernelBackend:
         # grid barrier less per predictor layer, reading o regrouped per KV head (+20 MB). It adds
         # into the residual with atomics, as the split down projection does, so it needs that.
         self.fuse_attn_o = fuse_attn_o and split_down
+        # The predictor's q/k/v phase ends without a grid barrier (with fuse_attn_o): 16 blocks
+        # per KV head, and the fused phase waits for its head's blocks only (qmk_stack.group_qkv;
+        # the kernel keeps the barrier on a grid of fewer than 16 blocks per head). False: always
+        # the barrier.
+        self.group_qkv = group_qkv
         self.talker_layers = self._layer_table(talker.model)
         self.pred_layers = self._layer_table(talker.code_predictor.model,
                                              grouped_kv_heads=self.pcfg.stack.num_kv_heads if self.fuse_attn_o else 0)
@@ -445,7 +451,8 @@ class MegakernelBackend:
         return QmkStack(
             hidden=cfg.hidden_size, inter=cfg.intermediate_size, num_layers=cfg.num_layers,
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, max_pos=max_pos, eps=cfg.rms_norm_eps,
-            split_down=int(self.split_down), fuse_attn_o=int(fuse_attn_o), layers=ptr(table), final_norm=self._w(final_norm), rope=ptr(rope),
+            split_down=int(self.split_down), fuse_attn_o=int(fuse_attn_o), group_qkv=int(self.group_qkv),
+            layers=ptr(table), final_norm=self._w(final_norm), rope=ptr(rope),
             k_cache=ptr(k), v_cache=ptr(v),
         )
 
