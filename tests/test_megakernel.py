@@ -283,63 +283,30 @@ def test_input_tables_match_the_qkv_phase(backends):
     assert max(errs) <= 1e-5
 
 
+# Kernel options that change only the order of fp32 additions (float atomics), each against the
+# path it replaces, switched off:
+#   split_down   the MLP's down projection split over the blocks' gate/up units, against the down
+#                phase;
+#   fuse_attn_o  the predictor's attention and o_proj in one phase, each (KV head, 64 rows) item
+#                adding its o_proj partial, against the o_proj phase;
+#   group_qkv    the predictor's q/k/v phase ending without a grid barrier, each head's fused
+#                items waiting for its 16 blocks, against the barrier.
 @needs_gpu
 @pytest.mark.gpu
-def test_split_down_matches_the_down_phase(backends):
-    """The MLP's down projection split over the blocks' gate/up units and summed with float atomics
-    (the default) against the down phase it replaces (`split_down=False`), from the same prefill:
-    identical codes over 8 sampled frames, talker and predictor hidden states within 1e-5 (the
-    two differ only in the order of fp32 additions)."""
+@pytest.mark.parametrize("option", ["split_down", "fuse_attn_o", "group_qkv"])
+def test_kernel_option_matches_the_path_it_replaces(backends, option):
+    """From the same prefill: identical codes over 8 sampled frames, talker and predictor hidden
+    states within 1e-5."""
     b = backends
-    plain = mk.MegakernelBackend(b.talker, torch.device("cuda"), torch.bfloat16, warmup=False, split_down=False)
-    assert b.mb.split_down and not plain.split_down
+    plain = mk.MegakernelBackend(b.talker, torch.device("cuda"), torch.bfloat16, warmup=False, **{option: False})
+    assert getattr(b.mb, option) and not getattr(plain, option)
     runs = side_by_side(b, plain)
     talker_errs = [rel_err(ta, tb) for (_, ta, _), (_, tb, _) in zip(*runs)]
     pred_errs = [rel_err(pa, pb) for (_, _, pa), (_, _, pb) in zip(*runs)]
-    print("split down vs down phase per frame: talker hidden", ", ".join(f"{e:.1e}" for e in talker_errs),
+    print(f"{option} on vs off per frame: talker hidden", ", ".join(f"{e:.1e}" for e in talker_errs),
           "; predictor hidden", ", ".join(f"{e:.1e}" for e in pred_errs))
     for i, ((ca, _, _), (cb, _, _)) in enumerate(zip(*runs)):
-        assert torch.equal(ca, cb), f"frame {i}: split {ca.tolist()} vs down phase {cb.tolist()}"
-    assert max(talker_errs) <= 1e-5 and max(pred_errs) <= 1e-5
-
-
-@needs_gpu
-@pytest.mark.gpu
-def test_fused_attention_o_matches_the_o_phase(backends):
-    """The code predictor's attention and o_proj in one phase, each (KV head, 64 rows) item adding
-    its o_proj partial with float atomics (the default), against o_proj as its own phase
-    (`fuse_attn_o=False`), from the same prefill: identical codes over 8 sampled frames, talker
-    and predictor hidden states within 1e-5 (the two differ only in the order of fp32 additions)."""
-    b = backends
-    plain = mk.MegakernelBackend(b.talker, torch.device("cuda"), torch.bfloat16, warmup=False, fuse_attn_o=False)
-    assert b.mb.fuse_attn_o and not plain.fuse_attn_o
-    runs = side_by_side(b, plain)
-    talker_errs = [rel_err(ta, tb) for (_, ta, _), (_, tb, _) in zip(*runs)]
-    pred_errs = [rel_err(pa, pb) for (_, _, pa), (_, _, pb) in zip(*runs)]
-    print("fused attention + o_proj vs o phase per frame: talker hidden", ", ".join(f"{e:.1e}" for e in talker_errs),
-          "; predictor hidden", ", ".join(f"{e:.1e}" for e in pred_errs))
-    for i, ((ca, _, _), (cb, _, _)) in enumerate(zip(*runs)):
-        assert torch.equal(ca, cb), f"frame {i}: fused {ca.tolist()} vs o phase {cb.tolist()}"
-    assert max(talker_errs) <= 1e-5 and max(pred_errs) <= 1e-5
-
-
-@needs_gpu
-@pytest.mark.gpu
-def test_grouped_qkv_matches_the_barrier(backends):
-    """The q/k/v phases ending without a grid barrier, each head's attention waiting for its 16
-    blocks (the default), against a grid barrier after every q/k/v phase (`group_qkv=False`),
-    from the same prefill: identical codes over 8 sampled frames, hidden states within 1e-5 (the
-    arithmetic is the same; only the order of the atomic additions varies)."""
-    b = backends
-    plain = mk.MegakernelBackend(b.talker, torch.device("cuda"), torch.bfloat16, warmup=False, group_qkv=False)
-    assert b.mb.group_qkv and not plain.group_qkv
-    runs = side_by_side(b, plain)
-    talker_errs = [rel_err(ta, tb) for (_, ta, _), (_, tb, _) in zip(*runs)]
-    pred_errs = [rel_err(pa, pb) for (_, _, pa), (_, _, pb) in zip(*runs)]
-    print("grouped q/k/v vs barrier per frame: talker hidden", ", ".join(f"{e:.1e}" for e in talker_errs),
-          "; predictor hidden", ", ".join(f"{e:.1e}" for e in pred_errs))
-    for i, ((ca, _, _), (cb, _, _)) in enumerate(zip(*runs)):
-        assert torch.equal(ca, cb), f"frame {i}: grouped {ca.tolist()} vs barrier {cb.tolist()}"
+        assert torch.equal(ca, cb), f"frame {i}: {option} {ca.tolist()} vs without {cb.tolist()}"
     assert max(talker_errs) <= 1e-5 and max(pred_errs) <= 1e-5
 
 
