@@ -334,8 +334,8 @@ __device__ Tile attn_tile(const Frame& F, const Phase& ph, int t) {
     return tl;
 }
 
-// Fused attention + o_proj items (kv head g, o_proj row group r), g-major, dealt to blocks
-// round-robin. An item streams its head's cached K/V rows (from pass 1 on), then its o_proj tile.
+// A fused attention + o_proj item streams its head's cached K/V rows (from pass 1 on), then its
+// o_proj tile.
 __device__ __forceinline__ int ao_tiles_per_item(const Phase& ph) { return ph.pass > 0 ? 2 : 1; }
 
 __device__ int ao_tiles(const Frame& F, const Phase& ph) {
