@@ -1116,7 +1116,8 @@ static int grid_config(const qmk_model& m, GridConfig* out) {
         last = GridConfig{dev, sms, smem, nslot};
     }
     *out = last;
-    return model_fits(m, last.blocks);
+    if (m.max_blocks > 0 && m.max_blocks < out->blocks) out->blocks = m.max_blocks;
+    return model_fits(m, out->blocks);
 }
 
 extern "C" int qmk_grid_size(const qmk_model* m, int32_t* blocks, int32_t* smem_bytes) {

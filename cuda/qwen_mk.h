@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define QMK_ABI_VERSION 7
+#define QMK_ABI_VERSION 8
 #define QMK_MAX_GROUPS 16
 #define QMK_HEAD_DIM 128
 
@@ -65,6 +65,10 @@ typedef struct {
 typedef struct {
     qmk_stack talker, pred;
     int32_t vocab, pred_vocab, eos_id, num_groups;
+    /* 0: one block per SM. n > 0: at most n blocks (a smaller GPU's grid, for tests: the fused
+     * phase then deals several items to a block and the q/k/v phase keeps its grid barrier). */
+    int32_t max_blocks;
+    int32_t reserved;
     uint64_t codec_head;  /* bf16 [vocab][Dt] */
     uint64_t talker_emb;  /* bf16 [vocab][Dt] */
     uint64_t proj_w;      /* bf16 [Dp][Dt] or 0 when Dt == Dp */

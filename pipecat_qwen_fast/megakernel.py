@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_FILES = ("qwen_mk.h", "mk_util.cuh", "mk_stream.cuh", "mk_matvec.cuh", "mk_attention.cuh", "mk_sample.cuh",
                 "qwen_mk.cu")
-ABI_VERSION = 7
+ABI_VERSION = 8
 TRACE_MAX = 8192
 MAX_GROUPS = 16
 HEAD_DIM = 128
@@ -152,7 +152,7 @@ class QmkModel(ctypes.Structure):
     _fields_ = [
         ("talker", QmkStack), ("pred", QmkStack),
         ("vocab", ctypes.c_int32), ("pred_vocab", ctypes.c_int32), ("eos_id", ctypes.c_int32),
-        ("num_groups", ctypes.c_int32),
+        ("num_groups", ctypes.c_int32), ("max_blocks", ctypes.c_int32), ("reserved", ctypes.c_int32),
         ("codec_head", ctypes.c_uint64), ("talker_emb", ctypes.c_uint64),
         ("proj_w", ctypes.c_uint64), ("proj_b", ctypes.c_uint64),
         ("pred_emb", ctypes.c_uint64 * (MAX_GROUPS - 1)), ("lm_head", ctypes.c_uint64 * (MAX_GROUPS - 1)),
@@ -382,7 +382,7 @@ class MegakernelBackend:
 
     def __init__(self, talker, device: torch.device, dtype: torch.dtype, warmup: bool = True,
                  input_tables: bool = True, split_down: bool = True, fuse_attn_o: bool = True,
-                 group_qkv: bool = True,
+                 group_qkv: bool = True, max_blocks: int = 0,
                  prefills: PrefillGraphs | None = None):
         reason = shape_unsupported_reason(talker)
         if reason:
@@ -410,6 +410,8 @@ class MegakernelBackend:
         # the kernel keeps the barrier on a grid of fewer than 16 blocks per head). False: always
         # the barrier.
         self.group_qkv = group_qkv
+        # At most this many blocks (0: one per SM): a smaller GPU's grid on this one, for tests.
+        self.max_blocks = max_blocks
         self.talker_layers = self._layer_table(talker.model)
         self.pred_layers = self._layer_table(talker.code_predictor.model,
                                              grouped_kv_heads=self.pcfg.stack.num_kv_heads if self.fuse_attn_o else 0)
@@ -501,6 +503,7 @@ class MegakernelBackend:
             pred=self._stack(ps, self.pred_layers, cp.model.norm.weight, self.pred_rope, pk, pv, G,
                              fuse_attn_o=self.fuse_attn_o),
             vocab=self.tcfg.vocab_size, pred_vocab=self.pcfg.vocab_size, eos_id=self.eos_id, num_groups=G,
+            max_blocks=self.max_blocks,
             codec_head=self._w(self.talker.codec_head.weight),
             talker_emb=self._w(self.talker.model.codec_embedding.weight),
             proj_w=self._w(proj.weight) if has_proj else 0,
