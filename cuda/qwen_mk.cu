@@ -798,7 +798,9 @@ __device__ void run_attn_o(Ctx& c, const Phase& ph, int id, bool tabled, bool gr
 }
 
 // The predictor's layers at one pass with fuse_attn_o; `src` is the pass's input. The result is
-// layer L - 1's `b` (pred_out).
+// layer L - 1's `b` (the head reads it). The K/V tile, this block's item count and the pass's
+// output index are written out here and in ao_tile / the frame rather than shared through helpers:
+// that refactor measured +0.008 ms a sampled frame (bench/NOTES.md, v19 review).
 __device__ void run_pred_fused(Ctx& c, int pass, VecRef src) {
     const qmk_model& m = c.F.m();
     const qmk_stack& S = m.pred;

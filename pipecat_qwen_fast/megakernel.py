@@ -449,11 +449,13 @@ class MegakernelBackend:
         return torch.tensor(rows, dtype=torch.int64).to(self.device)
 
     def _stack(self, cfg, table: Tensor, final_norm: Tensor, rope: Tensor, k: Tensor, v: Tensor, max_pos: int,
-               fuse_attn_o: bool = False) -> QmkStack:
+               predictor: bool = False) -> QmkStack:
+        # fuse_attn_o and group_qkv are code-predictor options; the talker's stack never has them.
         return QmkStack(
             hidden=cfg.hidden_size, inter=cfg.intermediate_size, num_layers=cfg.num_layers,
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, max_pos=max_pos, eps=cfg.rms_norm_eps,
-            split_down=int(self.split_down), fuse_attn_o=int(fuse_attn_o), group_qkv=int(self.group_qkv),
+            split_down=int(self.split_down), fuse_attn_o=int(predictor and self.fuse_attn_o),
+            group_qkv=int(predictor and self.group_qkv),
             layers=ptr(table), final_norm=self._w(final_norm), rope=ptr(rope),
             k_cache=ptr(k), v_cache=ptr(v),
         )
@@ -500,8 +502,7 @@ class MegakernelBackend:
         m = QmkModel(
             talker=self._stack(ts, self.talker_layers, self.talker.model.norm.weight, buf["rope"],
                                talker_cache.k, talker_cache.v, max_positions),
-            pred=self._stack(ps, self.pred_layers, cp.model.norm.weight, self.pred_rope, pk, pv, G,
-                             fuse_attn_o=self.fuse_attn_o),
+            pred=self._stack(ps, self.pred_layers, cp.model.norm.weight, self.pred_rope, pk, pv, G, predictor=True),
             vocab=self.tcfg.vocab_size, pred_vocab=self.pcfg.vocab_size, eos_id=self.eos_id, num_groups=G,
             max_blocks=self.max_blocks,
             codec_head=self._w(self.talker.codec_head.weight),
@@ -591,6 +592,13 @@ class MegakernelBackend:
             cache.length += 1
         state.frame += 1
         return out[: self.num_groups]
+
+    def grid_blocks(self, state: MegakernelState) -> int:
+        """Blocks of the cooperative grid this state's frames launch with (max_blocks applied)."""
+        blocks, smem = ctypes.c_int32(0), ctypes.c_int32(0)
+        check(self.lib, self.lib.qmk_grid_size(ctypes.byref(state.model), ctypes.byref(blocks), ctypes.byref(smem)),
+              "qmk_grid_size")
+        return blocks.value
 
     def export_state(self, state: MegakernelState) -> SessionSnapshot:
         n, buf = state.talker_cache.length, state.buffers

@@ -325,6 +325,12 @@ def test_smaller_grid_matches(backends):
     fit)."""
     b = backends
     small = mk.MegakernelBackend(b.talker, torch.device("cuda"), torch.bfloat16, warmup=False, max_blocks=108)
+    D = b.cfg.talker.hidden_size
+    for backend, want in ((small, 108), (b.mb, torch.cuda.get_device_properties(0).multi_processor_count)):
+        st = backend.new_state(max_positions=8, params=SamplingParams(), seed=0, trailing=torch.zeros(D),
+                               pad_vec=torch.zeros(D))
+        assert backend.grid_blocks(st) == want  # the cap is applied (and only where asked for)
+        backend.release(st)
     assert_same_frames(side_by_side(b, small), "full grid", "108 blocks")
 
 
