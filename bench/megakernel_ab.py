@@ -10,6 +10,7 @@ as bench/megakernel_check.py (0.6B, or `--size 1.7b`): CUDA-event medians of sin
 alone at talker position 100, the predictor alone) for greedy and sampling, a check that each
 run's greedy and (seeded) sampled codes equal the first variant's, and the plain per-phase profile. Variants run
 in the order given and then again in reverse, so drift over the call shows in the two medians.
+`--positions 150 1000` (after the variants) also times the talker alone at those positions.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_one(iters: int, root: Path, size: str) -> dict:
+def run_one(iters: int, root: Path, size: str, positions: list[int]) -> dict:
     import torch
 
     sys.path.insert(0, str(root))
@@ -42,7 +43,7 @@ def run_one(iters: int, root: Path, size: str) -> dict:
     for sampling in (False, True):
         params = SamplingParams(do_sample=sampling, subtalker_do_sample=sampling)
         torch.manual_seed(0)  # the same prefill and K/V in every variant
-        st = mc.timing_state(mb, D, 104, params)
+        st = mc.timing_state(mb, D, max([104] + [p + 4 for p in positions]), params)
         tag = "sampling" if sampling else "greedy"
         # Seeded (timing_state's seed 1), so sampled codes must match across variants too.
         out[f"{tag}_codes"] = torch.stack([mb.decode_frame(st).clone() for _ in range(8)]).tolist()
@@ -51,6 +52,8 @@ def run_one(iters: int, root: Path, size: str) -> dict:
             f"talker_only_{tag}_pos100": mb.frame_args(st, run_talker=True, run_predictor=False, pos=100)[0],
             f"predictor_only_{tag}": mb.frame_args(st, run_talker=False)[0],
         }
+        for p in positions:
+            rows[f"talker_only_{tag}_pos{p}"] = mb.frame_args(st, run_talker=True, run_predictor=False, pos=p)[0]
         for name, f in rows.items():
             mc.time_launches(mb, st, f, 20)
             out["modes"][name] = mc.summary(mc.time_launches(mb, st, f, iters))
@@ -64,16 +67,19 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--size", default="0.6b", choices=["0.6b", "1.7b"])
+    ap.add_argument("--positions", nargs="*", type=int, default=[],
+                    help="also time the talker alone at these positions (the K/V cache then holds them all)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--root", default=str(ROOT), help=argparse.SUPPRESS)
     ap.add_argument("variants", nargs="*")
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.iters, Path(args.root), args.size)))
+        print(json.dumps(run_one(args.iters, Path(args.root), args.size, args.positions)))
         return 0
     variants = [v.split("=", 1) for v in args.variants]
     result = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "commit": os.environ.get("BENCH_COMMIT", "unknown"), "script": "bench/megakernel_ab.py", "size": args.size,
+              "positions": args.positions,
               "variants": {name: {"defines": d, "runs": []} for name, d in variants}}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -82,7 +88,7 @@ def main() -> int:
         env = dict(os.environ, QWEN_FAST_MK_DEFINES="" if defines.startswith("@") else defines.replace(",", " "))
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, __file__, "--one", "--iters", str(args.iters), "--root", str(root),
-                               "--size", args.size],
+                               "--size", args.size, "--positions", *map(str, args.positions)],
                               cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False)
         run = {"seconds": time.perf_counter() - t0}
         if proc.returncode != 0:

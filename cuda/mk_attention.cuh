@@ -30,9 +30,11 @@ struct AttnArgs {
 
 __host__ __device__ __forceinline__ int attn_nchunk(int pos) { return (pos + QMK_CHUNK) / QMK_CHUNK; }
 
-// One (kv head, chunk) item, computed by warps 0 and 1 (query heads 2g and 2g + 1; lane l owns
-// dims 4l .. 4l + 3) with warp shuffles only: the item is a short dependent chain, and block-wide
-// barriers inside it would cost more than its arithmetic. `qkv`: the position's raw projections
+// One (kv head, chunk) item, computed by warp pair `pair` (warps 2 pair and 2 pair + 1: query
+// heads 2g and 2g + 1; lane l owns dims 4l .. 4l + 3) with warp shuffles only: the item is a
+// short dependent chain, and block-wide barriers inside it would cost more than its arithmetic.
+// The long-context kernel runs several items of a block at once, one per pair (merge flag
+// sm[pair], named barrier 2 + pair); otherwise pair 0. `qkv`: the position's raw projections
 // (a.qkv, or a predictor pass's table row). `tile` holds the chunk's cached K rows
 // then V rows (null when the chunk has none). Other warps return at once; the caller's block
 // barrier follows.
@@ -93,9 +95,10 @@ __device__ __forceinline__ void reduce_step(float* part, int lane) {
     }
 }
 
-__device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c, int nchunk, const float* tile, float* sm) {
-    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (w >= 2) return;
+__device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c, int nchunk, const float* tile, float* sm,
+                               int pair = 0) {
+    const int w = (threadIdx.x >> 5) - 2 * pair, lane = threadIdx.x & 31;
+    if (w < 0 || w >= 2) return;
     const int H = a.num_heads, KV = a.num_kv_heads, pos = a.pos;
     const int j0 = c * QMK_CHUNK, j1 = min(pos + 1, j0 + QMK_CHUNK), n = j1 - j0;
     const int ncached = min(j1, pos) - j0;  // rows in the tile; the new position (if here) is last
@@ -153,15 +156,15 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
         mine[1] = l;
     }
     __threadfence();
-    asm volatile("bar.sync 2, 64;" ::: "memory");  // warps 0 and 1
-    if (threadIdx.x == 0) {
+    asm volatile("bar.sync %0, 64;" ::"r"(2 + pair) : "memory");  // the pair's two warps
+    if (w == 0 && lane == 0) {
         const unsigned prev = atomicAdd(a.count + g, 1u);
-        sm[0] = prev == (unsigned)(nchunk - 1) ? 1.f : 0.f;
+        sm[pair] = prev == (unsigned)(nchunk - 1) ? 1.f : 0.f;
     }
-    asm volatile("bar.sync 2, 64;" ::: "memory");
-    if (sm[0] == 0.f) return;
+    asm volatile("bar.sync %0, 64;" ::"r"(2 + pair) : "memory");
+    if (sm[pair] == 0.f) return;
     __threadfence();
     const float* base = a.part + (size_t)g * nchunk * 2 * QMK_PART + w * QMK_PART;
     *reinterpret_cast<float4*>(a.out + (size_t)h * QMK_HD + lane * 4) = merge_head(base, nchunk, lane);
-    if (threadIdx.x == 0) a.count[g] = 0u;
+    if (w == 0 && lane == 0) a.count[g] = 0u;
 }

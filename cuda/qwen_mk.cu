@@ -48,6 +48,10 @@ static_assert(sizeof(RingState) <= 512, "ring state");
 static_assert(QMK_TILE_ROWS / QMK_RG * QMK_RG == QMK_TILE_ROWS, "tile rows");
 static_assert(QMK_RED_ROWS >= QMK_TILE_ROWS, "row partials");
 static_assert(QMK_ATTN_SMEM_FLOATS <= 4, "attention scratch");
+#ifndef QMK_ATTN_PAIRS
+#define QMK_ATTN_PAIRS 4  // attention items a block runs at once (a merge flag each)
+#endif
+static_assert(QMK_ATTN_PAIRS >= 1 && QMK_ATTN_PAIRS <= QMK_ATTN_SMEM_FLOATS && 2 * QMK_ATTN_PAIRS <= QMK_WARPS, "attention pairs");
 static_assert(QMK_SMEM_XS % 16 == 0 && QMK_SMEM_WS % 16 == 0, "staged operands are read as float4");
 static_assert(QMK_SMEM_ACTS % 16 == 0, "activations are read as float4");
 static_assert(QMK_SMEM_TOPK % 16 == 0 && 4 * QMK_TOPK_WORDS <= QMK_SMEM_XS - QMK_SMEM_TOPK, "top-k histograms, read as uint4");
@@ -671,7 +675,11 @@ __device__ __forceinline__ void reset_head(const qmk_model& m) {
 }
 
 // `tabled`: the position's raw q/k/v projections are this pass's table row (feed), not the q/k/v
-// phase's output.
+// phase's output. LONG (the long-context kernel, chosen per launch: qmk_decode_frame): a block
+// with several items runs up to QMK_ATTN_PAIRS of them at once, one per warp pair, their tiles in
+// the ring together. The short kernel keeps one item at a time: the pairs' code, merely present,
+// cost 0.03 ms a frame at position 100 (register allocation; bench/NOTES.md, v20).
+template <bool LONG>
 __device__ void run_attention(Ctx& c, const Phase& ph, int id, bool tabled) {
     const qmk_model& m = c.F.m();
     const qmk_stack& S = c.F.stack(ph);
@@ -682,18 +690,40 @@ __device__ void run_attention(Ctx& c, const Phase& ph, int id, bool tabled) {
                      dptr<float>(S.v_cache) + off, bfp(L.q_norm), bfp(L.k_norm), dptr<const float>(S.rope),
                      dptr<float>(m.attn_part), dptr<unsigned>(m.attn_count), A.pos, S.num_heads,
                      S.num_kv_heads, S.max_pos, S.eps, 0, 1};
-    for (int it = blockIdx.x; it < A.items; it += gridDim.x) {
-        const bool has = A.has_tile(it);
-        const float* tile = has ? reinterpret_cast<const float*>(c.ring.wait(0)) : nullptr;
-        c.stamp(id, STEP_TILE);
-        // The table row's address is read here, where it is used: run_attention is at the
-        // register limit.
-        const float* qkv = tabled ? *sm<const float* volatile>(QMK_SMEM_QSRC) : a.qkv;
-        attention_item(a, qkv, it / A.nchunk, it % A.nchunk, A.nchunk, tile, sm<float>(QMK_SMEM_ATTN));
+    if constexpr (!LONG) {
+        for (int it = blockIdx.x; it < A.items; it += gridDim.x) {
+            const bool has = A.has_tile(it);
+            const float* tile = has ? reinterpret_cast<const float*>(c.ring.wait(0)) : nullptr;
+            c.stamp(id, STEP_TILE);
+            // The table row's address is read here, where it is used: run_attention is at the
+            // register limit.
+            const float* qkv = tabled ? *sm<const float* volatile>(QMK_SMEM_QSRC) : a.qkv;
+            attention_item(a, qkv, it / A.nchunk, it % A.nchunk, A.nchunk, tile, sm<float>(QMK_SMEM_ATTN));
+            block_sync();
+            // One tile per item; a long context gives a block more items than the ring has slots, so
+            // each goes back at once (deferring K/V tiles to the arrival measured 0.02 ms slower).
+            if (has) c.ring.release(1);
+        }
+        return;
+    }
+    const int P = min(QMK_ATTN_PAIRS, c.ring.nslot), k = threadIdx.x >> 6;
+    for (int first = blockIdx.x; first < A.items; first += P * gridDim.x) {
+        int nt = 0, mine = -1;  // tiles of the round; this pair's among them
+        for (int j = 0; j < P; ++j) {
+            const int it = first + j * gridDim.x;
+            if (it >= A.items) break;
+            if (j == k && A.has_tile(it)) mine = nt;
+            nt += A.has_tile(it);
+        }
+        const int it = first + k * gridDim.x;
+        if (k < P && it < A.items) {
+            const float* tile = mine >= 0 ? reinterpret_cast<const float*>(c.ring.wait(mine)) : nullptr;
+            c.stamp(id, STEP_TILE);
+            const float* qkv = tabled ? *sm<const float* volatile>(QMK_SMEM_QSRC) : a.qkv;
+            attention_item(a, qkv, it / A.nchunk, it % A.nchunk, A.nchunk, tile, sm<float>(QMK_SMEM_ATTN), k);
+        }
         block_sync();
-        // One tile per item; a long context gives a block more items than the ring has slots, so
-        // each goes back at once (deferring K/V tiles to the arrival measured 0.02 ms slower).
-        if (has) c.ring.release(1);
+        if (nt) c.ring.release(nt);  // a round's tiles go back at once
     }
 }
 
@@ -822,7 +852,7 @@ __device__ void run_pred_fused(Ctx& c, int pass, VecRef src) {
             else c.sync(16 + PH_QKV);
         }
         if (last0) {  // only the K/V rows are used; no barrier (as in run_stack)
-            run_attention(c, Phase{K_ATTN, l, pass}, 16 + PH_ATTN, false);
+            run_attention<false>(c, Phase{K_ATTN, l, pass}, 16 + PH_ATTN, false);
             return;
         }
         const Acc acc = pred_acc(m, fused_layer(L, pass, l));
@@ -840,6 +870,8 @@ __device__ void run_pred_fused(Ctx& c, int pass, VecRef src) {
 }
 
 // A stack of layers at one position; `src` is the stack's input (the residual stream's start).
+// LONG: the long-context kernel's attention (run_attention), for the talker.
+template <bool LONG>
 __device__ void run_stack(Ctx& c, int pass, VecRef src) {
     const qmk_model& m = c.F.m();
     const Phase probe{K_QKV, 0, pass};
@@ -877,7 +909,7 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
             run_mat<2>(c, pq, ph0 + PH_QKV, x, [&](int u, int j, const float* red) { qkv[u] = row_sum(red, j); });
             c.sync(ph0 + PH_QKV);
         }
-        run_attention(c, pa, ph0 + PH_ATTN, tabled);
+        run_attention<LONG>(c, pa, ph0 + PH_ATTN, tabled);
         // Pass 0's last layer: nothing reads its output, only the K/V rows just appended, and
         // the next pass reads those after many more grid barriers. No barrier here: the blocks
         // without an attention item start the next pass at once.
@@ -930,6 +962,9 @@ __device__ void publish_frame(const qmk_model& m, const qmk_frame& f, bool full)
 
 __host__ __device__ __forceinline__ int smem_bytes(int nslot) { return QMK_SMEM_SLOTS + nslot * QMK_SLOT_BYTES; }
 
+// LONG: the long-context kernel, launched when the talker's attention items outnumber the blocks
+// (qmk_decode_frame); it differs only in run_attention.
+template <bool LONG>
 __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const __grid_constant__ Params P) {
     const qmk_model& m = P.m;
     const qmk_frame& f = P.f;
@@ -974,7 +1009,7 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
         const Phase ph{K_HEAD_T, 0, -1};
         Operand<2> x;
         if (f.run_talker) {
-            run_stack(c, -1, VecRef{dptr<const float>(m.pending), 0});
+            run_stack<LONG>(c, -1, VecRef{dptr<const float>(m.pending), 0});
             load_xn<2>(VecRef{dptr<const float>(m.resid), 0}, bfp(m.talker.final_norm), Dt, m.talker.eps, x);
             if (blockIdx.x == 0) store_operand<2>(x, Dt, dptr<float>(m.hidden));
         } else {
@@ -1025,7 +1060,7 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
         const bool fused = m.pred.fuse_attn_o;
         const int Lp = m.pred.num_layers;
         if (fused) run_pred_fused(c, pp, src);
-        else run_stack(c, pp, src);
+        else run_stack<false>(c, pp, src);
         if (pp == 0) continue;
         float* lg = dptr<float>(m.pred_logits) + (size_t)(pp - 1) * m.pred_vocab;
         {
@@ -1107,14 +1142,17 @@ static int grid_config(const qmk_model& m, GridConfig* out) {
         if (nslot > QMK_MAX_SLOTS) nslot = QMK_MAX_SLOTS;
         if (nslot < 2) return cudaErrorNotSupported;
         const int smem = smem_bytes(nslot);
-        e = cudaFuncSetAttribute(qmk_frame_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-        if (e != cudaSuccess) return e;
-        // The kernel waits on grid barriers, so every block must be resident at once: one block
-        // per SM, and only if the occupancy the driver reports allows it.
-        int per_sm = 0;
-        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qmk_frame_kernel, QMK_BLOCK_THREADS, smem);
-        if (e != cudaSuccess) return e;
-        if (per_sm < 1) return cudaErrorCooperativeLaunchTooLarge;
+        // The kernels wait on grid barriers, so every block must be resident at once: one block
+        // per SM, and only if the occupancy the driver reports allows it (for both kernels).
+        const void* kernels[2] = {(const void*)qmk_frame_kernel<false>, (const void*)qmk_frame_kernel<true>};
+        for (const void* k : kernels) {
+            e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+            if (e != cudaSuccess) return e;
+            int per_sm = 0;
+            e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, QMK_BLOCK_THREADS, smem);
+            if (e != cudaSuccess) return e;
+            if (per_sm < 1) return cudaErrorCooperativeLaunchTooLarge;
+        }
         last = GridConfig{dev, sms, smem, nslot};
     }
     *out = last;
@@ -1131,6 +1169,21 @@ extern "C" int qmk_grid_size(const qmk_model* m, int32_t* blocks, int32_t* smem_
     return cudaSuccess;
 }
 
+// The long-context kernel once the talker's attention items ((kv head, chunk) pairs) outnumber
+// the blocks: it runs a block's items at once (run_attention). qmk_model.long_kernel overrides.
+static bool uses_long_kernel(const qmk_model& m, const qmk_frame& f, int blocks) {
+    if (m.long_kernel != 0) return m.long_kernel > 0;
+    return f.run_talker && m.talker.num_kv_heads * attn_nchunk(f.pos) > blocks;
+}
+
+extern "C" int qmk_uses_long_kernel(const qmk_model* m, const qmk_frame* f, int32_t* out) {
+    GridConfig g;
+    const int e = grid_config(*m, &g);
+    if (e != cudaSuccess) return e;
+    *out = uses_long_kernel(*m, *f, g.blocks) ? 1 : 0;
+    return cudaSuccess;
+}
+
 extern "C" int qmk_decode_frame(const qmk_model* m, const qmk_frame* f, uint64_t stream) {
     GridConfig g;
     const int e = grid_config(*m, &g);
@@ -1140,8 +1193,10 @@ extern "C" int qmk_decode_frame(const qmk_model* m, const qmk_frame* f, uint64_t
     p.f = *f;
     p.nslot = g.nslot;
     void* args[] = {&p};
-    return cudaLaunchCooperativeKernel((const void*)qmk_frame_kernel, dim3(g.blocks), dim3(QMK_BLOCK_THREADS), args,
-                                       (size_t)g.smem, reinterpret_cast<cudaStream_t>(stream));
+    const void* kernel = uses_long_kernel(*m, *f, g.blocks) ? (const void*)qmk_frame_kernel<true>
+                                                            : (const void*)qmk_frame_kernel<false>;
+    return cudaLaunchCooperativeKernel(kernel, dim3(g.blocks), dim3(QMK_BLOCK_THREADS), args, (size_t)g.smem,
+                                       reinterpret_cast<cudaStream_t>(stream));
 }
 
 extern "C" const char* qmk_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }

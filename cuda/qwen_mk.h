@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define QMK_ABI_VERSION 8
+#define QMK_ABI_VERSION 9
 #define QMK_MAX_GROUPS 16
 #define QMK_HEAD_DIM 128
 
@@ -68,7 +68,9 @@ typedef struct {
     /* 0: one block per SM. n > 0: at most n blocks (a smaller GPU's grid, for tests: the fused
      * phase then deals several items to a block and the q/k/v phase keeps its grid barrier). */
     int32_t max_blocks;
-    int32_t reserved;
+    /* Which kernel a frame launches: 0 by the talker's position (the long-context one once its
+     * attention items outnumber the blocks), 1 always the long-context one, -1 never. */
+    int32_t long_kernel;
     uint64_t codec_head;  /* bf16 [vocab][Dt] */
     uint64_t talker_emb;  /* bf16 [vocab][Dt] */
     uint64_t proj_w;      /* bf16 [Dp][Dt] or 0 when Dt == Dp */
@@ -132,6 +134,8 @@ int64_t qmk_attn_part_floats(int32_t max_pos, int32_t kv_heads);
  * cudaError_t (cudaErrorCooperativeLaunchTooLarge / cudaErrorNotSupported when co-residency
  * cannot be guaranteed). */
 int qmk_grid_size(const qmk_model* m, int32_t* blocks, int32_t* smem_bytes);
+/* *out = 1 when qmk_decode_frame(m, f) launches the long-context kernel (qmk_model.long_kernel). */
+int qmk_uses_long_kernel(const qmk_model* m, const qmk_frame* f, int32_t* out);
 /* Launch one frame on `stream` (a cudaStream_t); returns a cudaError_t. */
 int qmk_decode_frame(const qmk_model* m, const qmk_frame* f, uint64_t stream);
 const char* qmk_error_string(int code);

@@ -37,7 +37,9 @@ logger = logging.getLogger(__name__)
 
 SOURCE_FILES = ("qwen_mk.h", "mk_util.cuh", "mk_stream.cuh", "mk_matvec.cuh", "mk_attention.cuh", "mk_sample.cuh",
                 "qwen_mk.cu")
-ABI_VERSION = 8
+ABI_VERSION = 9
+# MegakernelBackend(long_kernel=...) -> qmk_model.long_kernel
+LONG_KERNEL = {"auto": 0, "always": 1, "never": -1}
 TRACE_MAX = 8192
 MAX_GROUPS = 16
 HEAD_DIM = 128
@@ -152,7 +154,7 @@ class QmkModel(ctypes.Structure):
     _fields_ = [
         ("talker", QmkStack), ("pred", QmkStack),
         ("vocab", ctypes.c_int32), ("pred_vocab", ctypes.c_int32), ("eos_id", ctypes.c_int32),
-        ("num_groups", ctypes.c_int32), ("max_blocks", ctypes.c_int32), ("reserved", ctypes.c_int32),
+        ("num_groups", ctypes.c_int32), ("max_blocks", ctypes.c_int32), ("long_kernel", ctypes.c_int32),
         ("codec_head", ctypes.c_uint64), ("talker_emb", ctypes.c_uint64),
         ("proj_w", ctypes.c_uint64), ("proj_b", ctypes.c_uint64),
         ("pred_emb", ctypes.c_uint64 * (MAX_GROUPS - 1)), ("lm_head", ctypes.c_uint64 * (MAX_GROUPS - 1)),
@@ -187,6 +189,7 @@ def load_library(path: Path) -> ctypes.CDLL:
     lib.qmk_attn_part_floats.argtypes = [ctypes.c_int32, ctypes.c_int32]
     lib.qmk_attn_part_floats.restype = ctypes.c_int64
     lib.qmk_grid_size.argtypes = [ctypes.POINTER(QmkModel), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)]
+    lib.qmk_uses_long_kernel.argtypes = [ctypes.POINTER(QmkModel), ctypes.POINTER(QmkFrame), ctypes.POINTER(ctypes.c_int32)]
     lib.qmk_decode_frame.argtypes = [ctypes.POINTER(QmkModel), ctypes.POINTER(QmkFrame), ctypes.c_uint64]
     lib.qmk_error_string.restype = ctypes.c_char_p
     if lib.qmk_abi_version() != ABI_VERSION:
@@ -382,8 +385,10 @@ class MegakernelBackend:
 
     def __init__(self, talker, device: torch.device, dtype: torch.dtype, warmup: bool = True,
                  input_tables: bool = True, split_down: bool = True, fuse_attn_o: bool = True,
-                 group_qkv: bool = True, max_blocks: int = 0,
+                 group_qkv: bool = True, max_blocks: int = 0, long_kernel: str = "auto",
                  prefills: PrefillGraphs | None = None):
+        if long_kernel not in LONG_KERNEL:
+            raise ValueError(f"long_kernel must be one of {sorted(LONG_KERNEL)}, got {long_kernel!r}")
         reason = shape_unsupported_reason(talker)
         if reason:
             raise UnsupportedFeatureError(reason)
@@ -412,6 +417,10 @@ class MegakernelBackend:
         self.group_qkv = group_qkv
         # At most this many blocks (0: one per SM): a smaller GPU's grid on this one, for tests.
         self.max_blocks = max_blocks
+        # The long-context kernel runs a block's talker attention items at once; "auto" launches it
+        # once those items outnumber the blocks (from position 512 on an H200), "always" and
+        # "never" are for tests and measurements (qmk_model.long_kernel).
+        self.long_kernel = long_kernel
         self.talker_layers = self._layer_table(talker.model)
         self.pred_layers = self._layer_table(talker.code_predictor.model,
                                              grouped_kv_heads=self.pcfg.stack.num_kv_heads if self.fuse_attn_o else 0)
@@ -504,7 +513,7 @@ class MegakernelBackend:
                                talker_cache.k, talker_cache.v, max_positions),
             pred=self._stack(ps, self.pred_layers, cp.model.norm.weight, self.pred_rope, pk, pv, G, predictor=True),
             vocab=self.tcfg.vocab_size, pred_vocab=self.pcfg.vocab_size, eos_id=self.eos_id, num_groups=G,
-            max_blocks=self.max_blocks,
+            max_blocks=self.max_blocks, long_kernel=LONG_KERNEL[self.long_kernel],
             codec_head=self._w(self.talker.codec_head.weight),
             talker_emb=self._w(self.talker.model.codec_embedding.weight),
             proj_w=self._w(proj.weight) if has_proj else 0,
@@ -600,6 +609,14 @@ class MegakernelBackend:
               "qmk_grid_size")
         return blocks.value
 
+    def uses_long_kernel(self, state: MegakernelState) -> bool:
+        """Whether this state's next frame launches the long-context kernel (long_kernel)."""
+        f, _ = self.frame_args(state, run_talker=state.frame > 0)
+        out = ctypes.c_int32(0)
+        check(self.lib, self.lib.qmk_uses_long_kernel(ctypes.byref(state.model), ctypes.byref(f), ctypes.byref(out)),
+              "qmk_uses_long_kernel")
+        return bool(out.value)
+
     def export_state(self, state: MegakernelState) -> SessionSnapshot:
         n, buf = state.talker_cache.length, state.buffers
         # The kernel's draws are a hash of (seed, frame, group); the adopter's generator gets a seed
@@ -640,6 +657,9 @@ class MegakernelBackend:
             self.prefill(st, embeds)
             for _ in range(3):
                 self.decode_frame(st)
+            # The long-context kernel too (a kernel loads on its first launch).
+            st.model.long_kernel = LONG_KERNEL["always"]
+            self.decode_frame(st)
             torch.cuda.synchronize(self.device)
             self.release(st)
 

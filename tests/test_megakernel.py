@@ -334,6 +334,34 @@ def test_smaller_grid_matches(backends):
     assert_same_frames(side_by_side(b, small), "full grid", "108 blocks")
 
 
+@needs_gpu
+@pytest.mark.gpu
+def test_long_context_kernel_matches(backends):
+    """From a 560-position prompt (18 chunks x 8 KV heads = 144 talker attention items, more than
+    an H200's 132 blocks) "auto" launches the long-context kernel, which runs a block's attention
+    items at once; against the short kernel ("never") from the same prefill: identical codes over
+    8 sampled frames, hidden states within 1e-5 (the split-down atomics add in any order)."""
+    b = backends
+    prompt_len, frames = 560, 8
+    runs = []
+    for mode in ("never", "auto"):
+        st = start(b.mb, b.talker, SamplingParams(), frames, seed=3, prompt_len=prompt_len)
+        st.model.long_kernel = mk.LONG_KERNEL[mode]
+        b.mb.decode_frame(st)  # frame 0 (no talker step); the next frames run the talker from 560
+        items = b.cfg.talker.stack.num_kv_heads * ((prompt_len + 32) // 32)
+        assert b.mb.uses_long_kernel(st) == (mode == "auto" and items > b.mb.grid_blocks(st))
+        runs.append([(b.mb.decode_frame(st).clone(), st.buffers["hidden"].clone(),
+                      st.buffers["pred_hidden"][1:].clone()) for _ in range(frames)])
+        b.mb.release(st)
+    assert_same_frames(runs, "short kernel", "long-context kernel")
+
+
+def test_long_kernel_choice_is_checked():
+    """A wrong long_kernel names the valid choices, before anything is built or loaded."""
+    with pytest.raises(ValueError, match=r"long_kernel must be one of \['always', 'auto', 'never'\], got 'sometimes'"):
+        mk.MegakernelBackend(None, torch.device("cpu"), torch.bfloat16, long_kernel="sometimes")
+
+
 def sampled_frames(mb, talker, params, frames, seed):
     st = start(mb, talker, params, frames, seed=seed)
     out = []
