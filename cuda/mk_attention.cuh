@@ -10,7 +10,7 @@
 #define QMK_HD 128
 #define QMK_CHUNK 32   // positions per item: K and V rows of a full chunk fill one 32 KB slot
 #define QMK_PART 132   // per (kv head, chunk, q head): m, l, 2 pad, acc[128] (16-byte aligned)
-#define QMK_ATTN_SMEM_FLOATS 4  // the merge flag
+#define QMK_ATTN_SMEM_FLOATS 4  // merge flags, one per warp pair (attention_item)
 
 struct AttnArgs {
     const float* qkv;  // [H*128 q | KV*128 k | KV*128 v], raw projections (the q/k/v phase's output)
