@@ -168,3 +168,43 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
     *reinterpret_cast<float4*>(a.out + (size_t)h * QMK_HD + lane * 4) = merge_head(base, nchunk, lane);
     if (w == 0 && lane == 0) a.count[g] = 0u;
 }
+
+// KV head g at positions 0 and 1 of the code predictor, run together (qwen_mk.cu, merge_first),
+// on warps 0-3 (others return at once). Warps 0-1: position 0, which attends only to itself, so
+// its heads' output is its V row (what the softmax of a single score gives, exactly); warp 0
+// stores its K/V rows. Warps 2-3: position 1 (query heads 2g, 2g + 1), which attends to position
+// 0 (its K row normed and roped here again) and itself. `qkv0`, `qkv1`: the positions' raw
+// projections; a.rope is position 0's row.
+__device__ void attention_first_pair(const AttnArgs& a, const float* qkv0, const float* qkv1, int g, float* out0,
+                                     float* out1) {
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (w >= 4) return;
+    const int H = a.num_heads, KV = a.num_kv_heads;
+    const float4 v0 = ld_act4(qkv0 + (size_t)(H + KV + g) * QMK_HD + lane * 4);
+    const float4 k0 = norm_rope(ld_act4(qkv0 + (size_t)(H + g) * QMK_HD + lane * 4), a.k_norm, a.rope, a.eps, lane);
+    if (w < 2) {
+        if (w == 0 && a.append) {
+            const size_t row = (size_t)g * a.max_pos * QMK_HD + lane * 4;
+            *reinterpret_cast<float4*>(a.kc + row) = k0;
+            *reinterpret_cast<float4*>(a.vc + row) = v0;
+        }
+        *reinterpret_cast<float4*>(out0 + (size_t)w * QMK_HD + lane * 4) = v0;
+        return;
+    }
+    const float* rope1 = a.rope + QMK_HD;
+    const float4 q = norm_rope(ld_act4(qkv1 + (size_t)(2 * g + w - 2) * QMK_HD + lane * 4), a.q_norm, rope1, a.eps, lane);
+    const float4 k1 = norm_rope(ld_act4(qkv1 + (size_t)(H + g) * QMK_HD + lane * 4), a.k_norm, rope1, a.eps, lane);
+    const float4 v1 = ld_act4(qkv1 + (size_t)(H + KV + g) * QMK_HD + lane * 4);
+    if (w == 2 && a.append) {
+        const size_t row = ((size_t)g * a.max_pos + 1) * QMK_HD + lane * 4;
+        *reinterpret_cast<float4*>(a.kc + row) = k1;
+        *reinterpret_cast<float4*>(a.vc + row) = v1;
+    }
+    const float scale = 0.08838834764831845f;  // 1 / sqrt(128)
+    const float s0 = warp_sum(dot4(q, k0)) * scale, s1 = warp_sum(dot4(q, k1)) * scale;
+    const float m = fmaxf(s0, s1);
+    const float p0 = expf(s0 - m), p1 = expf(s1 - m), l = p0 + p1;
+    *reinterpret_cast<float4*>(out1 + (size_t)(w - 2) * QMK_HD + lane * 4) =
+        make_float4(fmaf(p1, v1.x, p0 * v0.x) / l, fmaf(p1, v1.y, p0 * v0.y) / l, fmaf(p1, v1.z, p0 * v0.z) / l,
+                    fmaf(p1, v1.w, p0 * v0.w) / l);
+}

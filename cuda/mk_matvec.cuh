@@ -153,6 +153,8 @@ __device__ __forceinline__ void store_operand(const Operand<MS>& o, int K, float
         }
 }
 
+__device__ __forceinline__ void store_rows(const float* acc, int n, int rpu, float* red);
+
 // Dot products of the tile's rows (bf16, K wide, row-major in smem) with the operand. The tile
 // holds `n` units of `rpu` rows each (rpu 2: the n gate rows, then the n up rows); row r of unit
 // j leaves its four partial sums in red[(j * rpu + part) * 4 + 0..3] (part 0 gate, 1 up), so a
@@ -180,10 +182,15 @@ __device__ __forceinline__ void tile_dots(const unsigned char* tile, int n, int 
             }
         }
     }
-    // Reduce the warp's four rows across its 32 lanes by halving: after the xor-16 and xor-8
-    // exchanges each lane keeps one row (bits 4 and 3 of the lane pick it), then three more
-    // halvings finish it: 6 shuffles instead of 4 x 5.
+    store_rows(acc, n, rpu, red);
+}
+
+// Reduce the warp's four rows across its 32 lanes by halving: after the xor-16 and xor-8
+// exchanges each lane keeps one row (bits 4 and 3 of the lane pick it), then three more
+// halvings finish it: 6 shuffles instead of 4 x 5. Each row's partial goes to red as in tile_dots.
+__device__ __forceinline__ void store_rows(const float* acc, int n, int rpu, float* red) {
     static_assert(QMK_TILE_ROWS / QMK_RG == 4, "the exchange below reduces four rows");
+    const int g = row_group(), rows = n * rpu;
     const int lane = threadIdx.x & 31;
     const bool hi16 = lane & 16, hi8 = lane & 8;
     const float a0 = __shfl_xor_sync(0xffffffffu, hi16 ? acc[0] : acc[2], 16);
@@ -202,4 +209,94 @@ __device__ __forceinline__ void tile_dots(const unsigned char* tile, int n, int 
 
 __device__ __forceinline__ float row_sum(const float* red, int r) {
     return (red[r * 4] + red[r * 4 + 1]) + (red[r * 4 + 2] + red[r * 4 + 3]);
+}
+
+// Two positions' operands at once (the code predictor's passes 0 and 1, qwen_mk.cu merge_first):
+// row group 0 stages both vectors and the norm weight (xs: x0 then x1, K floats each; ws), one
+// block barrier, then each thread normalises its chunk of x0 into `o` as load_normed does; x1
+// stays staged and is normalised inside tile_dots_pair (its rsqrt in *r1), so only one operand
+// occupies registers.
+template <int MS>
+__device__ __forceinline__ void load_normed_pair(VecRef x0, VecRef x1, const bf16* w, int K, float eps, Operand<MS>& o,
+                                                 float* r1, float* scratch, float* xs, float* ws) {
+    const int c = col_thread(), nseg = K >> 10;
+    if (threadIdx.x < QMK_CT) {
+        float ss0 = 0.f, ss1 = 0.f;
+#pragma unroll
+        for (int s = 0; s < MS; ++s)
+            if (s < nseg) {
+                float v[8], u[8], wv[8];
+                load8(x0, (s << 10) + c * 8, v);
+                load8(x1, (s << 10) + c * 8, u);
+                unpack8(ld_weight(w + (s << 10) + c * 8), wv);
+                store8(xs + (s << 10) + c * 8, v);
+                store8(xs + K + (s << 10) + c * 8, u);
+                store8(ws + (s << 10) + c * 8, wv);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    ss0 = fmaf(v[e], v[e], ss0);
+                    ss1 = fmaf(u[e], u[e], ss1);
+                }
+            }
+        ss0 = warp_sum(ss0);
+        ss1 = warp_sum(ss1);
+        if ((threadIdx.x & 31) == 0) {
+            scratch[threadIdx.x >> 5] = ss0;
+            scratch[4 + (threadIdx.x >> 5)] = ss1;
+        }
+    }
+    block_sync();
+    const float r = rsqrtf(((scratch[0] + scratch[1]) + (scratch[2] + scratch[3])) / (float)K + eps);
+    *r1 = rsqrtf(((scratch[4] + scratch[5]) + (scratch[6] + scratch[7])) / (float)K + eps);
+#pragma unroll
+    for (int s = 0; s < MS; ++s) {
+        if (s < nseg) {
+            float v[8], wv[8];
+            read8(xs + (s << 10) + c * 8, v);
+            read8(ws + (s << 10) + c * 8, wv);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o.v[s][e] = (v[e] * r) * wv[e];
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o.v[s][e] = 0.f;
+        }
+    }
+}
+
+// tile_dots for both operands in one read of the tile: x0 in registers, x1 staged raw at
+// xs + K and normalised per segment (the same (x * r) * w as load_normed). Each row's sums add
+// in tile_dots' order.
+template <int MS>
+__device__ __forceinline__ void tile_dots_pair(const unsigned char* tile, int n, int rpu, int K, const Operand<MS>& o,
+                                               const float* xs, const float* ws, float r1, float* red, float* red1) {
+    const int c = col_thread(), g = row_group(), nseg = K >> 10, rows = n * rpu;
+    const bf16* base = reinterpret_cast<const bf16*>(tile);
+    float acc[QMK_TILE_ROWS / QMK_RG], acc1[QMK_TILE_ROWS / QMK_RG];
+#pragma unroll
+    for (int i = 0; i < QMK_TILE_ROWS / QMK_RG; ++i) acc[i] = acc1[i] = 0.f;
+#pragma unroll
+    for (int s = 0; s < MS; ++s) {
+        if (s < nseg) {
+            float y[8], wv[8];
+            read8(xs + K + (s << 10) + c * 8, y);
+            read8(ws + (s << 10) + c * 8, wv);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) y[e] = (y[e] * r1) * wv[e];
+#pragma unroll
+            for (int i = 0; i < QMK_TILE_ROWS / QMK_RG; ++i) {
+                const int r = g + i * QMK_RG;
+                if (r < rows) {
+                    float w[8];
+                    unpack8(*reinterpret_cast<const uint4*>(base + (size_t)r * K + c * 8 + (s << 10)), w);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        acc[i] = fmaf(w[e], o.v[s][e], acc[i]);
+                        acc1[i] = fmaf(w[e], y[e], acc1[i]);
+                    }
+                }
+            }
+        }
+    }
+    store_rows(acc, n, rpu, red);
+    store_rows(acc1, n, rpu, red1);
 }

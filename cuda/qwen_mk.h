@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define QMK_ABI_VERSION 9
+#define QMK_ABI_VERSION 10
 #define QMK_MAX_GROUPS 16
 #define QMK_HEAD_DIM 128
 
@@ -49,6 +49,12 @@ typedef struct {
      * gives each head's 512 rows to 16 blocks and ends without a grid barrier; the fused phase's
      * items wait for their head's blocks through qmk_model.head_ready. 0: a grid barrier. */
     int32_t group_qkv;
+    /* 1 (code predictor with fuse_attn_o and a layer-0 table for pass 1, qmk_model.qkv0): passes
+     * 0 (the talker hidden) and 1 (code 0) run together, each matrix phase multiplying its tiles
+     * by both positions' vectors, so the frame has one pass of phases less. qmk_decode_frame
+     * keeps them apart where a block's slices do not fit its shared memory twice (grids of fewer
+     * than 64 blocks; qmk_merges_first_passes). 0: one pass after the other. */
+    int32_t merge_first;
     uint64_t layers;     /* qmk_layer[num_layers] in device memory */
     uint64_t final_norm; /* bf16 [hidden] */
     uint64_t rope;       /* fp32 [max_pos][2][64]: cos then sin per position */
@@ -89,8 +95,9 @@ typedef struct {
     /* scratch (fp32 unless noted) */
     uint64_t resid;       /* [max(Dt, Dp)] residual stream (after the MLP) */
     uint64_t mid;         /* [max(Dt, Dp)] residual stream after attention (the MLP's input) */
-    uint64_t pres;        /* [4][Dp] the predictor's residual accumulators with fuse_attn_o */
-    uint64_t qkv;         /* [(H + 2 KV) * 128], raw projections */
+    uint64_t pres;        /* [8][Dp] the predictor's residual accumulators with fuse_attn_o */
+    uint64_t qkv;         /* [2][(H + 2 KV) * 128], raw projections (the second row: pass 1's,
+                             with merge_first) */
     uint64_t attn;        /* [H * 128] attention output */
     uint64_t act;         /* [max(It, Ip)] MLP activations (the down phase's input; unused when split) */
     uint64_t proj_out;    /* [Dp] */
@@ -136,6 +143,8 @@ int64_t qmk_attn_part_floats(int32_t max_pos, int32_t kv_heads);
 int qmk_grid_size(const qmk_model* m, int32_t* blocks, int32_t* smem_bytes);
 /* *out = 1 when qmk_decode_frame(m, f) launches the long-context kernel (qmk_model.long_kernel). */
 int qmk_uses_long_kernel(const qmk_model* m, const qmk_frame* f, int32_t* out);
+/* *out = 1 when qmk_decode_frame(m, ...) runs predictor passes 0 and 1 together (merge_first). */
+int qmk_merges_first_passes(const qmk_model* m, int32_t* out);
 /* Launch one frame on `stream` (a cudaStream_t); returns a cudaError_t. */
 int qmk_decode_frame(const qmk_model* m, const qmk_frame* f, uint64_t stream);
 const char* qmk_error_string(int code);

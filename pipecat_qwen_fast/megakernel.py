@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_FILES = ("qwen_mk.h", "mk_util.cuh", "mk_stream.cuh", "mk_matvec.cuh", "mk_attention.cuh", "mk_sample.cuh",
                 "qwen_mk.cu")
-ABI_VERSION = 9
+ABI_VERSION = 10
 # MegakernelBackend(long_kernel=...) -> qmk_model.long_kernel
 LONG_KERNEL = {"auto": 0, "always": 1, "never": -1}
 TRACE_MAX = 8192
@@ -139,7 +139,7 @@ class QmkStack(ctypes.Structure):
         ("hidden", ctypes.c_int32), ("inter", ctypes.c_int32), ("num_layers", ctypes.c_int32),
         ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32), ("max_pos", ctypes.c_int32),
         ("eps", ctypes.c_float), ("split_down", ctypes.c_int32),
-        ("fuse_attn_o", ctypes.c_int32), ("group_qkv", ctypes.c_int32),
+        ("fuse_attn_o", ctypes.c_int32), ("group_qkv", ctypes.c_int32), ("merge_first", ctypes.c_int32),
         ("layers", ctypes.c_uint64), ("final_norm", ctypes.c_uint64), ("rope", ctypes.c_uint64),
         ("k_cache", ctypes.c_uint64), ("v_cache", ctypes.c_uint64),
     ]
@@ -190,6 +190,7 @@ def load_library(path: Path) -> ctypes.CDLL:
     lib.qmk_attn_part_floats.restype = ctypes.c_int64
     lib.qmk_grid_size.argtypes = [ctypes.POINTER(QmkModel), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)]
     lib.qmk_uses_long_kernel.argtypes = [ctypes.POINTER(QmkModel), ctypes.POINTER(QmkFrame), ctypes.POINTER(ctypes.c_int32)]
+    lib.qmk_merges_first_passes.argtypes = [ctypes.POINTER(QmkModel), ctypes.POINTER(ctypes.c_int32)]
     lib.qmk_decode_frame.argtypes = [ctypes.POINTER(QmkModel), ctypes.POINTER(QmkFrame), ctypes.c_uint64]
     lib.qmk_error_string.restype = ctypes.c_char_p
     if lib.qmk_abi_version() != ABI_VERSION:
@@ -385,7 +386,7 @@ class MegakernelBackend:
 
     def __init__(self, talker, device: torch.device, dtype: torch.dtype, warmup: bool = True,
                  input_tables: bool = True, split_down: bool = True, fuse_attn_o: bool = True,
-                 group_qkv: bool = True, max_blocks: int = 0, long_kernel: str = "auto",
+                 group_qkv: bool = True, merge_first: bool = True, max_blocks: int = 0, long_kernel: str = "auto",
                  prefills: PrefillGraphs | None = None):
         if long_kernel not in LONG_KERNEL:
             raise ValueError(f"long_kernel must be one of {sorted(LONG_KERNEL)}, got {long_kernel!r}")
@@ -415,6 +416,10 @@ class MegakernelBackend:
         # the kernel keeps the barrier on a grid of fewer than 16 blocks per head). False: always
         # the barrier.
         self.group_qkv = group_qkv
+        # Predictor passes 0 and 1 in one pass of phases, each for both positions (qmk_stack.
+        # merge_first; needs fuse_attn_o and the input tables): one pass of phases less a frame.
+        # The kernel keeps them apart on grids of fewer than 64 blocks (merges_first_passes).
+        self.merge_first = merge_first
         # At most this many blocks (0: one per SM): a smaller GPU's grid on this one, for tests.
         self.max_blocks = max_blocks
         # The long-context kernel runs a block's talker attention items at once; "auto" launches it
@@ -464,7 +469,7 @@ class MegakernelBackend:
             hidden=cfg.hidden_size, inter=cfg.intermediate_size, num_layers=cfg.num_layers,
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, max_pos=max_pos, eps=cfg.rms_norm_eps,
             split_down=int(self.split_down), fuse_attn_o=int(predictor and self.fuse_attn_o),
-            group_qkv=int(predictor and self.group_qkv),
+            group_qkv=int(predictor and self.group_qkv), merge_first=int(predictor and self.merge_first),
             layers=ptr(table), final_norm=self._w(final_norm), rope=ptr(rope),
             k_cache=ptr(k), v_cache=ptr(v),
         )
@@ -486,8 +491,9 @@ class MegakernelBackend:
             "seen": torch.zeros(self.tcfg.vocab_size, device=dev, dtype=torch.uint8),
             "resid": torch.empty(max(Dt, Dp), device=dev, dtype=f32),
             "mid": torch.empty(max(Dt, Dp), device=dev, dtype=f32),
-            "pres": torch.empty((4, Dp), device=dev, dtype=f32),
-            "qkv": torch.empty(max(ts.num_heads + 2 * ts.num_kv_heads, ps.num_heads + 2 * ps.num_kv_heads) * HEAD_DIM,
+            "pres": torch.empty((8, Dp), device=dev, dtype=f32),
+            # Two rows: the predictor's pass 1 has its own with merge_first.
+            "qkv": torch.empty(max(ts.num_heads + 2 * ts.num_kv_heads, 2 * (ps.num_heads + 2 * ps.num_kv_heads)) * HEAD_DIM,
                                device=dev, dtype=f32),
             "attn": torch.empty(max(ts.num_heads, ps.num_heads) * HEAD_DIM, device=dev, dtype=f32),
             "act": torch.empty(max(ts.intermediate_size, ps.intermediate_size), device=dev, dtype=f32),
@@ -608,6 +614,14 @@ class MegakernelBackend:
         check(self.lib, self.lib.qmk_grid_size(ctypes.byref(state.model), ctypes.byref(blocks), ctypes.byref(smem)),
               "qmk_grid_size")
         return blocks.value
+
+    def merges_first_passes(self, state: MegakernelState) -> bool:
+        """Whether this state's frames run predictor passes 0 and 1 together (merge_first, and a
+        grid where both positions' slices fit)."""
+        out = ctypes.c_int32(0)
+        check(self.lib, self.lib.qmk_merges_first_passes(ctypes.byref(state.model), ctypes.byref(out)),
+              "qmk_merges_first_passes")
+        return bool(out.value)
 
     def uses_long_kernel(self, state: MegakernelState) -> bool:
         """Whether this state's next frame launches the long-context kernel (long_kernel)."""

@@ -302,17 +302,32 @@ def test_input_tables_match_the_qkv_phase(backends):
 #   fuse_attn_o  the predictor's attention and o_proj in one phase, each (KV head, 64 rows) item
 #                adding its o_proj partial, against the o_proj phase;
 #   group_qkv    the predictor's q/k/v phase ending without a grid barrier, each head's fused
-#                items waiting for its 16 blocks, against the barrier.
+#                items waiting for its 16 blocks, against the barrier;
+#   merge_first  the predictor's passes 0 and 1 in one pass of phases, each for both positions,
+#                against one pass after the other.
 @needs_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("option", ["split_down", "fuse_attn_o", "group_qkv"])
+@pytest.mark.parametrize("option", ["split_down", "fuse_attn_o", "group_qkv", "merge_first"])
 def test_kernel_option_matches_the_path_it_replaces(backends, option):
     """From the same prefill: identical codes over 8 sampled frames, talker and predictor hidden
     states within 1e-5."""
     b = backends
     plain = mk.MegakernelBackend(b.talker, torch.device("cuda"), torch.bfloat16, warmup=False, **{option: False})
     assert getattr(b.mb, option) and not getattr(plain, option)
+    if option == "merge_first":  # the kernel does merge on this grid (or the test compares a path with itself)
+        assert merges_first_passes(b) and not merges_first_passes(b, plain)
     assert_same_frames(side_by_side(b, plain), f"{option} on", "off")
+
+
+def merges_first_passes(b, backend=None) -> bool:
+    backend = backend or b.mb
+    D = b.cfg.talker.hidden_size
+    st = backend.new_state(max_positions=8, params=SamplingParams(), seed=0, trailing=torch.zeros(D),
+                           pad_vec=torch.zeros(D))
+    try:
+        return backend.merges_first_passes(st)
+    finally:
+        backend.release(st)
 
 
 @needs_gpu
@@ -330,7 +345,12 @@ def test_smaller_grid_matches(backends):
         st = backend.new_state(max_positions=8, params=SamplingParams(), seed=0, trailing=torch.zeros(D),
                                pad_vec=torch.zeros(D))
         assert backend.grid_blocks(st) == want  # the cap is applied (and only where asked for)
+        assert backend.merges_first_passes(st)  # passes 0 and 1 together on both grids
         backend.release(st)
+    # Below 64 blocks a block's gate/up slice for two positions outgrows its shared-memory areas:
+    # the passes run one after the other (that path is the merge_first option test's "off").
+    tiny_grid = mk.MegakernelBackend(b.talker, torch.device("cuda"), torch.bfloat16, warmup=False, max_blocks=60)
+    assert not merges_first_passes(b, tiny_grid)
     assert_same_frames(side_by_side(b, small), "full grid", "108 blocks")
 
 
