@@ -1216,7 +1216,7 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
         const int nt = m.talker.num_layers * (int)(sizeof(qmk_layer) / 8);
         const int np = m.pred.num_layers * (int)(sizeof(qmk_layer) / 8);
         uint64_t* dst = sm<uint64_t>(QMK_SMEM_TABLES);
-        for (int i = tid; i < nt + np; i += QMK_BLOCK_THREADS)
+        for (int i = tid; i < nt + np; i += (int)blockDim.x)
             dst[i] = i < nt ? dptr<const uint64_t>(m.talker.layers)[i] : dptr<const uint64_t>(m.pred.layers)[i - nt];
         if (tid == 0) *sm<int>(QMK_SMEM_STAMPS) = 0;
     }
@@ -1230,13 +1230,22 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
     if (tid == 0) ring_init(P.nslot);
     __syncthreads();  // tables, geometry and mbarriers in place for both roles
     if (tid >= QMK_THREADS) {
-        // The producer warp: lane 0 streams the frame's tiles; the warp then waits at the block
-        // barrier for the consumers to finish (Ring::finish).
+        // The producer warp (warpgroup on sm_90a): lane 0 streams the frame's tiles; the warps
+        // then wait at the block barrier for the consumers to finish (Ring::finish). Each role
+        // sets its register count only once it has branched off for good: ptxas holds code after
+        // both a decrease and an increase to the smaller count (setmaxnreg ahead of the setup
+        // above spilled 752 bytes).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(QMK_PRODUCER_REGS));
+#endif
         if (tid == QMK_THREADS) produce(&P);
         __syncwarp();
         __syncthreads();
         return;
     }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(QMK_CONSUMER_REGS));
+#endif
     c.ring.nslot = P.nslot;
     c.ring.consumed = 0;
     c.ring.deferred = 0;
@@ -1355,7 +1364,7 @@ extern "C" int64_t qmk_attn_part_floats(int32_t max_pos, int32_t kv_heads) {
 }
 
 struct GridConfig {
-    int dev = -1, blocks = 0, smem = 0, nslot = 0;
+    int dev = -1, blocks = 0, smem = 0, nslot = 0, threads = 0;
 };
 
 // The model must fit the kernel's fixed shared-memory areas on a grid of `blocks` blocks.
@@ -1398,16 +1407,22 @@ static int grid_config(const qmk_model& m, GridConfig* out) {
         const int smem = smem_bytes(nslot);
         // The kernels wait on grid barriers, so every block must be resident at once: one block
         // per SM, and only if the occupancy the driver reports allows it (for both kernels).
+        // The block size is the kernel's launch bound, which depends on the architecture it was
+        // built for (QMK_BLOCK_THREADS in the device pass).
         const void* kernels[2] = {(const void*)qmk_frame_kernel<false>, (const void*)qmk_frame_kernel<true>};
+        cudaFuncAttributes attr;
+        if ((e = cudaFuncGetAttributes(&attr, kernels[0])) != cudaSuccess) return e;
+        const int threads = attr.maxThreadsPerBlock;
+        if (threads < QMK_THREADS + 32) return cudaErrorNotSupported;
         for (const void* k : kernels) {
             e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
             if (e != cudaSuccess) return e;
             int per_sm = 0;
-            e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, QMK_BLOCK_THREADS, smem);
+            e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, threads, smem);
             if (e != cudaSuccess) return e;
             if (per_sm < 1) return cudaErrorCooperativeLaunchTooLarge;
         }
-        last = GridConfig{dev, sms, smem, nslot};
+        last = GridConfig{dev, sms, smem, nslot, threads};
     }
     *out = last;
     if (m.max_blocks > 0 && m.max_blocks < out->blocks) out->blocks = m.max_blocks;
@@ -1477,7 +1492,7 @@ extern "C" int qmk_decode_frame(const qmk_model* m, const qmk_frame* f, uint64_t
     void* args[] = {&p};
     const void* kernel = uses_long_kernel(*m, *f, g.blocks) ? (const void*)qmk_frame_kernel<true>
                                                             : (const void*)qmk_frame_kernel<false>;
-    return cudaLaunchCooperativeKernel(kernel, dim3(g.blocks), dim3(QMK_BLOCK_THREADS), args, (size_t)g.smem,
+    return cudaLaunchCooperativeKernel(kernel, dim3(g.blocks), dim3(g.threads), args, (size_t)g.smem,
                                        reinterpret_cast<cudaStream_t>(stream));
 }
 

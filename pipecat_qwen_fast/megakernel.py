@@ -83,12 +83,14 @@ def find_nvcc() -> str | None:
 
 
 def gencode_flags(archs: list[str]) -> list[str]:
-    """['sm_90'] -> ['-gencode', 'arch=compute_90,code=sm_90']."""
+    """['sm_80'] -> ['-gencode', 'arch=compute_80,code=sm_80']; Hopper builds its arch-specific
+    target: ['sm_90'] -> [..., 'arch=compute_90a,code=sm_90a'] (setmaxnreg: cuda/mk_util.cuh)."""
     out = []
     for arch in archs:
         num = arch.removeprefix("sm_")
         if not num.isdigit():
             raise ValueError(f"GPU architecture must look like 'sm_90', got {arch!r}")
+        num = "90a" if num == "90" else num
         out += ["-gencode", f"arch=compute_{num},code=sm_{num}"]
     return out
 

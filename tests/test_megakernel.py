@@ -73,6 +73,13 @@ def test_nvcc_command_rejects_bad_arch():
         mk.gencode_flags(["hopper"])
 
 
+def test_hopper_builds_its_arch_specific_target():
+    """sm_90 builds sm_90a, whose setmaxnreg gives the consumers the producer warpgroup's
+    registers (cuda/mk_util.cuh); other architectures build their plain target."""
+    assert mk.gencode_flags(["sm_80", "sm_90"]) == [
+        "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90a,code=sm_90a"]
+
+
 @torch.no_grad()
 def test_input_tables_are_the_first_layers_qkv(tiny_checkpoint):
     """The tables the kernel reads instead of a pass's projection and q/k/v phases (no GPU needed):
