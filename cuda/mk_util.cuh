@@ -10,13 +10,14 @@
 // arch-specific features (sm_90a) a whole warpgroup that hands its registers to the consumers
 // (setmaxnreg, qmk_frame_kernel). A 17-warp block is held to 96 registers a thread (5 warps on
 // one scheduler partition) and the consumers spill; the block's registers are fixed at launch
-// (640 x 96), so a producer warpgroup at 24 leaves the consumers 112 (128 x 24 + 512 x 112). Its
-// lane-0 loop then spills, which measured cheaper than 104 / 64 (bench/NOTES.md, v22). The host
-// reads the block size from the kernel (grid_config).
+// (640 x 96), so a producer warpgroup at 32 leaves the consumers 112 (128 x 32 + 512 x 112). Its
+// lane-0 loop then spills a little; at 24 it spilled more and slowed the 1.7B talker, whose MLP
+// slots are refilled mid-phase (bench/NOTES.md, v22). The host reads the block size from the
+// kernel (grid_config).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define QMK_PRODUCER_THREADS 128
 #define QMK_CONSUMER_REGS 112
-#define QMK_PRODUCER_REGS 24
+#define QMK_PRODUCER_REGS 32
 #else
 #define QMK_PRODUCER_THREADS 32
 #endif
