@@ -97,6 +97,26 @@ __device__ __forceinline__ void load_operand(VecRef x, int K, Operand<MS>& o, fl
     read_staged<MS>(K, o, xs);
 }
 
+// This thread's chunk of the staged operand (xs) times r and the staged norm weight (ws), in the
+// official RMSNorm's order: (x * r) * w.
+template <int MS>
+__device__ __forceinline__ void normalise_staged(int K, float r, Operand<MS>& o, const float* xs, const float* ws) {
+    const int c = col_thread(), nseg = K >> 10;
+#pragma unroll
+    for (int s = 0; s < MS; ++s) {
+        if (s < nseg) {
+            float v[8], wv[8];
+            read8(xs + (s << 10) + c * 8, v);
+            read8(ws + (s << 10) + c * 8, wv);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o.v[s][e] = (v[e] * r) * wv[e];
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o.v[s][e] = 0.f;
+        }
+    }
+}
+
 // Qwen3 RMSNorm in fp32, as the official model computes it: w * (x * rsqrt(mean(x^2) + eps)).
 // Row group 0 loads x and w (staged in xs and ws, K floats each) and the sum of squares
 // (`scratch`, 4 floats); one block barrier, then every thread normalises its own chunk.
@@ -123,19 +143,7 @@ __device__ __forceinline__ void load_normed(VecRef x, const bf16* w, int K, floa
     block_sync();
     const float total = (scratch[0] + scratch[1]) + (scratch[2] + scratch[3]);
     const float r = rsqrtf(total / (float)K + eps);
-#pragma unroll
-    for (int s = 0; s < MS; ++s) {
-        if (s < nseg) {
-            float v[8], wv[8];
-            read8(xs + (s << 10) + c * 8, v);
-            read8(ws + (s << 10) + c * 8, wv);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) o.v[s][e] = (v[e] * r) * wv[e];
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) o.v[s][e] = 0.f;
-        }
-    }
+    normalise_staged<MS>(K, r, o, xs, ws);
 }
 
 // Row group 0 writes the operand back (the normalised hidden state the tests and the predictor
@@ -248,19 +256,7 @@ __device__ __forceinline__ void load_normed_pair(VecRef x0, VecRef x1, const bf1
     block_sync();
     const float r = rsqrtf(((scratch[0] + scratch[1]) + (scratch[2] + scratch[3])) / (float)K + eps);
     *r1 = rsqrtf(((scratch[4] + scratch[5]) + (scratch[6] + scratch[7])) / (float)K + eps);
-#pragma unroll
-    for (int s = 0; s < MS; ++s) {
-        if (s < nseg) {
-            float v[8], wv[8];
-            read8(xs + (s << 10) + c * 8, v);
-            read8(ws + (s << 10) + c * 8, wv);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) o.v[s][e] = (v[e] * r) * wv[e];
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) o.v[s][e] = 0.f;
-        }
-    }
+    normalise_staged<MS>(K, r, o, xs, ws);
 }
 
 // tile_dots for both operands in one read of the tile: x0 in registers, x1 staged raw at

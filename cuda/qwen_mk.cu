@@ -1037,6 +1037,8 @@ __device__ void run_attn_o_first(Ctx& c, const Phase& ph, int id, bool grouped, 
         c.stamp(id, STEP_DOTS);
         if (mine == 1) c.ring.defer(1);
         else c.ring.release(1);
+        // run_attn_o's epilogue, per position. (Shared through one inlined helper it changed
+        // the short kernel's instructions, so it stays written out twice.)
         const int p = threadIdx.x / (QMK_AO_ROWS / 4);
         if (p < 2 && (p == 1 || acc0 != nullptr)) {
             const int k = 4 * (threadIdx.x % (QMK_AO_ROWS / 4)), u = r * QMK_AO_ROWS + k;
