@@ -581,6 +581,18 @@ __device__ void run_down(Ctx& c, const Phase& ph, int id, const float* act, Epi 
     c.stamp(id, STEP_EPILOGUE);
 }
 
+// The end of a split gate/up phase whose tiles all stay in the ring: the gate/up slots go back at
+// the grid arrival, the down_t ones one arrival later if the next phase (q/k/v or the head) still
+// finds its slots (run_gu_split).
+__device__ __forceinline__ void defer_mlp_tiles(Ctx& c, const Geo& g, const Phase& ph) {
+    const int nslot = c.ring.nslot, dt = g.ntiles - g.ngu;
+    const Geo &nq = geo(Phase{K_QKV, 0, ph.pass}), &nh = geo(Phase{ph.pass < 0 ? K_HEAD_T : K_HEAD_P, 0, ph.pass});
+    const int need = max(nq.frees_each_tile(nslot) ? 1 : nq.ntiles, nh.frees_each_tile(nslot) ? 1 : nh.ntiles);
+    const int held = dt + need <= nslot ? dt : 0;
+    c.ring.defer(g.ntiles - held);
+    c.ring.hold(held);
+}
+
 // Gate/up with the down projection split over the blocks (qmk_stack.split_down): the block's
 // gate/up units give their activations (shared memory, never global), which multiply the same
 // units' rows of down_t into a hidden-wide partial; every block adds its partial into `resid`,
@@ -649,14 +661,7 @@ __device__ void run_gu_split(Ctx& c, const Phase& ph, int id, const Operand<2>& 
     // The down_t slots go back one grid arrival after the gate/up ones: handing all five back at
     // once queued ~160 KB of copies ahead of the next phase's arrival fence (-0.026 ms a frame).
     // Only if the phase after (the next layer's q/k/v or the head) still finds its slots.
-    if (!within) {
-        const int nslot = c.ring.nslot, dt = g.ntiles - g.ngu;
-        const Geo &nq = geo(Phase{K_QKV, 0, ph.pass}), &nh = geo(Phase{ph.pass < 0 ? K_HEAD_T : K_HEAD_P, 0, ph.pass});
-        const int need = max(nq.frees_each_tile(nslot) ? 1 : nq.ntiles, nh.frees_each_tile(nslot) ? 1 : nh.ntiles);
-        const int held = dt + need <= nslot ? dt : 0;
-        c.ring.defer(g.ntiles - held);
-        c.ring.hold(held);
-    }
+    if (!within) defer_mlp_tiles(c, g, ph);
     c.stamp(id, STEP_EPILOGUE);
 }
 
@@ -975,13 +980,7 @@ __device__ void run_gu_first(Ctx& c, const Phase& ph, int id, const float* mid0,
         const float b0 = __shfl_down_sync(0xffffffffu, acc[p][0], 1), b1 = __shfl_down_sync(0xffffffffu, acc[p][1], 1);
         if ((threadIdx.x & 1) == 0) red_add4(resid[p] + col, acc[p][0], acc[p][1], b0, b1);
     }
-    // Slots back as run_gu_split hands them (every tile is in the ring: qmk_decode_frame).
-    const int nslot = c.ring.nslot, dt = g.ntiles - g.ngu;
-    const Geo &nq = geo(Phase{K_QKV, 0, ph.pass}), &nh = geo(Phase{K_HEAD_P, 0, ph.pass});
-    const int need = max(nq.frees_each_tile(nslot) ? 1 : nq.ntiles, nh.frees_each_tile(nslot) ? 1 : nh.ntiles);
-    const int held = dt + need <= nslot ? dt : 0;
-    c.ring.defer(g.ntiles - held);
-    c.ring.hold(held);
+    defer_mlp_tiles(c, g, ph);  // every tile is in the ring (qmk_decode_frame)
     c.stamp(id, STEP_EPILOGUE);
 }
 

@@ -302,8 +302,9 @@ def test_input_tables_match_the_qkv_phase(backends):
     assert max(errs) <= 1e-5
 
 
-# Kernel options that change only the order of fp32 additions (float atomics), each against the
-# path it replaces, switched off:
+# Kernel options that change only the order of fp32 operations (float atomics; merge_first also
+# sums its two attention scores by warp reduction), each against the path it replaces, switched
+# off:
 #   split_down   the MLP's down projection split over the blocks' gate/up units, against the down
 #                phase;
 #   fuse_attn_o  the predictor's attention and o_proj in one phase, each (KV head, 64 rows) item
