@@ -26,7 +26,34 @@ struct AttnArgs {
     float eps;
     int out_head0;  // head h's output goes to out + (h - out_head0) * 128
     int append;     // store the new position's k and v (one of the items that compute a head)
+#ifdef QMK_TRACE_ATTN
+    long long* dbg = nullptr;  // this item's trace row (talker items only; see qmk_attn_trace)
+#endif
 };
+
+// QMK_TRACE_ATTN builds (bench/attention_trace.py) stamp the steps of the talker's attention
+// items: a clock read ordered after a value it waits for (a volatile store of the value first,
+// in-order issue does the rest), one row of QMK_DBG_SLOTS per (layer, block).
+#ifdef QMK_TRACE_ATTN
+#define QMK_DBG_SLOTS 24
+#define QMK_DBG_ROWS (64 * 160)
+__device__ long long qmk_attn_trace[QMK_DBG_ROWS * QMK_DBG_SLOTS];
+__device__ __forceinline__ long long dbg_gtime() {
+    long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ void dbg_mark(long long* row, int k, float dep) {
+    if (row == nullptr) return;
+    *reinterpret_cast<volatile float*>(row + 23) = dep;
+    long long t;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
+    row[k] = t;
+}
+#define QMK_DBG(k, dep) dbg_mark(dbgrow, k, dep)
+#else
+#define QMK_DBG(k, dep) ((void)0)
+#endif
 
 __host__ __device__ __forceinline__ int attn_nchunk(int pos) { return (pos + QMK_CHUNK) / QMK_CHUNK; }
 
@@ -103,10 +130,15 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
     const int j0 = c * QMK_CHUNK, j1 = min(pos + 1, j0 + QMK_CHUNK), n = j1 - j0;
     const int ncached = min(j1, pos) - j0;  // rows in the tile; the new position (if here) is last
     const bool last = c == nchunk - 1;
+#ifdef QMK_TRACE_ATTN
+    long long* dbgrow = (w == 0 && lane == 0) ? a.dbg : nullptr;
+    QMK_DBG(2, 0.f);
+#endif
     const float* rope = a.rope + (size_t)pos * QMK_HD;
     const float4 q = norm_rope(ld_act4(qkv + (size_t)(2 * g + w) * QMK_HD + lane * 4), a.q_norm, rope, a.eps, lane);
     const float4 k = norm_rope(ld_act4(qkv + (size_t)(H + g) * QMK_HD + lane * 4), a.k_norm, rope, a.eps, lane);
     const float4 v = ld_act4(qkv + (size_t)(H + KV + g) * QMK_HD + lane * 4);
+    QMK_DBG(3, q.x + k.x + v.x);
     if (last && w == 0 && a.append) {
         const size_t row = ((size_t)g * a.max_pos + pos) * QMK_HD + lane * 4;
         *reinterpret_cast<float4*>(a.kc + row) = k;
@@ -128,11 +160,13 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
     reduce_step<4>(part, lane);
     reduce_step<2>(part, lane);
     reduce_step<1>(part, lane);
+    QMK_DBG(4, part[0]);
     const float scale = 0.08838834764831845f;  // 1 / sqrt(128)
     const float s = lane < n ? part[0] * scale : -INFINITY;
     const float m = warp_max(s);
     const float p = lane < n ? expf(s - m) : 0.f;
     const float l = warp_sum(p);
+    QMK_DBG(5, l);
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int i = 0; i < n; ++i) {
         const float pi = __shfl_sync(0xffffffffu, p, i);
@@ -142,6 +176,7 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
         o.z = fmaf(pi, vi.z, o.z);
         o.w = fmaf(pi, vi.w, o.w);
     }
+    QMK_DBG(6, o.x + o.y + o.z + o.w);
     const int h = 2 * g + w;
     if (nchunk == 1) {
         *reinterpret_cast<float4*>(a.out + (size_t)(h - a.out_head0) * QMK_HD + lane * 4) =
@@ -162,10 +197,16 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
         sm[pair] = prev == (unsigned)(nchunk - 1) ? 1.f : 0.f;
     }
     asm volatile("bar.sync %0, 64;" ::"r"(2 + pair) : "memory");
+    QMK_DBG(7, sm[pair]);
     if (sm[pair] == 0.f) return;
     __threadfence();
     const float* base = a.part + (size_t)g * nchunk * 2 * QMK_PART + w * QMK_PART;
-    *reinterpret_cast<float4*>(a.out + (size_t)h * QMK_HD + lane * 4) = merge_head(base, nchunk, lane);
+    const float4 merged = merge_head(base, nchunk, lane);
+    *reinterpret_cast<float4*>(a.out + (size_t)h * QMK_HD + lane * 4) = merged;
+    QMK_DBG(8, merged.x);
+#ifdef QMK_TRACE_ATTN
+    if (dbgrow) dbgrow[9] = 1;
+#endif
     if (w == 0 && lane == 0) a.count[g] = 0u;
 }
 

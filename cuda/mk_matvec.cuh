@@ -22,12 +22,30 @@ struct Operand {
     float v[MS][8];
 };
 
-// A vector in device memory: fp32 activations (written in this launch: L2 loads) or a bf16
-// embedding row (read-only).
+// The residual accumulators that every block adds a hidden-wide partial into (the split down
+// projection, qwen_mk.cu run_gu_split) have QMK_ACC_COPIES copies QMK_ACC_STRIDE floats apart:
+// block b adds into copy b % QMK_ACC_COPIES, and readers sum the copies. One copy took 132
+// blocks' 16-byte float atomics on each of its lines, which the L2 performs one after another,
+// and the arrival's release fence waited for them (~0.85 us a phase; bench/NOTES.md, v23).
+#ifndef QMK_ACC_COPIES
+#define QMK_ACC_COPIES 4
+#endif
+#define QMK_ACC_STRIDE 2048  // the widest hidden
+
+// A vector in device memory: fp32 activations (written in this launch: L2 loads), a bf16
+// embedding row (read-only), or an fp32 accumulator, the sum of its QMK_ACC_COPIES copies.
+// (A kind, not a count of copies: a third field cost registers, and spills, wherever a VecRef
+// lives across the frame's loops.)
+enum { VEC_F32 = 0, VEC_BF16 = 1, VEC_ACC = 2 };
 struct VecRef {
     const void* p;
-    int is_bf16;
+    int kind;
 };
+
+// The copy of accumulator `base` that this block adds into.
+__device__ __forceinline__ float* acc_copy(float* base) {
+    return base + (blockIdx.x % QMK_ACC_COPIES) * QMK_ACC_STRIDE;
+}
 
 __device__ __forceinline__ int col_thread() { return threadIdx.x & (QMK_CT - 1); }
 __device__ __forceinline__ int row_group() { return threadIdx.x >> 7; }
@@ -43,12 +61,25 @@ __device__ __forceinline__ void unpack8(const uint4 u, float* x) {
     x[7] = bf_hi(u.w);
 }
 
+// x[i .. i + 3] of an fp32 vector, or of an accumulator's copies summed in copy order.
+__device__ __forceinline__ float4 ld_vec4(const float* p, int kind) {
+    float4 a = ld_act4(p);
+    if (kind == VEC_ACC) {
+#pragma unroll
+        for (int k = 1; k < QMK_ACC_COPIES; ++k) {
+            const float4 b = ld_act4(p + k * QMK_ACC_STRIDE);
+            a.x += b.x, a.y += b.y, a.z += b.z, a.w += b.w;
+        }
+    }
+    return a;
+}
+
 __device__ __forceinline__ void load8(VecRef x, int i, float* v) {
-    if (x.is_bf16) {
+    if (x.kind == VEC_BF16) {
         unpack8(ld_weight(static_cast<const bf16*>(x.p) + i), v);
     } else {
         const float* p = static_cast<const float*>(x.p) + i;
-        const float4 a = ld_act4(p), b = ld_act4(p + 4);
+        const float4 a = ld_vec4(p, x.kind), b = ld_vec4(p + 4, x.kind);
         v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
     }
 }

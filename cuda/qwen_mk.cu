@@ -423,9 +423,21 @@ __device__ __noinline__ void produce(const Params* P) {
 // ---------------------------------------------------------------------------------------------
 // Consumer
 
+#ifdef QMK_TRACE_ATTN
+// Every grid barrier's arrival, arrival done and exit, per block (global timer), and its phase id.
+#define QMK_GRID_SEQ 512
+__device__ long long qmk_grid_trace[160 * QMK_GRID_SEQ * 4];
+#endif
+
 struct Ctx {
     Frame F;
     Ring ring;
+#ifdef QMK_TRACE_ATTN
+    int seq = 0;
+    __device__ long long* grid_row() {
+        return blockIdx.x < 160 && seq < QMK_GRID_SEQ ? qmk_grid_trace + ((size_t)blockIdx.x * QMK_GRID_SEQ + seq) * 4 : nullptr;
+    }
+#endif
 
     // Block 0's thread 0 records (clock, global timer, id): at every barrier exit (step 0), and
     // with trace_steps also at the steps inside a phase (STEP_*), for the per-step profile.
@@ -454,10 +466,21 @@ struct Ctx {
         if (threadIdx.x == 0) {
             stamp(phase, STEP_DONE);
             unsigned* counter = dptr<unsigned>(F.m().barrier);
+#ifdef QMK_TRACE_ATTN
+            long long* gr = grid_row();
+            if (gr) gr[0] = dbg_gtime(), gr[3] = phase;
+#endif
             const unsigned arrived = grid_arrive(counter);
+#ifdef QMK_TRACE_ATTN
+            if (gr) gr[1] = dbg_gtime();
+#endif
             ring.release_deferred();
             stamp(phase, STEP_ARRIVED);
             grid_wait(counter, arrived);
+#ifdef QMK_TRACE_ATTN
+            if (gr) gr[2] = dbg_gtime();
+            ++seq;
+#endif
             stamp(phase, 0);
         }
         block_sync();
@@ -471,7 +494,15 @@ struct Ctx {
         block_sync();
         if (threadIdx.x == 0) {
             stamp(phase, STEP_DONE);
+#ifdef QMK_TRACE_ATTN
+            long long* gr = grid_row();
+            if (gr) gr[0] = dbg_gtime(), gr[3] = 64 + phase;
+#endif
             if (counter) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+#ifdef QMK_TRACE_ATTN
+            if (gr) gr[1] = gr[2] = dbg_gtime();
+            ++seq;
+#endif
             ring.release_deferred();
             stamp(phase, 0);
         }
@@ -617,6 +648,7 @@ __device__ void run_gu_split(Ctx& c, const Phase& ph, int id, const Operand<2>& 
 #pragma unroll
     for (int e = 0; e < CPT; ++e) acc[e] = 0.f;
     const int col = threadIdx.x * CPT;
+    resid = acc_copy(resid);
     for (int t = g.ngu; t < g.ntiles; ++t) {
         const int r0 = (t - g.ngu) * g.dpt, n = min(g.dpt, units - r0);
         const bf16* tile = reinterpret_cast<const bf16*>(c.ring.wait(within ? 0 : t)) + col;
@@ -702,14 +734,31 @@ __device__ void run_attention(Ctx& c, const Phase& ph, int id, bool tabled) {
                      S.num_kv_heads, S.max_pos, S.eps, 0, 1};
     if constexpr (!LONG) {
         for (int it = blockIdx.x; it < A.items; it += gridDim.x) {
+#ifdef QMK_TRACE_ATTN
+            long long* row = ph.pass < 0 && blockIdx.x < 160
+                                 ? qmk_attn_trace + ((size_t)ph.layer * 160 + blockIdx.x) * QMK_DBG_SLOTS : nullptr;
+            if (row && threadIdx.x == 0) row[0] = dbg_gtime(), row[11] = it, row[9] = 0;
+            AttnArgs ad = a;
+            ad.dbg = row;
+#define QMK_ATTN_ARGS ad
+#else
+#define QMK_ATTN_ARGS a
+#endif
             const bool has = A.has_tile(it);
             const float* tile = has ? reinterpret_cast<const float*>(c.ring.wait(0)) : nullptr;
             c.stamp(id, STEP_TILE);
+#ifdef QMK_TRACE_ATTN
+            if (row && threadIdx.x == 0) row[1] = dbg_gtime();
+#endif
             // The table row's address is read here, where it is used: run_attention is at the
             // register limit.
             const float* qkv = tabled ? *sm<const float* volatile>(QMK_SMEM_QSRC) : a.qkv;
-            attention_item(a, qkv, it / A.nchunk, it % A.nchunk, A.nchunk, tile, sm<float>(QMK_SMEM_ATTN));
+            attention_item(QMK_ATTN_ARGS, qkv, it / A.nchunk, it % A.nchunk, A.nchunk, tile, sm<float>(QMK_SMEM_ATTN));
+#undef QMK_ATTN_ARGS
             block_sync();
+#ifdef QMK_TRACE_ATTN
+            if (row && threadIdx.x == 0) row[10] = dbg_gtime(), row[12] = clock64();
+#endif
             // One tile per item; a long context gives a block more items than the ring has slots, so
             // each goes back at once (deferring K/V tiles to the arrival measured 0.02 ms slower).
             if (has) c.ring.release(1);
@@ -754,15 +803,21 @@ struct Acc {
 
 __device__ __forceinline__ int fused_layer(int L, int pass, int layer) { return pass == 0 ? layer : L - 1 + (pass - 1) * L + layer; }
 
+// pres: four pairs of QMK_ACC_PAIR floats, `a` then the copies of `b` (acc_copy).
+#define QMK_ACC_PAIR ((1 + QMK_ACC_COPIES) * QMK_ACC_STRIDE)
 __device__ __forceinline__ Acc pred_acc(const qmk_model& m, int n) {
-    float* X = dptr<float>(m.pres) + (size_t)(n % 2) * 2 * m.pred.hidden;
-    return {X, X + m.pred.hidden};
+    float* X = dptr<float>(m.pres) + (size_t)(n % 2) * QMK_ACC_PAIR;
+    return {X, X + QMK_ACC_STRIDE};
 }
 
 // The block's share of both accumulators set to zero.
 __device__ __forceinline__ void zero_acc(const Acc& z, int D) {
     const int r0 = D * blockIdx.x / gridDim.x, r1 = D * (blockIdx.x + 1) / gridDim.x;
-    for (int i = r0 + (int)threadIdx.x; i < r1; i += QMK_THREADS) z.a[i] = z.b[i] = 0.f;
+    for (int i = r0 + (int)threadIdx.x; i < r1; i += QMK_THREADS) {
+        z.a[i] = 0.f;
+#pragma unroll
+        for (int k = 0; k < QMK_ACC_COPIES; ++k) z.b[i + k * QMK_ACC_STRIDE] = 0.f;
+    }
 }
 
 // Item (g, r): kv head g's two query heads (every row group recomputes them: a predictor position
@@ -820,11 +875,11 @@ __device__ void run_attn_o(Ctx& c, const Phase& ph, int id, bool tabled, bool gr
             float v[4] = {sums[k], sums[k + 1], sums[k + 2], sums[k + 3]};
             if (g == 0) {
                 float x[4];
-                if (in.is_bf16) {
+                if (in.kind == VEC_BF16) {
                     const uint2 b = *reinterpret_cast<const uint2*>(static_cast<const bf16*>(in.p) + u);
                     x[0] = bf_lo(b.x), x[1] = bf_hi(b.x), x[2] = bf_lo(b.y), x[3] = bf_hi(b.y);
                 } else {
-                    const float4 f = ld_act4(static_cast<const float*>(in.p) + u);
+                    const float4 f = ld_vec4(static_cast<const float*>(in.p) + u, in.kind);
                     x[0] = f.x, x[1] = f.y, x[2] = f.z, x[3] = f.w;
                 }
 #pragma unroll
@@ -851,7 +906,7 @@ __device__ void run_pred_fused(Ctx& c, int pass, VecRef src) {
         const Phase pq{K_QKV, l, pass};
         const qmk_layer& Ly = c.F.layer(pq);
         const bool last0 = pass == 0 && l + 1 == L;
-        const VecRef in = l == 0 ? src : VecRef{pred_acc(m, fused_layer(L, pass, l - 1)).b, 0};
+        const VecRef in = l == 0 ? src : VecRef{pred_acc(m, fused_layer(L, pass, l - 1)).b, VEC_ACC};
         const bool tabled = l == 0 && from_table(m, pass);
         if (!tabled) {
             Operand<2> x;
@@ -893,8 +948,8 @@ __device__ void run_pred_fused(Ctx& c, int pass, VecRef src) {
 // leave it.
 __device__ __forceinline__ Acc first_acc(const qmk_model& m, int p, int l) {
     if (p == 0) return pred_acc(m, l);
-    float* X = dptr<float>(m.pres) + (size_t)(2 + l % 2) * 2 * m.pred.hidden;
-    return {X, X + m.pred.hidden};
+    float* X = dptr<float>(m.pres) + (size_t)(2 + l % 2) * QMK_ACC_PAIR;
+    return {X, X + QMK_ACC_STRIDE};
 }
 
 // Both positions' operands (load_normed_pair), and dot products of every tile of the block's
@@ -974,7 +1029,7 @@ __device__ void run_gu_first(Ctx& c, const Phase& ph, int id, const float* mid0,
                     for (int e = 0; e < 2; ++e) acc[p][e] = fmaf(a[p][k], w[k][e], acc[p][e]);
         }
     }
-    float* resid[2] = {resid0, resid1};
+    float* resid[2] = {acc_copy(resid0), acc_copy(resid1)};
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
         const float b0 = __shfl_down_sync(0xffffffffu, acc[p][0], 1), b1 = __shfl_down_sync(0xffffffffu, acc[p][1], 1);
@@ -1047,11 +1102,11 @@ __device__ void run_attn_o_first(Ctx& c, const Phase& ph, int id, bool grouped, 
                           sums[p * QMK_AO_ROWS + k + 3]};
             if (g == 0) {
                 float x[4];
-                if (in.is_bf16) {
+                if (in.kind == VEC_BF16) {
                     const uint2 b = *reinterpret_cast<const uint2*>(static_cast<const bf16*>(in.p) + u);
                     x[0] = bf_lo(b.x), x[1] = bf_hi(b.x), x[2] = bf_lo(b.y), x[3] = bf_hi(b.y);
                 } else {
-                    const float4 f = ld_act4(static_cast<const float*>(in.p) + u);
+                    const float4 f = ld_vec4(static_cast<const float*>(in.p) + u, in.kind);
                     x[0] = f.x, x[1] = f.y, x[2] = f.z, x[3] = f.w;
                 }
 #pragma unroll
@@ -1079,8 +1134,8 @@ __device__ void run_pred_first(Ctx& c, VecRef src0, VecRef src1) {
         const Phase pq{K_QKV, l, 0};
         const qmk_layer& Ly = c.F.layer(pq);
         const bool last = l + 1 == L;
-        const VecRef in0 = l == 0 ? src0 : VecRef{first_acc(m, 0, l - 1).b, 0};
-        const VecRef in1 = l == 0 ? src1 : VecRef{first_acc(m, 1, l - 1).b, 0};
+        const VecRef in0 = l == 0 ? src0 : VecRef{first_acc(m, 0, l - 1).b, VEC_ACC};
+        const VecRef in1 = l == 0 ? src1 : VecRef{first_acc(m, 1, l - 1).b, VEC_ACC};
         if (l == 0) {  // position 1's layer-0 q/k/v is its table row
             Operand<2> x;
             load_xn<2>(in0, bfp(Ly.input_norm), D, S.eps, x);
@@ -1134,7 +1189,7 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
     {
         const Geo& rows = geo(Phase{K_O, 0, pass});
         for (int i = tid; i < rows.u1 - rows.u0; i += QMK_THREADS)
-            own[i] = src.is_bf16 ? ld_weight1(static_cast<const bf16*>(src.p) + rows.u0 + i)
+            own[i] = src.kind == VEC_BF16 ? ld_weight1(static_cast<const bf16*>(src.p) + rows.u0 + i)
                                  : ld_act(static_cast<const float*>(src.p) + rows.u0 + i);
     }
     for (int l = 0; l < S.num_layers; ++l) {
@@ -1144,21 +1199,34 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
         const bool tabled = l == 0 && from_table(m, pass);
         if (!tabled) {
             Operand<2> x;
-            load_xn<2>(l == 0 ? src : VecRef{resid, 0}, bfp(L.input_norm), D, S.eps, x);
+            load_xn<2>(l == 0 ? src : VecRef{resid, S.split_down ? VEC_ACC : VEC_F32}, bfp(L.input_norm), D,
+                       S.eps, x);
             if (l > 0) {  // with a split down projection, no block held these rows' sums before
                 const Geo& rows = geo(po);
                 const float* xs = sm<const float>(QMK_SMEM_XS);
                 for (int i = tid; i < rows.u1 - rows.u0; i += QMK_THREADS) own[i] = xs[rows.u0 + i];
             }
             run_mat<2>(c, pq, ph0 + PH_QKV, x, [&](int u, int j, const float* red) { qkv[u] = row_sum(red, j); });
+#ifdef QMK_TRACE_ATTN
+            if (pass < 0 && threadIdx.x == 0 && blockIdx.x < 160) qmk_attn_trace[((size_t)l * 160 + blockIdx.x) * QMK_DBG_SLOTS + 15] = dbg_gtime();
+#endif
             c.sync(ph0 + PH_QKV);
+#ifdef QMK_TRACE_ATTN
+            if (pass < 0 && threadIdx.x == 0 && blockIdx.x < 160) qmk_attn_trace[((size_t)l * 160 + blockIdx.x) * QMK_DBG_SLOTS + 16] = dbg_gtime();
+#endif
         }
         run_attention<LONG>(c, pa, ph0 + PH_ATTN, tabled);
         // Pass 0's last layer: nothing reads its output, only the K/V rows just appended, and
         // the next pass reads those after many more grid barriers. No barrier here: the blocks
         // without an attention item start the next pass at once.
         if (pass == 0 && l + 1 == S.num_layers) return;
+#ifdef QMK_TRACE_ATTN
+        if (pass < 0 && threadIdx.x == 0 && blockIdx.x < 160) qmk_attn_trace[((size_t)l * 160 + blockIdx.x) * QMK_DBG_SLOTS + 13] = dbg_gtime();
+#endif
         c.sync(ph0 + PH_ATTN);
+#ifdef QMK_TRACE_ATTN
+        if (pass < 0 && threadIdx.x == 0 && blockIdx.x < 160) qmk_attn_trace[((size_t)l * 160 + blockIdx.x) * QMK_DBG_SLOTS + 14] = dbg_gtime();
+#endif
         {
             Operand<2> x;
             load_x<2>(VecRef{dptr<const float>(m.attn), 0}, nq, x);
@@ -1166,7 +1234,9 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
                 const float v = own[j] + row_sum(red, j);
                 own[j] = v;
                 mid[u] = v;
-                resid[u] = v;  // where a split down projection adds its partials
+                resid[u] = v;  // where a split down projection adds its partials (acc_copy)
+#pragma unroll
+                for (int k = 1; k < QMK_ACC_COPIES; ++k) resid[u + k * QMK_ACC_STRIDE] = 0.f;
             });
         }
         c.sync(ph0 + PH_O);
@@ -1263,7 +1333,8 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
         Operand<2> x;
         if (f.run_talker) {
             run_stack<LONG>(c, -1, VecRef{dptr<const float>(m.pending), 0});
-            load_xn<2>(VecRef{dptr<const float>(m.resid), 0}, bfp(m.talker.final_norm), Dt, m.talker.eps, x);
+            load_xn<2>(VecRef{dptr<const float>(m.resid), m.talker.split_down ? VEC_ACC : VEC_F32},
+                       bfp(m.talker.final_norm), Dt, m.talker.eps, x);
             if (blockIdx.x == 0) store_operand<2>(x, Dt, dptr<float>(m.hidden));
         } else {
             load_x<2>(VecRef{dptr<const float>(m.hidden), 0}, Dt, x);
@@ -1330,7 +1401,8 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
             const float* out = !fused ? dptr<const float>(m.resid)
                                : merged ? first_acc(m, 1, Lp - 1).b
                                         : pred_acc(m, fused_layer(Lp, pp, Lp - 1)).b;
-            load_xn<2>(VecRef{out, 0}, bfp(m.pred.final_norm), Dp, m.pred.eps, x);
+            load_xn<2>(VecRef{out, fused || m.pred.split_down ? VEC_ACC : VEC_F32}, bfp(m.pred.final_norm), Dp,
+                       m.pred.eps, x);
             if (blockIdx.x == 0) store_operand<2>(x, Dp, dptr<float>(m.pred_hidden) + (size_t)pp * Dp);
             run_mat<2>(c, Phase{K_HEAD_P, 0, pp}, 16 + PH_HEAD, x, [&](int u, int j, const float* red) { lg[u] = row_sum(red, j); });
         }
@@ -1358,6 +1430,13 @@ extern "C" void qmk_struct_sizes(int32_t* out) {
     out[1] = (int32_t)sizeof(qmk_stack);
     out[2] = (int32_t)sizeof(qmk_model);
     out[3] = (int32_t)sizeof(qmk_frame);
+}
+
+// Floats of the residual accumulators: qmk_model.resid (copies of the widest hidden) and
+// qmk_model.pres (four pairs: `a` and the copies of `b`).
+extern "C" void qmk_acc_floats(int64_t* out) {
+    out[0] = (int64_t)QMK_ACC_COPIES * QMK_ACC_STRIDE;
+    out[1] = (int64_t)4 * QMK_ACC_PAIR;
 }
 
 extern "C" int64_t qmk_attn_part_floats(int32_t max_pos, int32_t kv_heads) {
@@ -1496,5 +1575,22 @@ extern "C" int qmk_decode_frame(const qmk_model* m, const qmk_frame* f, uint64_t
     return cudaLaunchCooperativeKernel(kernel, dim3(g.blocks), dim3(g.threads), args, (size_t)g.smem,
                                        reinterpret_cast<cudaStream_t>(stream));
 }
+
+#ifdef QMK_TRACE_ATTN
+// The talker attention trace (QMK_TRACE_ATTN builds): [layer][block < 160][QMK_DBG_SLOTS] int64.
+extern "C" int qmk_attn_trace_read(void* dst, int64_t bytes) {
+    return (int)cudaMemcpyFromSymbol(dst, qmk_attn_trace, (size_t)bytes);
+}
+extern "C" int qmk_grid_trace_read(void* dst, int64_t bytes) {
+    return (int)cudaMemcpyFromSymbol(dst, qmk_grid_trace, (size_t)bytes);
+}
+extern "C" int qmk_attn_trace_clear(void) {
+    void* p = nullptr;
+    cudaError_t e = cudaGetSymbolAddress(&p, qmk_attn_trace);
+    if (e == cudaSuccess) e = cudaMemset(p, 0, sizeof(qmk_attn_trace));
+    if (e == cudaSuccess) e = cudaGetSymbolAddress(&p, qmk_grid_trace);
+    return (int)(e != cudaSuccess ? e : cudaMemset(p, 0, sizeof(qmk_grid_trace)));
+}
+#endif
 
 extern "C" const char* qmk_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }

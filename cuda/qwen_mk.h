@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define QMK_ABI_VERSION 10
+#define QMK_ABI_VERSION 11
 #define QMK_MAX_GROUPS 16
 #define QMK_HEAD_DIM 128
 
@@ -93,9 +93,11 @@ typedef struct {
     uint64_t hidden;      /* fp32 [Dt] post-norm talker hidden at the newest position */
     uint64_t seen;        /* uint8 [vocab] code-0 ids generated so far */
     /* scratch (fp32 unless noted) */
-    uint64_t resid;       /* [max(Dt, Dp)] residual stream (after the MLP) */
+    uint64_t resid;       /* residual stream (after the MLP): qmk_acc_floats()[0] floats, the copies that
+                             the split down projection adds into (cuda/mk_matvec.cuh, acc_copy) */
     uint64_t mid;         /* [max(Dt, Dp)] residual stream after attention (the MLP's input) */
-    uint64_t pres;        /* [8][Dp] the predictor's residual accumulators with fuse_attn_o */
+    uint64_t pres;        /* the predictor's residual accumulators with fuse_attn_o: qmk_acc_floats()[1]
+                             floats (four pairs, each `a` and the copies of `b`) */
     uint64_t qkv;         /* [2][(H + 2 KV) * 128], raw projections (the second row: pass 1's,
                              with merge_first) */
     uint64_t attn;        /* [H * 128] attention output */
@@ -137,6 +139,8 @@ int qmk_abi_version(void);
 void qmk_struct_sizes(int32_t* out);
 /* Floats needed by attn_part for a stack of max_pos positions and kv_heads heads. */
 int64_t qmk_attn_part_floats(int32_t max_pos, int32_t kv_heads);
+/* out[0]: floats of qmk_model.resid, out[1]: of qmk_model.pres. */
+void qmk_acc_floats(int64_t* out);
 /* Blocks and dynamic shared memory of the cooperative grid on the current device; returns a
  * cudaError_t (cudaErrorCooperativeLaunchTooLarge / cudaErrorNotSupported when co-residency
  * cannot be guaranteed). */

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_FILES = ("qwen_mk.h", "mk_util.cuh", "mk_stream.cuh", "mk_matvec.cuh", "mk_attention.cuh", "mk_sample.cuh",
                 "qwen_mk.cu")
-ABI_VERSION = 10
+ABI_VERSION = 11
 # MegakernelBackend(long_kernel=...) -> qmk_model.long_kernel
 LONG_KERNEL = {"auto": 0, "always": 1, "never": -1}
 TRACE_MAX = 8192
@@ -190,6 +190,7 @@ def load_library(path: Path) -> ctypes.CDLL:
     lib.qmk_struct_sizes.argtypes = [ctypes.POINTER(ctypes.c_int32)]
     lib.qmk_attn_part_floats.argtypes = [ctypes.c_int32, ctypes.c_int32]
     lib.qmk_attn_part_floats.restype = ctypes.c_int64
+    lib.qmk_acc_floats.argtypes = [ctypes.POINTER(ctypes.c_int64)]
     lib.qmk_grid_size.argtypes = [ctypes.POINTER(QmkModel), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)]
     lib.qmk_uses_long_kernel.argtypes = [ctypes.POINTER(QmkModel), ctypes.POINTER(QmkFrame), ctypes.POINTER(ctypes.c_int32)]
     lib.qmk_merges_first_passes.argtypes = [ctypes.POINTER(QmkModel), ctypes.POINTER(ctypes.c_int32)]
@@ -487,13 +488,16 @@ class MegakernelBackend:
         pv = torch.empty_like(pk)
         part = max(self.lib.qmk_attn_part_floats(max_positions, ts.num_kv_heads),
                    self.lib.qmk_attn_part_floats(G, ps.num_kv_heads))
+        # The residual accumulators hold several copies each (blocks add into different ones).
+        acc = (ctypes.c_int64 * 2)()
+        self.lib.qmk_acc_floats(acc)
         buf = {
             "pending": torch.zeros(Dt, device=dev, dtype=f32),
             "hidden": torch.zeros(Dt, device=dev, dtype=f32),
             "seen": torch.zeros(self.tcfg.vocab_size, device=dev, dtype=torch.uint8),
-            "resid": torch.empty(max(Dt, Dp), device=dev, dtype=f32),
+            "resid": torch.empty(acc[0], device=dev, dtype=f32),
             "mid": torch.empty(max(Dt, Dp), device=dev, dtype=f32),
-            "pres": torch.empty((8, Dp), device=dev, dtype=f32),
+            "pres": torch.empty(acc[1], device=dev, dtype=f32),
             # Two rows: the predictor's pass 1 has its own with merge_first.
             "qkv": torch.empty(max(ts.num_heads + 2 * ts.num_kv_heads, 2 * (ps.num_heads + 2 * ps.num_kv_heads)) * HEAD_DIM,
                                device=dev, dtype=f32),
