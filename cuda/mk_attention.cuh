@@ -33,11 +33,15 @@ struct AttnArgs {
 
 // QMK_TRACE_ATTN builds (bench/attention_trace.py) stamp the steps of the talker's attention
 // items: a clock read ordered after a value it waits for (a volatile store of the value first,
-// in-order issue does the rest), one row of QMK_DBG_SLOTS per (layer, block).
+// in-order issue does the rest), one row of QMK_DBG_SLOTS per (layer, block); qwen_mk.cu adds the
+// q/k/v and attention barriers' times to the same rows, and every grid barrier's to its own table.
+// QMK_TRACE_ONLY(...) compiles its statement in trace builds only.
 #ifdef QMK_TRACE_ATTN
+#define QMK_TRACE_ONLY(...) __VA_ARGS__
 #define QMK_DBG_SLOTS 24
-#define QMK_DBG_ROWS (64 * 160)
-__device__ long long qmk_attn_trace[QMK_DBG_ROWS * QMK_DBG_SLOTS];
+#define QMK_DBG_BLOCKS 160  // blocks traced (more than any GPU here has SMs)
+#define QMK_DBG_LAYERS 64
+__device__ long long qmk_attn_trace[QMK_DBG_LAYERS * QMK_DBG_BLOCKS * QMK_DBG_SLOTS];
 __device__ __forceinline__ long long dbg_gtime() {
     long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -50,8 +54,19 @@ __device__ __forceinline__ void dbg_mark(long long* row, int k, float dep) {
     asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
     row[k] = t;
 }
+// This block's row for a talker layer (pass < 0), or null.
+__device__ __forceinline__ long long* attn_trace_row(int pass, int layer) {
+    return pass < 0 && blockIdx.x < QMK_DBG_BLOCKS
+               ? qmk_attn_trace + ((size_t)layer * QMK_DBG_BLOCKS + blockIdx.x) * QMK_DBG_SLOTS
+               : nullptr;
+}
+// Thread 0: slot k of `row` = the global timer.
+__device__ __forceinline__ void trace_time(long long* row, int k) {
+    if (row && threadIdx.x == 0) row[k] = dbg_gtime();
+}
 #define QMK_DBG(k, dep) dbg_mark(dbgrow, k, dep)
 #else
+#define QMK_TRACE_ONLY(...)
 #define QMK_DBG(k, dep) ((void)0)
 #endif
 

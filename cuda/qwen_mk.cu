@@ -424,9 +424,10 @@ __device__ __noinline__ void produce(const Params* P) {
 // Consumer
 
 #ifdef QMK_TRACE_ATTN
-// Every grid barrier's arrival, arrival done and exit, per block (global timer), and its phase id.
+// Every grid barrier's arrival, arrival done and exit, per block (global timer), and its phase id
+// (+64 for a group arrival): [block][barrier][4].
 #define QMK_GRID_SEQ 512
-__device__ long long qmk_grid_trace[160 * QMK_GRID_SEQ * 4];
+__device__ long long qmk_grid_trace[QMK_DBG_BLOCKS * QMK_GRID_SEQ * 4];
 #endif
 
 struct Ctx {
@@ -435,7 +436,8 @@ struct Ctx {
 #ifdef QMK_TRACE_ATTN
     int seq = 0;
     __device__ long long* grid_row() {
-        return blockIdx.x < 160 && seq < QMK_GRID_SEQ ? qmk_grid_trace + ((size_t)blockIdx.x * QMK_GRID_SEQ + seq) * 4 : nullptr;
+        return blockIdx.x < QMK_DBG_BLOCKS && seq < QMK_GRID_SEQ ? qmk_grid_trace + ((size_t)blockIdx.x * QMK_GRID_SEQ + seq) * 4
+                                                                  : nullptr;
     }
 #endif
 
@@ -735,8 +737,7 @@ __device__ void run_attention(Ctx& c, const Phase& ph, int id, bool tabled) {
     if constexpr (!LONG) {
         for (int it = blockIdx.x; it < A.items; it += gridDim.x) {
 #ifdef QMK_TRACE_ATTN
-            long long* row = ph.pass < 0 && blockIdx.x < 160
-                                 ? qmk_attn_trace + ((size_t)ph.layer * 160 + blockIdx.x) * QMK_DBG_SLOTS : nullptr;
+            long long* row = attn_trace_row(ph.pass, ph.layer);
             if (row && threadIdx.x == 0) row[0] = dbg_gtime(), row[11] = it, row[9] = 0;
             AttnArgs ad = a;
             ad.dbg = row;
@@ -747,9 +748,7 @@ __device__ void run_attention(Ctx& c, const Phase& ph, int id, bool tabled) {
             const bool has = A.has_tile(it);
             const float* tile = has ? reinterpret_cast<const float*>(c.ring.wait(0)) : nullptr;
             c.stamp(id, STEP_TILE);
-#ifdef QMK_TRACE_ATTN
-            if (row && threadIdx.x == 0) row[1] = dbg_gtime();
-#endif
+            QMK_TRACE_ONLY(trace_time(row, 1);)
             // The table row's address is read here, where it is used: run_attention is at the
             // register limit.
             const float* qkv = tabled ? *sm<const float* volatile>(QMK_SMEM_QSRC) : a.qkv;
@@ -1207,26 +1206,18 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
                 for (int i = tid; i < rows.u1 - rows.u0; i += QMK_THREADS) own[i] = xs[rows.u0 + i];
             }
             run_mat<2>(c, pq, ph0 + PH_QKV, x, [&](int u, int j, const float* red) { qkv[u] = row_sum(red, j); });
-#ifdef QMK_TRACE_ATTN
-            if (pass < 0 && threadIdx.x == 0 && blockIdx.x < 160) qmk_attn_trace[((size_t)l * 160 + blockIdx.x) * QMK_DBG_SLOTS + 15] = dbg_gtime();
-#endif
+            QMK_TRACE_ONLY(trace_time(attn_trace_row(pass, l), 15);)
             c.sync(ph0 + PH_QKV);
-#ifdef QMK_TRACE_ATTN
-            if (pass < 0 && threadIdx.x == 0 && blockIdx.x < 160) qmk_attn_trace[((size_t)l * 160 + blockIdx.x) * QMK_DBG_SLOTS + 16] = dbg_gtime();
-#endif
+            QMK_TRACE_ONLY(trace_time(attn_trace_row(pass, l), 16);)
         }
         run_attention<LONG>(c, pa, ph0 + PH_ATTN, tabled);
         // Pass 0's last layer: nothing reads its output, only the K/V rows just appended, and
         // the next pass reads those after many more grid barriers. No barrier here: the blocks
         // without an attention item start the next pass at once.
         if (pass == 0 && l + 1 == S.num_layers) return;
-#ifdef QMK_TRACE_ATTN
-        if (pass < 0 && threadIdx.x == 0 && blockIdx.x < 160) qmk_attn_trace[((size_t)l * 160 + blockIdx.x) * QMK_DBG_SLOTS + 13] = dbg_gtime();
-#endif
+        QMK_TRACE_ONLY(trace_time(attn_trace_row(pass, l), 13);)
         c.sync(ph0 + PH_ATTN);
-#ifdef QMK_TRACE_ATTN
-        if (pass < 0 && threadIdx.x == 0 && blockIdx.x < 160) qmk_attn_trace[((size_t)l * 160 + blockIdx.x) * QMK_DBG_SLOTS + 14] = dbg_gtime();
-#endif
+        QMK_TRACE_ONLY(trace_time(attn_trace_row(pass, l), 14);)
         {
             Operand<2> x;
             load_x<2>(VecRef{dptr<const float>(m.attn), 0}, nq, x);
@@ -1577,7 +1568,7 @@ extern "C" int qmk_decode_frame(const qmk_model* m, const qmk_frame* f, uint64_t
 }
 
 #ifdef QMK_TRACE_ATTN
-// The talker attention trace (QMK_TRACE_ATTN builds): [layer][block < 160][QMK_DBG_SLOTS] int64.
+// The talker attention trace (QMK_TRACE_ATTN builds): [layer][block][QMK_DBG_SLOTS] int64.
 extern "C" int qmk_attn_trace_read(void* dst, int64_t bytes) {
     return (int)cudaMemcpyFromSymbol(dst, qmk_attn_trace, (size_t)bytes);
 }

@@ -52,6 +52,17 @@ def test_compiles():
 
 
 @needs_nvcc
+def test_profiling_builds_compile(monkeypatch):
+    """The profiling builds (bench/megakernel_check.py --steps, bench/attention_trace.py) are
+    compiled only on demand: CI keeps them building."""
+    monkeypatch.setenv("QWEN_FAST_MK_DEFINES", "QMK_TRACE_STEPS QMK_TRACE_ATTN")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "qwen_mk.o"
+        proc = subprocess.run(mk.nvcc_command(NVCC, ["sm_90"], out, shared=False), capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@needs_nvcc
 def test_ctypes_layout_matches_header(tmp_path, monkeypatch):
     """Host-only entry points of the built library: ABI version and struct sizes (no GPU needed)."""
     monkeypatch.setenv("QWEN_FAST_CACHE", str(tmp_path))
@@ -61,6 +72,11 @@ def test_ctypes_layout_matches_header(tmp_path, monkeypatch):
     assert list(sizes) == [ctypes.sizeof(s) for s in mk.STRUCTS]
     # room for the split attention's partials: 16 position chunks per kv head at 1000 positions
     assert lib.qmk_attn_part_floats(1000, 8) >= 16 * 8 * 2 * 130
+    # the residual accumulators: copies of a 2048-wide residual, and four (a, b) pairs
+    acc = (ctypes.c_int64 * 2)()
+    lib.qmk_acc_floats(acc)
+    assert acc[0] >= 2 * 2048 and acc[0] % 2048 == 0
+    assert acc[1] >= 4 * (acc[0] + 2048)
 
 
 def test_unsupported_reason_names_the_device():
