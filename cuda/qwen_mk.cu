@@ -943,8 +943,8 @@ __device__ void run_pred_fused(Ctx& c, int pass, VecRef src) {
 // and the fused attention + o_proj item runs position 0 on warps 0-1 and position 1 on warps 2-3.
 // The frame has one pass of phases less; the weights are read once for both positions.
 // Position 0 keeps pred_acc's pairs (its fused layers 0 .. L - 2); position 1 has two pairs of
-// its own (pres rows 4-7), so pass 2 finds its first pair where the passes one after the other
-// leave it.
+// its own (the third and fourth pairs of pres), so pass 2 finds its first pair where the passes
+// one after the other leave it.
 __device__ __forceinline__ Acc first_acc(const qmk_model& m, int p, int l) {
     if (p == 0) return pred_acc(m, l);
     float* X = dptr<float>(m.pres) + (size_t)(2 + l % 2) * QMK_ACC_PAIR;
