@@ -43,13 +43,14 @@ def read(lib, torch):
 
 
 def analyse(t, layers: int, blocks: int) -> dict:
-    import numpy as np
-
     rows = []
     for layer in range(1, layers):
         L = t[layer, :blocks]
         t0 = L[:, 16].min()  # first exit of the q/k/v barrier
-        us = lambda v: (v - t0) / 1e3  # noqa: E731 - global timer ns -> us after t0
+
+        def us(v, t0=t0):  # global timer ns -> us after t0
+            return (v - t0) / 1e3
+
         items = [b for b in range(blocks) if L[b, 0] != 0]
         hz = []
         for b in items:
@@ -124,9 +125,9 @@ def main() -> int:
     ap.add_argument("--size", default="0.6b", choices=["0.6b", "1.7b"])
     ap.add_argument("--runs", type=int, default=7)
     args = ap.parse_args()
+    import megakernel_check as mc
     import torch
 
-    import megakernel_check as mc
     from pipecat_qwen_fast import megakernel as mk
     from pipecat_qwen_fast.sampling import SamplingParams
 

@@ -601,7 +601,7 @@ __device__ void run_down(Ctx& c, const Phase& ph, int id, const float* act, Epi 
     float* red = sm<float>(QMK_SMEM_RED);
     for (int h = 0; h < g.ksplit; ++h) {
         Operand<3> x;
-        load_x<3>(VecRef{act + h * g.K, 0}, g.K, x);
+        load_x<3>(VecRef{act + h * g.K, VEC_F32}, g.K, x);
         c.stamp(id, STEP_OPERAND);
         dots_tiles<3>(c, g, 1, h * per_half, (h + 1) * per_half, x, red + h * units * 4, id);
     }
@@ -924,7 +924,7 @@ __device__ void run_pred_fused(Ctx& c, int pass, VecRef src) {
         c.sync(16 + PH_AO);
         if (grouped) reset_head(m);
         Operand<2> xm;
-        load_xn<2>(VecRef{acc.a, 0}, bfp(Ly.post_norm), D, S.eps, xm);
+        load_xn<2>(VecRef{acc.a, VEC_F32}, bfp(Ly.post_norm), D, S.eps, xm);
         zero_acc(pred_acc(m, fused_layer(L, pass, l) + 1), D);
         const Phase pg{K_GU, l, pass};
         if (D == 2048) run_gu_split<4>(c, pg, 16 + PH_MLP, xm, acc.b);
@@ -993,7 +993,7 @@ __device__ void run_gu_first(Ctx& c, const Phase& ph, int id, const float* mid0,
     float* red1 = red + units * 2 * 4;
     float* acts = sm<float>(QMK_SMEM_ACTS);
     float* acts1 = acts + QMK_ACTS_SECOND;
-    dots_pair(c, g, 2, g.ngu, VecRef{mid0, 0}, VecRef{mid1, 0}, norm, red, red1, id);
+    dots_pair(c, g, 2, g.ngu, VecRef{mid0, VEC_F32}, VecRef{mid1, VEC_F32}, norm, red, red1, id);
     block_sync();
     c.stamp(id, STEP_DOTS);
     for (int j = threadIdx.x; j < units; j += QMK_THREADS) {
@@ -1155,7 +1155,7 @@ __device__ void run_pred_first(Ctx& c, VecRef src0, VecRef src1) {
         const Phase pg{K_GU, l, 0};
         if (last) {  // position 1 alone; pass 2's first pair zeroed as pass 1's last layer does
             Operand<2> xm;
-            load_xn<2>(VecRef{a1.a, 0}, bfp(Ly.post_norm), D, S.eps, xm);
+            load_xn<2>(VecRef{a1.a, VEC_F32}, bfp(Ly.post_norm), D, S.eps, xm);
             zero_acc(pred_acc(m, fused_layer(L, 1, L - 1) + 1), D);
             run_gu_split<2>(c, pg, 16 + PH_MLP, xm, a1.b);
         } else {
@@ -1220,7 +1220,7 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
         QMK_TRACE_ONLY(trace_time(attn_trace_row(pass, l), 14);)
         {
             Operand<2> x;
-            load_x<2>(VecRef{dptr<const float>(m.attn), 0}, nq, x);
+            load_x<2>(VecRef{dptr<const float>(m.attn), VEC_F32}, nq, x);
             run_mat<2>(c, po, ph0 + PH_O, x, [&](int u, int j, const float* red) {
                 const float v = own[j] + row_sum(red, j);
                 own[j] = v;
@@ -1232,7 +1232,7 @@ __device__ void run_stack(Ctx& c, int pass, VecRef src) {
         }
         c.sync(ph0 + PH_O);
         Operand<2> xm;
-        load_xn<2>(VecRef{mid, 0}, bfp(L.post_norm), D, S.eps, xm);
+        load_xn<2>(VecRef{mid, VEC_F32}, bfp(L.post_norm), D, S.eps, xm);
         if (S.split_down) {
             if (D == 2048) run_gu_split<4>(c, pg, ph0 + PH_MLP, xm, resid);
             else run_gu_split<2>(c, pg, ph0 + PH_MLP, xm, resid);
@@ -1323,12 +1323,12 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
         const Phase ph{K_HEAD_T, 0, -1};
         Operand<2> x;
         if (f.run_talker) {
-            run_stack<LONG>(c, -1, VecRef{dptr<const float>(m.pending), 0});
+            run_stack<LONG>(c, -1, VecRef{dptr<const float>(m.pending), VEC_F32});
             load_xn<2>(VecRef{dptr<const float>(m.resid), m.talker.split_down ? VEC_ACC : VEC_F32},
                        bfp(m.talker.final_norm), Dt, m.talker.eps, x);
             if (blockIdx.x == 0) store_operand<2>(x, Dt, dptr<float>(m.hidden));
         } else {
-            load_x<2>(VecRef{dptr<const float>(m.hidden), 0}, Dt, x);
+            load_x<2>(VecRef{dptr<const float>(m.hidden), VEC_F32}, Dt, x);
         }
         float* logits = dptr<float>(m.logits);
         if (m.pred.fuse_attn_o) zero_acc(pred_acc(m, 0), Dp);  // the predictor's first fused layer
@@ -1359,11 +1359,11 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
     // 15 code-predictor steps (positions 0..15; position 0 is the talker hidden, no head).
     float* proj_out = dptr<float>(m.proj_out);
     for (int pp = 0; pp < G; ++pp) {
-        VecRef src{dptr<const float>(m.hidden), 0};
-        if (pp == 1) src = VecRef{bfp(m.talker_emb) + (size_t)fed()[0] * Dt, 1};
-        if (pp >= 2) src = VecRef{bfp(m.pred_emb[pp - 2]) + (size_t)fed()[pp - 1] * Dt, 1};
+        VecRef src{dptr<const float>(m.hidden), VEC_F32};
+        if (pp == 1) src = VecRef{bfp(m.talker_emb) + (size_t)fed()[0] * Dt, VEC_BF16};
+        if (pp >= 2) src = VecRef{bfp(m.pred_emb[pp - 2]) + (size_t)fed()[pp - 1] * Dt, VEC_BF16};
         if (has_proj && from_table(m, pp)) {
-            src = VecRef{*sm<const float* volatile>(QMK_SMEM_QSRC) + qkv0_width(m), 0};
+            src = VecRef{*sm<const float* volatile>(QMK_SMEM_QSRC) + qkv0_width(m), VEC_F32};
         } else if (has_proj) {
             Operand<2> x;
             load_x<2>(src, Dt, x);
@@ -1371,13 +1371,13 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
             run_mat<2>(c, Phase{K_PROJ, 0, pp}, 16 + PH_PROJ, x,
                        [&](int u, int j, const float* red) { proj_out[u] = row_sum(red, j) + ld_weight1(bias + u); });
             c.sync(16 + PH_PROJ);
-            src = VecRef{proj_out, 0};
+            src = VecRef{proj_out, VEC_F32};
         }
         const bool fused = m.pred.fuse_attn_o, merged = pp == 0 && m.pred.merge_first;
         const int Lp = m.pred.num_layers;
         if (merged) {  // passes 0 and 1; pass 1 then goes on to its head
-            const VecRef src1 = has_proj ? VecRef{*sm<const float* volatile>(QMK_SMEM_QSRC) + qkv0_width(m), 0}
-                                         : VecRef{bfp(m.talker_emb) + (size_t)fed()[0] * Dt, 1};
+            const VecRef src1 = has_proj ? VecRef{*sm<const float* volatile>(QMK_SMEM_QSRC) + qkv0_width(m), VEC_F32}
+                                         : VecRef{bfp(m.talker_emb) + (size_t)fed()[0] * Dt, VEC_BF16};
             run_pred_first(c, src, src1);
             pp = 1;
         } else if (fused) {

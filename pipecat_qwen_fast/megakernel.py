@@ -402,6 +402,11 @@ class MegakernelBackend:
         self.device = device
         self.dtype = dtype
         self.lib = library_for(device)
+        # Floats of the residual accumulators (resid, pres): fixed by the library, which gives
+        # them several copies each (blocks add into different ones).
+        acc = (ctypes.c_int64 * 2)()
+        self.lib.qmk_acc_floats(acc)
+        self.acc_floats = (acc[0], acc[1])
         self.tcfg, self.pcfg = talker.cfg, talker.code_predictor.cfg
         self.eos_id = self.tcfg.codec_eos_id
         self.num_groups = self.tcfg.num_code_groups
@@ -488,16 +493,13 @@ class MegakernelBackend:
         pv = torch.empty_like(pk)
         part = max(self.lib.qmk_attn_part_floats(max_positions, ts.num_kv_heads),
                    self.lib.qmk_attn_part_floats(G, ps.num_kv_heads))
-        # The residual accumulators hold several copies each (blocks add into different ones).
-        acc = (ctypes.c_int64 * 2)()
-        self.lib.qmk_acc_floats(acc)
         buf = {
             "pending": torch.zeros(Dt, device=dev, dtype=f32),
             "hidden": torch.zeros(Dt, device=dev, dtype=f32),
             "seen": torch.zeros(self.tcfg.vocab_size, device=dev, dtype=torch.uint8),
-            "resid": torch.empty(acc[0], device=dev, dtype=f32),
+            "resid": torch.empty(self.acc_floats[0], device=dev, dtype=f32),
             "mid": torch.empty(max(Dt, Dp), device=dev, dtype=f32),
-            "pres": torch.empty(acc[1], device=dev, dtype=f32),
+            "pres": torch.empty(self.acc_floats[1], device=dev, dtype=f32),
             # Two rows: the predictor's pass 1 has its own with merge_first.
             "qkv": torch.empty(max(ts.num_heads + 2 * ts.num_kv_heads, 2 * (ps.num_heads + 2 * ps.num_kv_heads)) * HEAD_DIM,
                                device=dev, dtype=f32),
