@@ -7,6 +7,15 @@
 
 #include "mk_util.cuh"
 
+// Timing-only diagnostic builds (bench/NOTES.md): QMK_DIAG_NO_MERGE writes each chunk's partial as
+// if it were the head's only chunk (no publish, count or merge; wrong sums); QMK_DIAG_NO_TALKER_ATTN
+// (qwen_mk.cu) skips the talker's attention items but still takes and returns their tiles.
+#ifdef QMK_DIAG_NO_MERGE
+#define QMK_DIAG_ONLY(...) __VA_ARGS__
+#else
+#define QMK_DIAG_ONLY(...)
+#endif
+
 #define QMK_HD 128
 #define QMK_CHUNK 32   // positions per item: K and V rows of a full chunk fill one 32 KB slot
 #define QMK_PART 132   // per (kv head, chunk, q head): m, l, 2 pad, acc[128] (16-byte aligned)
@@ -137,8 +146,14 @@ __device__ __forceinline__ void reduce_step(float* part, int lane) {
     }
 }
 
+// NP: the most positions the item can hold (QMK_CHUNK; 16 for the code predictor, whose positions
+// are 0..15), so the predictor's scores load and reduce 16 rows, not 32 mostly predicated off.
+// Its reduction adds in the same order as the 32-position one (the xor-16 partner first), so both
+// give bitwise the same scores.
+template <int NP = QMK_CHUNK>
 __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c, int nchunk, const float* tile, float* sm,
                                int pair = 0) {
+    static_assert(NP == QMK_CHUNK || NP == 16, "attention_item holds 16 or QMK_CHUNK positions");
     const int w = (threadIdx.x >> 5) - 2 * pair, lane = threadIdx.x & 31;
     if (w < 0 || w >= 2) return;
     const int H = a.num_heads, KV = a.num_kv_heads, pos = a.pos;
@@ -163,14 +178,20 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
     // leaves position i's full score in lane i (31 shuffles for 32 positions).
     const float* tk = tile;
     const float* tv = tile + (size_t)ncached * QMK_HD;
-    float part[QMK_CHUNK];
+    float part[NP];
 #pragma unroll
-    for (int i = 0; i < QMK_CHUNK; ++i) {
+    for (int i = 0; i < NP; ++i) {
         part[i] = 0.f;
         if (i < ncached) part[i] = dot4(q, ld_f4(tk + (size_t)i * QMK_HD + lane * 4));
         else if (i == ncached && i < n) part[i] = dot4(q, k);
     }
-    reduce_step<16>(part, lane);
+    if constexpr (NP == 16) {
+        // Lanes l and l ^ 16 end with the same 16 sums (position l & 15); only lanes < n use theirs.
+#pragma unroll
+        for (int i = 0; i < 16; ++i) part[i] += __shfl_xor_sync(0xffffffffu, part[i], 16);
+    } else {
+        reduce_step<16>(part, lane);
+    }
     reduce_step<8>(part, lane);
     reduce_step<4>(part, lane);
     reduce_step<2>(part, lane);
@@ -193,7 +214,7 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
     }
     QMK_DBG(6, o.x + o.y + o.z + o.w);
     const int h = 2 * g + w;
-    if (nchunk == 1) {
+    if (nchunk == 1 QMK_DIAG_ONLY(|| true)) {
         *reinterpret_cast<float4*>(a.out + (size_t)(h - a.out_head0) * QMK_HD + lane * 4) =
             make_float4(o.x / l, o.y / l, o.z / l, o.w / l);
         return;
@@ -205,6 +226,19 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
         mine[0] = m;
         mine[1] = l;
     }
+#ifdef QMK_EXP_ATTN_ACQREL
+    // One acquire-release count instead of two __threadfence (each MEMBAR.SC.GPU + CCTL.IVALL):
+    // the pair's barrier orders both warps' stores before lane 0's release, and the merging item
+    // reads the partials with ld.cg after its acquire and the pair's barrier.
+    asm volatile("bar.sync %0, 64;" ::"r"(2 + pair) : "memory");  // the pair's two warps
+    if (w == 0 && lane == 0) {
+        const unsigned prev = atom_add_acq_rel(a.count + g, 1u);
+        sm[pair] = prev == (unsigned)(nchunk - 1) ? 1.f : 0.f;
+    }
+    asm volatile("bar.sync %0, 64;" ::"r"(2 + pair) : "memory");
+    QMK_DBG(7, sm[pair]);
+    if (sm[pair] == 0.f) return;
+#else
     __threadfence();
     asm volatile("bar.sync %0, 64;" ::"r"(2 + pair) : "memory");  // the pair's two warps
     if (w == 0 && lane == 0) {
@@ -215,6 +249,7 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
     QMK_DBG(7, sm[pair]);
     if (sm[pair] == 0.f) return;
     __threadfence();
+#endif
     const float* base = a.part + (size_t)g * nchunk * 2 * QMK_PART + w * QMK_PART;
     const float4 merged = merge_head(base, nchunk, lane);
     *reinterpret_cast<float4*>(a.out + (size_t)h * QMK_HD + lane * 4) = merged;

@@ -149,6 +149,12 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
     return v;
 }
 
+__device__ __forceinline__ unsigned atom_add_acq_rel(unsigned* p, unsigned v) {
+    unsigned old;
+    asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+
 // Arrive and wait are separate so a trace can stamp the arrival. Thread 0 only, after a
 // block_sync: the release orders the whole block's earlier writes (the barrier made them visible
 // to thread 0) before the arrival; the acquire that sees the flip orders the other blocks'

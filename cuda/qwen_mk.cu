@@ -752,6 +752,9 @@ __device__ void run_attention(Ctx& c, const Phase& ph, int id, bool tabled) {
             // The table row's address is read here, where it is used: run_attention is at the
             // register limit.
             const float* qkv = tabled ? *sm<const float* volatile>(QMK_SMEM_QSRC) : a.qkv;
+#ifdef QMK_DIAG_NO_TALKER_ATTN
+            if (ph.pass >= 0)
+#endif
             attention_item(QMK_ATTN_ARGS, qkv, it / A.nchunk, it % A.nchunk, A.nchunk, tile, sm<float>(QMK_SMEM_ATTN));
 #undef QMK_ATTN_ARGS
             block_sync();
@@ -843,7 +846,11 @@ __device__ void run_attn_o(Ctx& c, const Phase& ph, int id, bool tabled, bool gr
                          S.num_heads, S.num_kv_heads, S.max_pos, S.eps, 2 * g, r == 0};
         const float* qkv = tabled ? *sm<const float* volatile>(QMK_SMEM_QSRC) : a.qkv;
         if (grouped) wait_head(m, g);
+#ifdef QMK_EXP_POS16
+        attention_item<16>(a, qkv, g, 0, 1, kv, sm<float>(QMK_SMEM_ATTN));
+#else
         attention_item(a, qkv, g, 0, 1, kv, sm<float>(QMK_SMEM_ATTN));
+#endif
         block_sync();
         if (pos > 0) c.ring.release(1);
         // 8 threads per o_proj row; thread `part` takes columns 8 part + 64 i (a quarter warp

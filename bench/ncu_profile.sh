@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Nsight Compute profile of the frame megakernel in ONE device call: warp-state sampling per SASS
+# instruction (which phase's code the warps wait in, and for what), scheduler and instruction
+# statistics, for one whole frame, one talker step and one predictor frame (bench/ncu_profile.py)
+# at talker position 100. Writes to $OUT: ncu.log, the report, and gzipped CSV exports
+# (details, raw metrics, source page as SASS and as CUDA lines). bench/ncu_summary.py reads them.
+#
+#   run(command="BENCH_COMMIT=$(git rev-parse --short=12 HEAD) bash bench/ncu_profile.sh",
+#       kind="nvidia-h200", timeout_s=600)
+#
+# Extra arguments go to bench/ncu_profile.py (e.g. --sampling, --size 1.7b).
+# The clocks stay as found (--clock-control none): the device notes forbid changing them.
+set -u
+out=${OUT:-/tmp/ncu-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+{
+    echo "== $(date -u '+%F %T UTC') commit ${BENCH_COMMIT:-unknown} defines '${QWEN_FAST_MK_DEFINES:-}'"
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
+    echo "ncu: $NCU ($("$NCU" --version | tail -1))"
+    # Build (and time) outside the profiler first, so ncu sees a warm cache.
+    python3 -m pipecat_qwen_fast.megakernel build || exit 1
+    "$NCU" --profile-from-start off --target-processes all -k regex:qmk_frame_kernel -c 3 \
+        --clock-control none --import-source yes \
+        --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+        --section SchedulerStats --section InstructionStats --section SourceCounters \
+        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        -o "$out/mk" -f python3 bench/ncu_profile.py "$@"
+    rep="$out/mk.ncu-rep"
+    ls -la "$rep" || exit 1
+    "$NCU" -i "$rep" --page details --csv > "$out/details.csv" 2> "$out/export.err" || echo "details export failed"
+    "$NCU" -i "$rep" --page raw --csv > "$out/raw.csv" 2>> "$out/export.err" || echo "raw export failed"
+    "$NCU" -i "$rep" --page source --csv --print-source sass > "$out/sass.csv" 2>> "$out/export.err" \
+        || echo "sass export failed"
+    "$NCU" -i "$rep" --page source --csv --print-source cuda > "$out/cuda.csv" 2>> "$out/export.err" \
+        || echo "cuda export failed"
+    cat "$out/export.err"
+    wc -c "$out"/*.csv
+    gzip -f "$out"/*.csv
+    "$NCU" -i "$rep" --page details --print-units base 2>/dev/null | grep -E -i \
+        'qmk_frame|Duration|Warp Cycles Per Issued|Issued Ipc|No Eligible|Stall|Registers|Shared Memory Config' | head -80
+} 2>&1 | tee "$out/ncu.log"
