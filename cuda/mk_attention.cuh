@@ -26,11 +26,6 @@ struct AttnArgs {
     float eps;
     int out_head0;  // head h's output goes to out + (h - out_head0) * 128
     int append;     // store the new position's k and v (one of the items that compute a head)
-#ifdef QMK_EXP_ATTN_LL
-    // Flagged partials (a (value, 1) pair per 8-byte word), when every item of the phase has its
-    // own block: the head's last chunk polls the others' instead of a count and fences; null: count.
-    unsigned long long* ll = nullptr;
-#endif
 #ifdef QMK_TRACE_ATTN
     long long* dbg = nullptr;  // this item's trace row (talker items only; see qmk_attn_trace)
 #endif
@@ -142,29 +137,6 @@ __device__ __forceinline__ void reduce_step(float* part, int lane) {
     }
 }
 
-#ifdef QMK_EXP_ATTN_LL
-#define QMK_LL_ROW 130  // words per (kv head, chunk, q head): m, l, acc[128]
-__device__ __forceinline__ unsigned long long ll_pack(float v) {
-    return (1ull << 32) | __float_as_uint(v);
-}
-__device__ __forceinline__ void ll_store2(unsigned long long* p, float a, float b) {
-    asm volatile("st.relaxed.gpu.global.v2.b64 [%0], {%1, %2};" ::"l"(p), "l"(ll_pack(a)), "l"(ll_pack(b)) : "memory");
-}
-__device__ __forceinline__ void ll_zero2(unsigned long long* p) {
-    asm volatile("st.relaxed.gpu.global.v2.b64 [%0], {%1, %1};" ::"l"(p), "l"(0ull) : "memory");
-}
-// Both words of p once their flags are set (each 8-byte word is written at once, so a set flag
-// means its value is there).
-__device__ __forceinline__ float2 ll_load2(const unsigned long long* p) {
-    unsigned long long x, y;
-    do {
-        asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];" : "=l"(x), "=l"(y) : "l"(p) : "memory");
-    } while (((x & y) >> 32) == 0);
-    return make_float2(__uint_as_float((unsigned)x), __uint_as_float((unsigned)y));
-}
-#endif
-
-
 __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c, int nchunk, const float* tile, float* sm,
                                int pair = 0) {
     const int w = (threadIdx.x >> 5) - 2 * pair, lane = threadIdx.x & 31;
@@ -226,66 +198,6 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
             make_float4(o.x / l, o.y / l, o.z / l, o.w / l);
         return;
     }
-#ifdef QMK_EXP_ATTN_LL
-    if (a.ll != nullptr) {
-        // The head's last chunk merges: the others' (m, l, acc) in chunk order, its own last, the
-        // same arithmetic as merge_head. It clears the flags it read: the next layer's items write
-        // these words only after grid barriers that follow its arrival.
-        unsigned long long* rows = a.ll + (size_t)g * nchunk * 2 * QMK_LL_ROW + (size_t)w * QMK_LL_ROW;
-        if (!last) {
-            unsigned long long* mine = rows + (size_t)c * 2 * QMK_LL_ROW;
-            ll_store2(mine + 2 + lane * 4, o.x, o.y);
-            ll_store2(mine + 4 + lane * 4, o.z, o.w);
-            if (lane == 0) ll_store2(mine, m, l);
-            return;
-        }
-        const float2 ml = lane < c ? ll_load2(rows + (size_t)lane * 2 * QMK_LL_ROW) : make_float2(-INFINITY, 0.f);
-        const float M = fmaxf(warp_max(ml.x), m);
-        float L = 0.f;
-        float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
-        // Four chunks' loads in flight at once (a spin per chunk would serialise their round trips);
-        // a chunk whose flags are not all set yet is polled again before it is added.
-        for (int c0 = 0; c0 < c; c0 += 4) {
-            unsigned long long x[4][4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-                if (c0 + j < c) {
-                    const unsigned long long* pc = rows + (size_t)(c0 + j) * 2 * QMK_LL_ROW + 2 + lane * 4;
-                    asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];" : "=l"(x[j][0]), "=l"(x[j][1]) : "l"(pc) : "memory");
-                    asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];" : "=l"(x[j][2]), "=l"(x[j][3]) : "l"(pc + 2) : "memory");
-                }
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int cc = c0 + j;
-                if (cc >= c) break;
-                unsigned long long* pc = rows + (size_t)cc * 2 * QMK_LL_ROW;
-                float4 acc;
-                if ((x[j][0] & x[j][1] & x[j][2] & x[j][3]) >> 32) {
-                    acc = make_float4(__uint_as_float((unsigned)x[j][0]), __uint_as_float((unsigned)x[j][1]),
-                                      __uint_as_float((unsigned)x[j][2]), __uint_as_float((unsigned)x[j][3]));
-                } else {
-                    const float2 a01 = ll_load2(pc + 2 + lane * 4), a23 = ll_load2(pc + 4 + lane * 4);
-                    acc = make_float4(a01.x, a01.y, a23.x, a23.y);
-                }
-                const float mc = __shfl_sync(0xffffffffu, ml.x, cc), lc = __shfl_sync(0xffffffffu, ml.y, cc);
-                const float e = expf(mc - M);
-                L = fmaf(lc, e, L);
-                O.x = fmaf(acc.x, e, O.x);
-                O.y = fmaf(acc.y, e, O.y);
-                O.z = fmaf(acc.z, e, O.z);
-                O.w = fmaf(acc.w, e, O.w);
-                ll_zero2(pc + 2 + lane * 4);
-                ll_zero2(pc + 4 + lane * 4);
-                if (lane == 0) ll_zero2(pc);
-            }
-        }
-        const float e = expf(m - M);
-        L = fmaf(l, e, L);
-        O = make_float4(fmaf(o.x, e, O.x), fmaf(o.y, e, O.y), fmaf(o.z, e, O.z), fmaf(o.w, e, O.w));
-        *reinterpret_cast<float4*>(a.out + (size_t)h * QMK_HD + lane * 4) = make_float4(O.x / L, O.y / L, O.z / L, O.w / L);
-        return;
-    }
-#endif
     // Several chunks: publish (m, l, acc); the last item of this kv head to finish merges.
     float* mine = a.part + ((size_t)(g * nchunk + c) * 2 + w) * QMK_PART;
     *reinterpret_cast<float4*>(mine + 4 + lane * 4) = o;
@@ -293,10 +205,10 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
         mine[0] = m;
         mine[1] = l;
     }
-#ifdef QMK_EXP_ATTN_ACQREL
-    // One acquire-release count instead of two __threadfence (each MEMBAR.SC.GPU + CCTL.IVALL):
-    // the pair's barrier orders both warps' stores before lane 0's release, and the merging item
-    // reads the partials with ld.cg after its acquire and the pair's barrier.
+    // One acquire-release count: the pair's barrier orders both warps' stores before lane 0's
+    // release, and the merging item reads the partials with ld.cg after its acquire and the pair's
+    // barrier. (Two __threadfence, as before v24, compile to MEMBAR.SC.GPU + CCTL.IVALL each: the
+    // talker step was 0.02 ms slower; bench/NOTES.md, v24.)
     asm volatile("bar.sync %0, 64;" ::"r"(2 + pair) : "memory");  // the pair's two warps
     if (w == 0 && lane == 0) {
         const unsigned prev = atom_add_acq_rel(a.count + g, 1u);
@@ -305,18 +217,6 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
     asm volatile("bar.sync %0, 64;" ::"r"(2 + pair) : "memory");
     QMK_DBG(7, sm[pair]);
     if (sm[pair] == 0.f) return;
-#else
-    __threadfence();
-    asm volatile("bar.sync %0, 64;" ::"r"(2 + pair) : "memory");  // the pair's two warps
-    if (w == 0 && lane == 0) {
-        const unsigned prev = atomicAdd(a.count + g, 1u);
-        sm[pair] = prev == (unsigned)(nchunk - 1) ? 1.f : 0.f;
-    }
-    asm volatile("bar.sync %0, 64;" ::"r"(2 + pair) : "memory");
-    QMK_DBG(7, sm[pair]);
-    if (sm[pair] == 0.f) return;
-    __threadfence();
-#endif
     const float* base = a.part + (size_t)g * nchunk * 2 * QMK_PART + w * QMK_PART;
     const float4 merged = merge_head(base, nchunk, lane);
     *reinterpret_cast<float4*>(a.out + (size_t)h * QMK_HD + lane * 4) = merged;

@@ -730,19 +730,10 @@ __device__ void run_attention(Ctx& c, const Phase& ph, int id, bool tabled) {
     const qmk_layer& L = c.F.layer(ph);
     const AttnItems A = attn_items(c.F, ph);
     const size_t off = (size_t)ph.layer * S.num_kv_heads * S.max_pos * QMK_HD;
-#ifdef QMK_EXP_ATTN_LL
-    AttnArgs a{dptr<const float>(m.qkv), dptr<float>(m.attn),   dptr<float>(S.k_cache) + off,
-#else
     const AttnArgs a{dptr<const float>(m.qkv), dptr<float>(m.attn),   dptr<float>(S.k_cache) + off,
-#endif
                      dptr<float>(S.v_cache) + off, bfp(L.q_norm), bfp(L.k_norm), dptr<const float>(S.rope),
                      dptr<float>(m.attn_part), dptr<unsigned>(m.attn_count), A.pos, S.num_heads,
                      S.num_kv_heads, S.max_pos, S.eps, 0, 1};
-#ifdef QMK_EXP_ATTN_LL
-    if (ph.pass < 0 && A.items <= (int)gridDim.x)
-        a.ll = reinterpret_cast<unsigned long long*>(dptr<float>(m.attn_part) +
-                                                      (size_t)attn_nchunk(S.max_pos - 1) * S.num_kv_heads * 2 * QMK_PART);
-#endif
     if constexpr (!LONG) {
         for (int it = blockIdx.x; it < A.items; it += gridDim.x) {
 #ifdef QMK_TRACE_ATTN
@@ -1440,12 +1431,7 @@ extern "C" void qmk_acc_floats(int64_t* out) {
 }
 
 extern "C" int64_t qmk_attn_part_floats(int32_t max_pos, int32_t kv_heads) {
-#ifdef QMK_EXP_ATTN_LL
-    // The flagged partials (2 floats a word) follow the plain ones; both zeroed at allocation.
-    return (int64_t)attn_nchunk(max_pos - 1) * kv_heads * 2 * (QMK_PART + 2 * QMK_LL_ROW);
-#else
     return (int64_t)attn_nchunk(max_pos - 1) * kv_heads * 2 * QMK_PART;
-#endif
 }
 
 struct GridConfig {

@@ -509,7 +509,7 @@ class MegakernelBackend:
             "logits": torch.empty(self.tcfg.vocab_size, device=dev, dtype=f32),
             "pred_logits": torch.empty((G - 1, self.pcfg.vocab_size), device=dev, dtype=f32),
             "pred_hidden": torch.zeros((G, Dp), device=dev, dtype=f32),
-            "attn_part": torch.zeros(part, device=dev, dtype=f32),
+            "attn_part": torch.empty(part, device=dev, dtype=f32),
             "attn_count": torch.zeros(max(ts.num_kv_heads, ps.num_kv_heads), device=dev, dtype=torch.int32),
             # The grid barrier counts arrivals from zero; one per state, so two sessions never share it.
             "barrier": torch.zeros(1, device=dev, dtype=torch.int32),
