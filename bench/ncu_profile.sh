@@ -3,7 +3,8 @@
 # instruction (which phase's code the warps wait in, and for what), scheduler and instruction
 # statistics, for one whole frame, one talker step and one predictor frame (bench/ncu_profile.py)
 # at talker position 100. Writes to $OUT: ncu.log, the report, and gzipped CSV exports
-# (details, raw metrics, source page as SASS and as CUDA lines). bench/ncu_summary.py reads them.
+# (details, raw metrics, the source page as SASS) and the nvdisasm -g -gi listing of the profiled
+# library (listing.sass.gz). Then, here: python bench/ncu_summary.py DIR --sass-listing DIR/listing.sass.gz
 #
 #   run(command="BENCH_COMMIT=$(git rev-parse --short=12 HEAD) bash bench/ncu_profile.sh",
 #       kind="nvidia-h200", timeout_s=600)
@@ -33,8 +34,11 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
     "$NCU" -i "$rep" --page raw --csv > "$out/raw.csv" 2>> "$out/export.err" || echo "raw export failed"
     "$NCU" -i "$rep" --page source --csv --print-source sass > "$out/sass.csv" 2>> "$out/export.err" \
         || echo "sass export failed"
-    "$NCU" -i "$rep" --page source --csv --print-source cuda > "$out/cuda.csv" 2>> "$out/export.err" \
-        || echo "cuda export failed"
+    # The line map for bench/ncu_summary.py: the profiled library's sm_90a code with its inline
+    # stacks (the CSV has no source lines per instruction; `--print-source cuda` has no metrics).
+    lib=$(python3 -m pipecat_qwen_fast.megakernel build | tail -1)
+    (cd /tmp && rm -f ./*.cubin && cuobjdump -xelf all "$lib" > /dev/null && \
+        nvdisasm -g -gi -c ./*sm_90a.cubin | gzip > "$out/listing.sass.gz") || echo "listing failed"
     cat "$out/export.err"
     wc -c "$out"/*.csv
     gzip -f "$out"/*.csv
