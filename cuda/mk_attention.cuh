@@ -227,6 +227,77 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
     if (w == 0 && lane == 0) a.count[g] = 0u;
 }
 
+// EXPERIMENT (v25 session, lost; reverted in the next commit): item (kv head g, chunk c) on all
+// QMK_WARPS consumer warps: warp w scores the chunk's positions w, w + QMK_WARPS against both
+// query heads, then threads 0-255 take one output dim of one head each (softmax and P.V).
+template <bool CHUNKED>
+__device__ void attention_wide(const AttnArgs& a, const float* qkv, int g, int c, int nchunk, const float* tile,
+                               float* sc) {
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, t = threadIdx.x;
+    const int H = a.num_heads, KV = a.num_kv_heads, pos = a.pos;
+    const int j0 = c * QMK_CHUNK, n = min(pos + 1, j0 + QMK_CHUNK) - j0;
+    const int ncached = min(j0 + n, pos) - j0;
+    const float* vrow = qkv + (size_t)(H + KV + g) * QMK_HD;
+    const float vnew = t < 2 * QMK_HD && n > ncached ? ld_act(vrow + (t & (QMK_HD - 1))) : 0.f;
+    if (w < n) {
+        const float* rope = a.rope + (size_t)pos * QMK_HD;
+        const float4 q0 = norm_rope(ld_act4(qkv + (size_t)(2 * g) * QMK_HD + lane * 4), a.q_norm, rope, a.eps, lane);
+        const float4 q1 = norm_rope(ld_act4(qkv + (size_t)(2 * g + 1) * QMK_HD + lane * 4), a.q_norm, rope, a.eps, lane);
+#pragma unroll 1
+        for (int i = w; i < n; i += QMK_WARPS) {
+            float4 k;
+            if (i < ncached) {
+                k = ld_f4(tile + (size_t)i * QMK_HD + lane * 4);
+            } else {
+                k = norm_rope(ld_act4(qkv + (size_t)(H + g) * QMK_HD + lane * 4), a.k_norm, rope, a.eps, lane);
+                if (a.append) {
+                    const size_t row = ((size_t)g * a.max_pos + pos) * QMK_HD + lane * 4;
+                    *reinterpret_cast<float4*>(a.kc + row) = k;
+                    *reinterpret_cast<float4*>(a.vc + row) = ld_act4(vrow + lane * 4);
+                }
+            }
+            const float s0 = warp_sum(dot4(q0, k)), s1 = warp_sum(dot4(q1, k));
+            if (lane == 0) {
+                const float scale = 0.08838834764831845f;
+                sc[i] = s0 * scale;
+                sc[QMK_CHUNK + i] = s1 * scale;
+            }
+        }
+    }
+    block_sync();
+    if (t >= 2 * QMK_HD) return;
+    const int hh = t >> 7, d = t & (QMK_HD - 1);
+    const float* s = sc + hh * QMK_CHUNK;
+    float m = s[0];
+#pragma unroll 1
+    for (int i = 1; i < n; ++i) m = fmaxf(m, s[i]);
+    float l = 0.f, o = 0.f;
+#pragma unroll 1
+    for (int i = 0; i < n; ++i) {
+        const float p = expf(s[i] - m);
+        l += p;
+        o = fmaf(p, i < ncached ? tile[(size_t)(ncached + i) * QMK_HD + d] : vnew, o);
+    }
+    const int h = 2 * g + hh;
+    if (!CHUNKED || nchunk == 1) {
+        a.out[(size_t)(h - a.out_head0) * QMK_HD + d] = o / l;
+        return;
+    }
+    float* mine = a.part + ((size_t)(g * nchunk + c) * 2 + hh) * QMK_PART;
+    mine[4 + d] = o;
+    if (d == 0) {
+        mine[0] = m;
+        mine[1] = l;
+    }
+    asm volatile("bar.sync 2, %0;" ::"n"(2 * QMK_HD) : "memory");
+    if (t == 0) sc[2 * QMK_CHUNK] = atom_add_acq_rel(a.count + g, 1u) == (unsigned)(nchunk - 1) ? 1.f : 0.f;
+    asm volatile("bar.sync 2, %0;" ::"n"(2 * QMK_HD) : "memory");
+    if (sc[2 * QMK_CHUNK] == 0.f || t >= 64) return;
+    const float4 merged = merge_head(a.part + (size_t)g * nchunk * 2 * QMK_PART + (t >> 5) * QMK_PART, nchunk, lane);
+    *reinterpret_cast<float4*>(a.out + (size_t)(2 * g + (t >> 5)) * QMK_HD + lane * 4) = merged;
+    if (t == 0) a.count[g] = 0u;
+}
+
 // KV head g at positions 0 and 1 of the code predictor, run together (qwen_mk.cu, merge_first),
 // on warps 0-3 (others return at once). Warps 0-1: position 0, which attends only to itself, so
 // its heads' output is its V row (what the softmax of a single score gives, exactly); warp 0
