@@ -752,11 +752,7 @@ __device__ void run_attention(Ctx& c, const Phase& ph, int id, bool tabled) {
             // The table row's address is read here, where it is used: run_attention is at the
             // register limit.
             const float* qkv = tabled ? *sm<const float* volatile>(QMK_SMEM_QSRC) : a.qkv;
-#ifdef QMK_EXP_TALKER_WIDE
-            attention_wide<true>(QMK_ATTN_ARGS, qkv, it / A.nchunk, it % A.nchunk, A.nchunk, tile, sm<float>(QMK_SMEM_XS));
-#else
             attention_item(QMK_ATTN_ARGS, qkv, it / A.nchunk, it % A.nchunk, A.nchunk, tile, sm<float>(QMK_SMEM_ATTN));
-#endif
 #undef QMK_ATTN_ARGS
             block_sync();
 #ifdef QMK_TRACE_ATTN
@@ -847,7 +843,7 @@ __device__ void run_attn_o(Ctx& c, const Phase& ph, int id, bool tabled, bool gr
                          S.num_heads, S.num_kv_heads, S.max_pos, S.eps, 2 * g, r == 0};
         const float* qkv = tabled ? *sm<const float* volatile>(QMK_SMEM_QSRC) : a.qkv;
         if (grouped) wait_head(m, g);
-        attention_wide<false>(a, qkv, g, 0, 1, kv, heads + 2 * QMK_HD);
+        attention_item(a, qkv, g, 0, 1, kv, sm<float>(QMK_SMEM_ATTN));
         block_sync();
         if (pos > 0) c.ring.release(1);
         // 8 threads per o_proj row; thread `part` takes columns 8 part + 64 i (a quarter warp
