@@ -1,0 +1,264 @@
+// What a block's memory operations cost while bulk copies are in flight on its SM.
+//
+// The megakernel's hypothesis since v13 (bench/NOTES.md): a grid arrival's release fence waits
+// for the SM's outstanding bulk copies, so a weight ring that refills during a phase makes that
+// phase's arrival slower by roughly the refill's transfer time. Nsight Compute puts ~2.3 us of
+// membar stall on each talker attention arrival (v24 profile), a phase during which the ring
+// streams the o_proj and MLP tiles. This probe measures the effect in isolation, on every SM at
+// once (so each SM gets its share of HBM bandwidth, as in the kernel):
+//
+//   each iteration: a block barrier; the issuer puts N bulk copies of 32 KB in flight; a barrier;
+//   thread 0 of warp 1 waits `delay` cycles, then times one operation (clock64 before / after);
+//   then waits for the copies to land (and times that too).
+//
+// Operations: the arrival the kernel uses (atom.add.release.gpu), a bare release fence, a relaxed
+// atomic and a relaxed L2 load (round trips with no fence), and a relaxed atomic after
+// fence.proxy.async. Issuers: another warp of the block (the kernel's producer), the timed thread
+// itself, and in a 2-CTA cluster the peer CTA copying into this CTA's shared memory (or this CTA
+// copying into the peer's), to tell whether a fence waits for copies this SM issued or for
+// copies landing in its shared memory. Sources: HBM (a 4 GB buffer walked so no line repeats
+// within a run) or L2 (a small buffer every block rereads).
+//
+// Build: nvcc -O3 -std=c++17 -arch=sm_90a -o fence_probe bench/fence_probe.cu
+// Run:   ./fence_probe > result.json      (bench/fence_probe.sh does both on the device)
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#define SLOT_BYTES (32 * 1024)
+#define MAX_COPIES 6
+#define ITERS 64
+
+enum Op { OP_ATOM_RELEASE = 0, OP_FENCE_RELEASE, OP_ATOM_RELAXED, OP_LOAD_RELAXED, OP_PROXY_ATOM, OP_COUNT };
+static const char* kOpNames[OP_COUNT] = {"atom.add.release.gpu", "fence.release.gpu (MEMBAR)", "atom.add.relaxed.gpu",
+                                         "ld.relaxed.gpu (L2 hit)", "fence.proxy.async + atom.relaxed"};
+enum Issuer { ISS_OTHER_WARP = 0, ISS_SAME_THREAD, ISS_PEER_INTO_ME, ISS_ME_INTO_PEER, ISS_COUNT };
+static const char* kIssuerNames[ISS_COUNT] = {"another warp of the block", "the timed thread",
+                                              "peer CTA of the cluster, into this CTA's smem",
+                                              "this CTA (other warp), into the peer's smem"};
+
+struct Args {
+    const unsigned char* src;  // copy source
+    size_t src_bytes;          // walked modulo this
+    int src_l2;                // 1: every block rereads its own 192 KB (L2-resident)
+    int op, issuer, ncopies;
+    long long delay;
+    unsigned* counters;        // per block: atomic target, load target
+    long long* out;            // [block][ITERS][2]: op cycles, land cycles
+};
+
+extern __shared__ __align__(128) unsigned char smem[];
+
+__device__ __forceinline__ uint32_t s32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ long long clk() {
+    long long t;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
+    return t;
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ uint32_t map_to(uint32_t addr, uint32_t rank) {
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// bar / dst: shared::cluster addresses (this CTA's own, or a peer's through mapa).
+__device__ void issue(const Args& a, int iter, uint32_t bar, uint32_t dst, int block) {
+    const uint32_t total = (uint32_t)a.ncopies * SLOT_BYTES;
+    asm volatile("mbarrier.arrive.expect_tx.release.cluster.shared::cluster.b64 _, [%0], %1;" ::"r"(bar), "r"(total)
+                 : "memory");
+    for (int k = 0; k < a.ncopies; ++k) {
+        size_t off = a.src_l2 ? ((size_t)block * MAX_COPIES + k) * SLOT_BYTES
+                              : (((size_t)iter * gridDim.x + block) * MAX_COPIES + k) * SLOT_BYTES;
+        off %= a.src_bytes;
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                         dst + k * SLOT_BYTES),
+                     "l"(a.src + off), "r"((uint32_t)SLOT_BYTES), "r"(bar)
+                     : "memory");
+    }
+}
+
+__device__ __forceinline__ long long timed_op(const Args& a, unsigned* ctr) {
+    unsigned v = 0;
+    const long long t0 = clk();
+    switch (a.op) {
+        case OP_ATOM_RELEASE:
+            asm volatile("atom.add.release.gpu.global.u32 %0, [%1], 1;" : "=r"(v) : "l"(ctr) : "memory");
+            break;
+        case OP_FENCE_RELEASE:
+            asm volatile("fence.release.gpu;" ::: "memory");
+            break;
+        case OP_ATOM_RELAXED:
+            asm volatile("atom.add.relaxed.gpu.global.u32 %0, [%1], 1;" : "=r"(v) : "l"(ctr) : "memory");
+            break;
+        case OP_LOAD_RELAXED:
+            asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ctr + 1) : "memory");
+            break;
+        default:
+            asm volatile("fence.proxy.async.global;\natom.add.relaxed.gpu.global.u32 %0, [%1], 1;"
+                         : "=r"(v)
+                         : "l"(ctr)
+                         : "memory");
+    }
+    // The clock read depends on the result, so a round trip is over before it.
+    asm volatile("add.u32 %0, %0, 0;" : "+r"(v)::"memory");
+    const long long t1 = clk() + (v == 0xffffffffu ? 1 : 0);
+    return t1 - t0;
+}
+
+__device__ __forceinline__ void wait_parity(uint32_t bar, unsigned parity) {
+    uint32_t ok = 0;
+    while (!ok)
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(ok)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+}
+
+// One CTA per SM, 64 threads: warp 0 lane 0 issues (ISS_OTHER_WARP), warp 1 lane 0 is timed.
+// CLUSTER: the same with 2-CTA clusters; in ISS_PEER_INTO_ME the rank-1 CTA issues into rank 0's
+// slots and only rank 0 is timed; in ISS_ME_INTO_PEER rank 0's warp 0 issues into rank 1's slots.
+template <bool CLUSTER>
+__device__ void probe(const Args& a) {
+    uint64_t* bar = reinterpret_cast<uint64_t*>(smem);
+    unsigned char* slots = smem + 128;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const uint32_t rank = CLUSTER ? cluster_rank() : 0;
+    if (threadIdx.x == 0) {
+        asm volatile("mbarrier.init.shared.b64 [%0], 1;" ::"r"(s32(bar)) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (CLUSTER) cluster_sync();
+    unsigned* ctr = a.counters + 32 * blockIdx.x;  // a 128-byte line each
+    const bool timed_block = !CLUSTER || rank == 0;
+    for (int it = 0; it < ITERS; ++it) {
+        __syncthreads();
+        if (CLUSTER) cluster_sync();
+        // Who issues, into whose slots.
+        bool me_issue = false;
+        uint32_t bar_addr = s32(bar), dst = s32(slots);
+        if (a.issuer == ISS_OTHER_WARP) me_issue = warp == 0 && lane == 0;
+        else if (a.issuer == ISS_SAME_THREAD) me_issue = warp == 1 && lane == 0;
+        else if (a.issuer == ISS_PEER_INTO_ME) {
+            me_issue = CLUSTER && rank == 1 && warp == 0 && lane == 0;
+            bar_addr = map_to(s32(bar), 0), dst = map_to(s32(slots), 0);
+        } else {
+            me_issue = CLUSTER && rank == 0 && warp == 0 && lane == 0;
+            bar_addr = map_to(s32(bar), 1), dst = map_to(s32(slots), 1);
+        }
+        if (me_issue) issue(a, it, bar_addr, dst, blockIdx.x);
+        __syncthreads();
+        if (CLUSTER) cluster_sync();
+        // The CTA whose slots get the copies: the issuer's target (or itself).
+        const bool receives = !CLUSTER || (a.issuer == ISS_PEER_INTO_ME ? rank == 0 : a.issuer == ISS_ME_INTO_PEER ? rank == 1 : true);
+        if (timed_block && warp == 1 && lane == 0) {
+            const long long t0 = clk();
+            while (clk() - t0 < a.delay) {
+            }
+            const long long op = timed_op(a, ctr);
+            const long long t1 = clk();
+            long long land = -1;
+            if (receives) {
+                wait_parity(s32(bar), it & 1);
+                land = clk() - t1 + op;
+            }
+            long long* o = a.out + ((size_t)blockIdx.x * ITERS + it) * 2;
+            o[0] = op;
+            o[1] = land;
+        } else if (receives && lane == 0 && warp == 1) {
+            wait_parity(s32(bar), it & 1);
+        }
+    }
+    __syncthreads();
+    if (CLUSTER) cluster_sync();
+}
+
+__global__ void probe_plain(Args a) { probe<false>(a); }
+__global__ void __cluster_dims__(2, 1, 1) probe_cluster(Args a) { probe<true>(a); }
+
+#define CK(x)                                                                                   \
+    do {                                                                                        \
+        cudaError_t e_ = (x);                                                                   \
+        if (e_ != cudaSuccess) {                                                                \
+            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+            return 1;                                                                           \
+        }                                                                                       \
+    } while (0)
+
+int main() {
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    int clock_khz = 0;
+    CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+    const int blocks = prop.multiProcessorCount / 2 * 2;
+    const size_t src_bytes = (size_t)4 << 30;
+    unsigned char* src = nullptr;
+    CK(cudaMalloc(&src, src_bytes));
+    CK(cudaMemset(src, 1, src_bytes));
+    unsigned* counters = nullptr;
+    CK(cudaMalloc(&counters, sizeof(unsigned) * 32 * blocks));
+    CK(cudaMemset(counters, 0, sizeof(unsigned) * 32 * blocks));
+    long long* out = nullptr;
+    const size_t n_out = (size_t)blocks * ITERS * 2;
+    CK(cudaMalloc(&out, n_out * sizeof(long long)));
+    const int smem_bytes = 128 + MAX_COPIES * SLOT_BYTES;
+    CK(cudaFuncSetAttribute(probe_plain, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+    CK(cudaFuncSetAttribute(probe_cluster, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+    std::vector<long long> host(n_out);
+    printf("{\"gpu\": \"%s\", \"sms\": %d, \"blocks\": %d, \"sm_clock_khz_nominal\": %d, \"iters\": %d,\n",
+           prop.name, prop.multiProcessorCount, blocks, clock_khz, ITERS);
+    printf(" \"rows\": [\n");
+    bool first = true;
+    const int copies[] = {0, 1, 2, 4, 6};
+    const long long delays[] = {0, 4000};
+    for (int issuer = 0; issuer < ISS_COUNT; ++issuer)
+        for (int src_l2 = 0; src_l2 < 2; ++src_l2)
+            for (int op = 0; op < OP_COUNT; ++op)
+                for (long long delay : delays)
+                    for (int n : copies) {
+                        if (issuer >= ISS_PEER_INTO_ME && (op == OP_LOAD_RELAXED || op == OP_PROXY_ATOM)) continue;
+                        if (src_l2 && (delay != 0 || op == OP_LOAD_RELAXED || op == OP_PROXY_ATOM)) continue;
+                        Args a{src, src_l2 ? (size_t)blocks * MAX_COPIES * SLOT_BYTES : src_bytes, src_l2, op, issuer, n,
+                               delay, counters, out};
+                        CK(cudaMemset(out, 0xff, n_out * sizeof(long long)));
+                        for (int rep = 0; rep < 2; ++rep) {  // the first launch warms up
+                            if (issuer >= ISS_PEER_INTO_ME) probe_cluster<<<blocks, 64, smem_bytes>>>(a);
+                            else probe_plain<<<blocks, 64, smem_bytes>>>(a);
+                            CK(cudaGetLastError());
+                            CK(cudaDeviceSynchronize());
+                        }
+                        CK(cudaMemcpy(host.data(), out, n_out * sizeof(long long), cudaMemcpyDeviceToHost));
+                        std::vector<long long> ops, lands;
+                        for (size_t i = 0; i < n_out; i += 2) {
+                            if (host[i] < 0) continue;
+                            if ((i / 2) % ITERS < 4) continue;  // a launch's first rounds
+                            ops.push_back(host[i]);
+                            if (host[i + 1] >= 0) lands.push_back(host[i + 1]);
+                        }
+                        auto pct = [](std::vector<long long>& v, double q) -> long long {
+                            if (v.empty()) return -1;
+                            std::sort(v.begin(), v.end());
+                            return v[std::min(v.size() - 1, (size_t)(q * (v.size() - 1)))];
+                        };
+                        printf("%s  {\"issuer\": \"%s\", \"source\": \"%s\", \"op\": \"%s\", \"delay_cycles\": %lld, "
+                               "\"copies_32k\": %d, \"samples\": %zu, \"op_cycles_p10\": %lld, \"op_cycles_p50\": %lld, "
+                               "\"op_cycles_p90\": %lld, \"land_cycles_p50\": %lld}",
+                               first ? "" : ",\n", kIssuerNames[issuer], src_l2 ? "L2" : "HBM", kOpNames[op], delay, n,
+                               ops.size(), pct(ops, 0.1), pct(ops, 0.5), pct(ops, 0.9), pct(lands, 0.5));
+                        first = false;
+                        fflush(stdout);
+                    }
+    printf("\n ]}\n");
+    return 0;
+}
