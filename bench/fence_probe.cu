@@ -135,6 +135,7 @@ __device__ void probe(const Args& a) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const uint32_t rank = CLUSTER ? cluster_rank() : 0;
     if (threadIdx.x == 0) {
+        *reinterpret_cast<volatile uint32_t*>(smem + 64) = 0u;
         asm volatile("mbarrier.init.shared.b64 [%0], 1;" ::"r"(s32(bar)) : "memory");
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -158,8 +159,22 @@ __device__ void probe(const Args& a) {
             bar_addr = map_to(s32(bar), 1), dst = map_to(s32(slots), 1);
         }
         if (me_issue) issue(a, it, bar_addr, dst, blockIdx.x);
-        __syncthreads();
-        if (CLUSTER) cluster_sync();
+        // Between the issue and the timed operation, nothing that fences: a cluster barrier
+        // waits for the issuing CTA's release, which waits for its copies (the first version of
+        // this probe had one there and read the peer's copies as free to this CTA's fence, when
+        // they had landed before it ran).
+        volatile uint32_t* flag = reinterpret_cast<volatile uint32_t*>(smem + 64);
+        if (CLUSTER && a.issuer == ISS_PEER_INTO_ME) {
+            if (me_issue)
+                asm volatile("st.relaxed.cluster.shared::cluster.u32 [%0], %1;" ::"r"(map_to(s32(smem + 64), 0)),
+                             "r"((uint32_t)it + 1u)
+                             : "memory");
+            if (rank == 0 && warp == 1 && lane == 0)
+                while (*flag != (uint32_t)it + 1u) {
+                }
+        } else {
+            __syncthreads();
+        }
         // The CTA whose slots get the copies: the issuer's target (or itself).
         const bool receives = !CLUSTER || (a.issuer == ISS_PEER_INTO_ME ? rank == 0 : a.issuer == ISS_ME_INTO_PEER ? rank == 1 : true);
         if (timed_block && warp == 1 && lane == 0) {
