@@ -13,26 +13,6 @@
 
 #include "mk_util.cuh"
 
-// QMK_PEER (Hopper, QMK_PEER_COPY builds): blocks run in clusters of two and each block's
-// producer streams its peer's tiles into the peer's ring, so no bulk copy lands in the shared
-// memory of the block that issued it. A release fence waits until the copies landing in its own
-// block's shared memory have landed, whoever issued them, and not for copies it issued into a
-// peer's (bench/fence_probe.cu: 403 cycles alone, ~5900 with 6 slots in flight from HBM;
-// 403 flat with the peer's copies landing). Each block's full barriers are its own ring's; its
-// empty barriers are its peer ring's, which its own producer polls and the peer's consumers
-// arrive on remotely.
-// QMK_PEER is the device side's switch, QMK_PEER_LAUNCH the host's (cluster launch, even grid).
-#if defined(QMK_PEER_COPY) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define QMK_PEER 1
-#else
-#define QMK_PEER 0
-#endif
-#ifdef QMK_PEER_COPY
-#define QMK_PEER_LAUNCH 1
-#else
-#define QMK_PEER_LAUNCH 0
-#endif
-
 #define QMK_SLOT_BYTES (32 * 1024)
 #define QMK_MAX_SLOTS 8
 #define QMK_TILE_RANGES 5  // half rows of a 6144-wide matrix: 5 x 6 KB per slot
@@ -67,20 +47,6 @@ __device__ __forceinline__ unsigned char* slot_ptr(uint32_t i, int nslot) {
     return qmk_smem + QMK_SMEM_SLOTS + (size_t)(i % nslot) * QMK_SLOT_BYTES;
 }
 
-#if QMK_PEER
-// The same shared-memory location in the other block of this block's cluster of two.
-__device__ __forceinline__ uint32_t peer_addr(const void* p) {
-    uint32_t rank, r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_u32(p)), "r"(rank ^ 1u));
-    return r;
-}
-// Every thread of both blocks of the cluster.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-#endif
-
 // Thread 0 of the block, before the first __syncthreads.
 __device__ __forceinline__ void ring_init(int nslot) {
     RingState& rs = ring_state();
@@ -90,10 +56,6 @@ __device__ __forceinline__ void ring_init(int nslot) {
     }
     rs.issued = 0;
     rs.stop = 0;
-#if QMK_PEER
-    // The peer's producer and consumers use them too (after the cluster barrier that follows).
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
 #if __CUDA_ARCH__ >= 900
     fence_proxy_async_shared();
 #endif
@@ -105,31 +67,7 @@ __device__ __forceinline__ void ring_init(int nslot) {
 __device__ __forceinline__ void issue_tile(const Tile& t, uint32_t i, int nslot, bool written_here, bool weights) {
     uint64_t* bar = ring_state().full + i % nslot;
     unsigned char* dst = slot_ptr(i, nslot);
-#if QMK_PEER
-    // Into the peer's slot, completing on the peer's full barrier. Relaxed: a release at cluster
-    // scope compiles to a GPU-wide fence.
-    if (written_here) fence_proxy_async_global();
-    uint32_t total = 0;
-    for (int k = 0; k < t.n; ++k) total += t.r[k].bytes;
-    const uint32_t pbar = peer_addr(bar);
-    uint32_t pdst = peer_addr(dst);
-    asm volatile("mbarrier.arrive.expect_tx.relaxed.cluster.shared::cluster.b64 _, [%0], %1;" ::"r"(pbar), "r"(total)
-                 : "memory");
-    const uint64_t pol = evict_first_policy();
-    for (int k = 0; k < t.n; ++k) {
-        if (weights)
-            asm volatile(
-                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
-                "%4;" ::"r"(pdst),
-                "l"(t.r[k].src), "r"(t.r[k].bytes), "r"(pbar), "l"(pol)
-                : "memory");
-        else
-            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(pdst),
-                         "l"(t.r[k].src), "r"(t.r[k].bytes), "r"(pbar)
-                         : "memory");
-        pdst += t.r[k].bytes;
-    }
-#elif __CUDA_ARCH__ >= 900
+#if __CUDA_ARCH__ >= 900
     if (written_here) fence_proxy_async_global();
     uint32_t total = 0;
     for (int k = 0; k < t.n; ++k) total += t.r[k].bytes;
@@ -149,16 +87,6 @@ __device__ __forceinline__ void issue_tile(const Tile& t, uint32_t i, int nslot,
         dst += t.r[k].bytes;
     }
     cp_async_arrive(bar);  // counts when this lane's copies have landed
-#endif
-}
-
-// Producer lane, at the end: how many tiles it issued into the ring it fills (the peer's with
-// QMK_PEER; read after the cluster barrier in Ring::finish).
-__device__ __forceinline__ void set_issued(uint32_t i) {
-#if QMK_PEER
-    asm volatile("st.relaxed.cluster.shared::cluster.u32 [%0], %1;" ::"r"(peer_addr(&ring_state().issued)), "r"(i) : "memory");
-#else
-    *reinterpret_cast<volatile uint32_t*>(&ring_state().issued) = i;
 #endif
 }
 
@@ -191,17 +119,7 @@ struct Ring {
 
     // Thread 0: hand tiles first .. first + n - 1 back to the producer.
     __device__ void arrive_empty(uint32_t first, uint32_t n) const {
-#if QMK_PEER
-        // On the peer's empty barrier (its producer fills this ring). Relaxed: the block barrier
-        // before has the slot's reads performed, and a cluster-scope release would be a GPU-wide
-        // fence, which waits for this ring's copies in flight.
-        for (uint32_t k = 0; k < n; ++k)
-            asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(
-                             peer_addr(ring_state().empty + (first + k) % nslot))
-                         : "memory");
-#else
         for (uint32_t k = 0; k < n; ++k) mbar_arrive(ring_state().empty + (first + k) % nslot);
-#endif
     }
 
     // Every consumer thread, after a block_sync() since the last read of these tiles' slots.
@@ -239,22 +157,9 @@ struct Ring {
     // nobody will read before the block's shared memory goes away.
     __device__ void finish() {
         block_sync();
-#if QMK_PEER
-        // Stop the peer's producer (it fills this ring), meet both blocks' producers at the
-        // cluster barrier (each has then stored the count it issued into its peer's ring state),
-        // wait for this ring's copies still landing, and leave together: no block may exit while
-        // its peer may still touch its shared memory.
-        if (threadIdx.x == 0)
-            asm volatile("st.relaxed.cluster.shared::cluster.u32 [%0], 1;" ::"r"(peer_addr(&ring_state().stop)) : "memory");
-        cluster_sync();
-        const uint32_t issued = *reinterpret_cast<volatile uint32_t*>(&ring_state().issued);
-        for (uint32_t i = consumed; i < issued; ++i) mbar_wait(ring_state().full + i % nslot, (i / nslot) & 1u);
-        cluster_sync();
-#else
         if (threadIdx.x == 0) *reinterpret_cast<volatile uint32_t*>(&ring_state().stop) = 1u;
         __syncthreads();
         const uint32_t issued = *reinterpret_cast<volatile uint32_t*>(&ring_state().issued);
         for (uint32_t i = consumed; i < issued; ++i) mbar_wait(ring_state().full + i % nslot, (i / nslot) & 1u);
-#endif
     }
 };

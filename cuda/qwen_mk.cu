@@ -210,8 +210,7 @@ __device__ __forceinline__ bool grouped_qkv(const qmk_model& m, int pass) {
 }
 __device__ __forceinline__ unsigned* head_ready(const qmk_model& m) { return dptr<unsigned>(m.head_ready); }
 
-// Block b's slice of a matrix phase.
-__device__ Geo geo_of(const Frame& F, const Phase& ph, int b) {
+__device__ Geo geo_of(const Frame& F, const Phase& ph) {
     const qmk_model& m = F.m();
     const qmk_stack& S = F.stack(ph);
     int N, K, rows_per_unit = 1;
@@ -227,7 +226,7 @@ __device__ Geo geo_of(const Frame& F, const Phase& ph, int b) {
     const int ksplit = K > 3072 ? 2 : 1;
     K /= ksplit;
     const int per_tile = QMK_SLOT_BYTES / (2 * K * rows_per_unit);
-    const int B = gridDim.x;
+    const int B = gridDim.x, b = blockIdx.x;
     int u0 = N * b / B, u1 = N * (b + 1) / B;
     if (ph.kind == K_QKV && grouped_qkv(m, ph.pass)) {
         const int rows = 4 * QMK_HD / QMK_QKV_GROUP, g = b / QMK_QKV_GROUP, p = (b % QMK_QKV_GROUP) * rows;
@@ -313,9 +312,9 @@ __device__ Tile mat_tile(const Frame& F, const Phase& ph, const Geo& mt, int t) 
 struct AttnItems {
     int pos, nchunk, items;
     __device__ bool has_tile(int it) const { return (it % nchunk) * QMK_CHUNK < pos; }
-    __device__ int tiles_of_block(int b) const {
+    __device__ int tiles_of_block() const {
         int n = 0;
-        for (int it = b; it < items; it += gridDim.x) n += has_tile(it);
+        for (int it = blockIdx.x; it < items; it += gridDim.x) n += has_tile(it);
         return n;
     }
 };
@@ -325,12 +324,12 @@ __device__ AttnItems attn_items(const Frame& F, const Phase& ph) {
     return {pos, nchunk, F.stack(ph).num_kv_heads * nchunk};
 }
 
-__device__ int attn_tiles(const Frame& F, const Phase& ph, int b) { return attn_items(F, ph).tiles_of_block(b); }
+__device__ int attn_tiles(const Frame& F, const Phase& ph) { return attn_items(F, ph).tiles_of_block(); }
 
-__device__ Tile attn_tile(const Frame& F, const Phase& ph, int t, int b) {
+__device__ Tile attn_tile(const Frame& F, const Phase& ph, int t) {
     const AttnItems A = attn_items(F, ph);
     const qmk_stack& S = F.stack(ph);
-    int it = b;
+    int it = blockIdx.x;
     for (;; it += gridDim.x)
         if (A.has_tile(it) && t-- == 0) break;
     const int g = it / A.nchunk, j0 = (it % A.nchunk) * QMK_CHUNK, j1 = min(j0 + QMK_CHUNK, A.pos);
@@ -348,15 +347,15 @@ __device__ Tile attn_tile(const Frame& F, const Phase& ph, int t, int b) {
 // o_proj tile.
 __device__ __forceinline__ int ao_tiles_per_item(const Phase& ph) { return ph.pass > 0 ? 2 : 1; }
 
-__device__ int ao_tiles(const Frame& F, const Phase& ph, int b) {
+__device__ int ao_tiles(const Frame& F, const Phase& ph) {
     const int items = ao_items(F.m().pred);
-    const int mine = b < items ? (items - 1 - b) / (int)gridDim.x + 1 : 0;
+    const int mine = blockIdx.x < items ? (items - 1 - blockIdx.x) / gridDim.x + 1 : 0;
     return mine * ao_tiles_per_item(ph);
 }
 
-__device__ Tile ao_tile(const Frame& F, const Phase& ph, int t, int b) {
+__device__ Tile ao_tile(const Frame& F, const Phase& ph, int t) {
     const qmk_stack& S = F.m().pred;
-    const int per = ao_tiles_per_item(ph), it = b + (t / per) * gridDim.x;
+    const int per = ao_tiles_per_item(ph), it = blockIdx.x + (t / per) * gridDim.x;
     const int R = ao_row_groups(S), g = it / R, r = it % R;
     Tile tl;
     if (per == 2 && t % per == 0) {  // K then V rows of positions 0 .. pass - 1
@@ -374,45 +373,30 @@ __device__ Tile ao_tile(const Frame& F, const Phase& ph, int t, int b) {
     return tl;
 }
 
-// The block whose tiles this block's producer streams: its own, or with QMK_PEER its cluster
-// peer's (mk_stream.cuh). A peer's matrix slices are computed per phase (geo_of): its Geo table
-// is in its own shared memory, and a second table here would cost a ring slot.
-__device__ __forceinline__ int producer_block() { return QMK_PEER ? (int)(blockIdx.x ^ 1u) : (int)blockIdx.x; }
+__device__ int phase_tiles(const Frame& F, const Phase& ph) {
+    if (ph.kind == K_AO) return ao_tiles(F, ph);
+    return ph.kind == K_ATTN ? attn_tiles(F, ph) : geo(ph).ntiles;
+}
 
-// A position in the frame's tile sequence of block b, in the order its consumers read the tiles.
+__device__ Tile phase_tile(const Frame& F, const Phase& ph, int t) {
+    if (ph.kind == K_AO) return ao_tile(F, ph, t);
+    return ph.kind == K_ATTN ? attn_tile(F, ph, t) : mat_tile(F, ph, geo(ph), t);
+}
+
+// A position in the frame's tile sequence, in the order the consumers read the tiles.
 struct TileCursor {
     Phase ph;
-    int tile, ntiles, b;
-#if QMK_PEER
-    Geo g;
-    __device__ const Geo& geo_now() const { return g; }
-#else
-    __device__ const Geo& geo_now() const { return geo(ph); }
-#endif
+    int tile, ntiles;
 
-    __device__ explicit TileCursor(const Frame& F, int b_) : ph(first_phase(F.f())), tile(0), b(b_) { enter(F); }
-
-    __device__ void enter(const Frame& F) {
-#if QMK_PEER
-        if (ph.kind != K_AO && ph.kind != K_ATTN) g = geo_of(F, ph, b);
-#endif
-        tile = 0;
-        if (ph.kind == K_AO) ntiles = ao_tiles(F, ph, b);
-        else ntiles = ph.kind == K_ATTN ? attn_tiles(F, ph, b) : geo_now().ntiles;
-    }
-
-    __device__ Tile next(const Frame& F) {
-        const int t = tile++;
-        if (ph.kind == K_AO) return ao_tile(F, ph, t, b);
-        return ph.kind == K_ATTN ? attn_tile(F, ph, t, b) : mat_tile(F, ph, geo_now(), t);
-    }
+    __device__ explicit TileCursor(const Frame& F) : ph(first_phase(F.f())), tile(0), ntiles(phase_tiles(F, ph)) {}
 
     // Onto the next tile that exists (a phase may have no tiles for this block); false at the end
     // of the frame.
     __device__ bool settle(const Frame& F) {
         while (tile >= ntiles) {
             if (!next_phase(F.m(), F.f(), ph)) return false;
-            enter(F);
+            tile = 0;
+            ntiles = phase_tiles(F, ph);
         }
         return true;
     }
@@ -424,16 +408,16 @@ struct TileCursor {
 __device__ __noinline__ void produce(const Params* P) {
     const Frame F{P};
     const int nslot = P->nslot;
-    TileCursor cur(F, producer_block());
+    TileCursor cur(F);
     uint32_t i = 0;
     while (cur.settle(F)) {
         if (!wait_slot_free(i, nslot)) break;
         // The predictor's K/V rows were stored by other blocks earlier in this launch.
-        const bool pred = cur.ph.pass >= 0;
-        const Tile t = cur.next(F);
-        issue_tile(t, i++, nslot, t.kv && pred, !t.kv);
+        const Phase& ph = cur.ph;
+        const Tile t = phase_tile(F, ph, cur.tile++);
+        issue_tile(t, i++, nslot, t.kv && ph.pass >= 0, !t.kv);
     }
-    set_issued(i);
+    *reinterpret_cast<volatile uint32_t*>(&ring_state().issued) = i;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -591,11 +575,7 @@ __device__ void dots_tiles(Ctx& c, const Geo& g, int rpu, int t0, int t1, const 
 __device__ __forceinline__ void end_tiles(Ctx& c, const Geo& g, int id) {
     block_sync();
     c.stamp(id, STEP_DOTS);
-#ifdef QMK_EXP_EARLY_RELEASE
-    if (!g.frees_each_tile(c.ring.nslot)) c.ring.release(g.ntiles);
-#else
     if (!g.frees_each_tile(c.ring.nslot)) c.ring.defer(g.ntiles);
-#endif
 }
 
 // One matrix phase: dot products of every tile of the block's slice from shared memory, one
@@ -638,11 +618,6 @@ __device__ void run_down(Ctx& c, const Phase& ph, int id, const float* act, Epi 
 // the grid arrival, the down_t ones one arrival later if the next phase (q/k/v or the head) still
 // finds its slots (run_gu_split).
 __device__ __forceinline__ void defer_mlp_tiles(Ctx& c, const Geo& g, const Phase& ph) {
-#ifdef QMK_EXP_EARLY_RELEASE
-    block_sync();
-    c.ring.release(g.ntiles);
-    return;
-#endif
     const int nslot = c.ring.nslot, dt = g.ntiles - g.ngu;
     const Geo &nq = geo(Phase{K_QKV, 0, ph.pass}), &nh = geo(Phase{ph.pass < 0 ? K_HEAD_T : K_HEAD_P, 0, ph.pass});
     const int need = max(nq.frees_each_tile(nslot) ? 1 : nq.ntiles, nh.frees_each_tile(nslot) ? 1 : nh.ntiles);
@@ -892,12 +867,8 @@ __device__ void run_attn_o(Ctx& c, const Phase& ph, int id, bool tabled, bool gr
         c.stamp(id, STEP_DOTS);
         // The o_proj tile goes back at the grid arrival when it is the block's only item (like a
         // matrix phase's); with several items the next one may need its slot.
-#ifdef QMK_EXP_EARLY_RELEASE
-        c.ring.release(1);
-#else
         if (mine == 1) c.ring.defer(1);
         else c.ring.release(1);
-#endif
         if (threadIdx.x < QMK_AO_ROWS / 4) {
             const int k = 4 * threadIdx.x, u = r * QMK_AO_ROWS + k;
             float v[4] = {sums[k], sums[k + 1], sums[k + 2], sums[k + 3]};
@@ -1117,12 +1088,8 @@ __device__ void run_attn_o_first(Ctx& c, const Phase& ph, int id, bool grouped, 
         }
         block_sync();
         c.stamp(id, STEP_DOTS);
-#ifdef QMK_EXP_EARLY_RELEASE
-        c.ring.release(1);
-#else
         if (mine == 1) c.ring.defer(1);
         else c.ring.release(1);
-#endif
         // run_attn_o's epilogue, per position. (Shared through one inlined helper it changed
         // the short kernel's instructions, so it stays written out twice.)
         const int p = threadIdx.x / (QMK_AO_ROWS / 4);
@@ -1320,13 +1287,10 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
     if (tid < 16) {
         const int k = tid % 8;
         const Phase ph{k, 0, tid < 8 ? -1 : 0};
-        if (k != K_ATTN) sm<Geo>(QMK_SMEM_GEO)[tid] = geo_of(c.F, ph, blockIdx.x);
+        if (k != K_ATTN) sm<Geo>(QMK_SMEM_GEO)[tid] = geo_of(c.F, ph);
     }
     if (tid == 0) ring_init(P.nslot);
     __syncthreads();  // tables, geometry and mbarriers in place for both roles
-#if QMK_PEER
-    cluster_sync();  // and the peer's mbarriers, which this block's producer and consumers use
-#endif
     if (tid >= QMK_THREADS) {
         // The producer warp (warpgroup on sm_90a): lane 0 streams the frame's tiles; the warps
         // then wait at the block barrier for the consumers to finish (Ring::finish). Each role
@@ -1338,12 +1302,7 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
 #endif
         if (tid == QMK_THREADS) produce(&P);
         __syncwarp();
-#if QMK_PEER
-        cluster_sync();  // Ring::finish's two
-        cluster_sync();
-#else
         __syncthreads();
-#endif
         return;
     }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1534,27 +1493,10 @@ static int grid_config(const qmk_model& m, GridConfig* out) {
             if (e != cudaSuccess) return e;
             if (per_sm < 1) return cudaErrorCooperativeLaunchTooLarge;
         }
-        int blocks = sms;
-#if QMK_PEER_LAUNCH
-        // Clusters of two, every cluster resident at once.
-        blocks = sms & ~1;
-        for (const void* k : kernels) {
-            cudaLaunchConfig_t cfg = {};
-            cudaLaunchAttribute at[1];
-            at[0].id = cudaLaunchAttributeClusterDimension;
-            at[0].val.clusterDim.x = 2, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
-            cfg.gridDim = dim3(blocks), cfg.blockDim = dim3(threads), cfg.dynamicSmemBytes = (size_t)smem;
-            cfg.attrs = at, cfg.numAttrs = 1;
-            int clusters = 0;
-            if ((e = cudaOccupancyMaxActiveClusters(&clusters, k, &cfg)) != cudaSuccess) return e;
-            if (2 * clusters < blocks) blocks = 2 * clusters;
-        }
-        if (blocks < 2) return cudaErrorCooperativeLaunchTooLarge;
-#endif
-        last = GridConfig{dev, blocks, smem, nslot, threads};
+        last = GridConfig{dev, sms, smem, nslot, threads};
     }
     *out = last;
-    if (m.max_blocks > 0 && m.max_blocks < out->blocks) out->blocks = QMK_PEER_LAUNCH ? m.max_blocks & ~1 : m.max_blocks;
+    if (m.max_blocks > 0 && m.max_blocks < out->blocks) out->blocks = m.max_blocks;
     return model_fits(m, out->blocks);
 }
 
@@ -1621,21 +1563,8 @@ extern "C" int qmk_decode_frame(const qmk_model* m, const qmk_frame* f, uint64_t
     void* args[] = {&p};
     const void* kernel = uses_long_kernel(*m, *f, g.blocks) ? (const void*)qmk_frame_kernel<true>
                                                             : (const void*)qmk_frame_kernel<false>;
-#if QMK_PEER_LAUNCH
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute at[2];
-    at[0].id = cudaLaunchAttributeClusterDimension;
-    at[0].val.clusterDim.x = 2, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
-    at[1].id = cudaLaunchAttributeCooperative;
-    at[1].val.cooperative = 1;
-    cfg.gridDim = dim3(g.blocks), cfg.blockDim = dim3(g.threads), cfg.dynamicSmemBytes = (size_t)g.smem;
-    cfg.stream = reinterpret_cast<cudaStream_t>(stream);
-    cfg.attrs = at, cfg.numAttrs = 2;
-    return cudaLaunchKernelExC(&cfg, kernel, args);
-#else
     return cudaLaunchCooperativeKernel(kernel, dim3(g.blocks), dim3(g.threads), args, (size_t)g.smem,
                                        reinterpret_cast<cudaStream_t>(stream));
-#endif
 }
 
 #ifdef QMK_TRACE_ATTN
