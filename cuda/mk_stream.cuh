@@ -131,8 +131,8 @@ struct Ring {
     // A matrix phase's tiles are handed back to the producer only once the block has arrived at
     // the grid barrier that ends the phase (every consumer thread calls defer; thread 0 then
     // release_deferred after its arrival; all end_deferred after the barrier). The arrival's
-    // release fence waits for the block's memory operations, and copies issued just before it
-    // were found among them: releasing before the arrival cost ~0.26 ms a frame (bench/NOTES.md).
+    // release fence completes only once every bulk copy this block issued has landed
+    // (bench/fence_probe.cu): releasing before the arrival cost ~0.26 ms a frame (bench/NOTES.md).
     __device__ void defer(uint32_t n) { deferred += n; }
 
     __device__ void release_deferred() const {
