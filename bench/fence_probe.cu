@@ -1,26 +1,32 @@
 // What a block's memory operations cost while bulk copies are in flight on its SM.
 //
-// The megakernel's hypothesis since v13 (bench/NOTES.md): a grid arrival's release fence waits
-// for the SM's outstanding bulk copies, so a weight ring that refills during a phase makes that
-// phase's arrival slower by roughly the refill's transfer time. Nsight Compute puts ~2.3 us of
-// membar stall on each talker attention arrival (v24 profile), a phase during which the ring
+// The megakernel's hypothesis since v13 (bench/NOTES.md) was that a grid arrival's release fence
+// waits for the SM's outstanding bulk copies, so a weight ring that refills during a phase makes
+// that phase's arrival slower by roughly the refill's transfer time. Nsight Compute puts ~2.3 us
+// of membar stall on each talker attention arrival (v24 profile), a phase during which the ring
 // streams the o_proj and MLP tiles. This probe measures the effect in isolation, on every SM at
 // once (so each SM gets its share of HBM bandwidth, as in the kernel):
 //
-//   each iteration: a block barrier; the issuer puts N bulk copies of 32 KB in flight; a barrier;
-//   thread 0 of warp 1 waits `delay` cycles, then times one operation (clock64 before / after);
-//   then waits for the copies to land (and times that too).
+//   each round: a block barrier; the issuer puts N bulk copies of 32 KB in flight; a bar.sync (or,
+//   when the issuer is the cluster peer, a relaxed flag: no fence in between); thread 0 of warp 1
+//   waits `delay` cycles, then times one operation (clock64 before / after); then waits for the
+//   copies to land (and times that too, from the operation's start).
 //
 // Operations: the arrival the kernel uses (atom.add.release.gpu), a bare release fence, a relaxed
 // atomic and a relaxed L2 load (round trips with no fence), and a relaxed atomic after
 // fence.proxy.async. Issuers: another warp of the block (the kernel's producer), the timed thread
 // itself, and in a 2-CTA cluster the peer CTA copying into this CTA's shared memory (or this CTA
-// copying into the peer's), to tell whether a fence waits for copies this SM issued or for
+// copying into the peer's), to tell whether a fence waits for copies its block issued or for
 // copies landing in its shared memory. Sources: HBM (a 4 GB buffer walked so no line repeats
 // within a run) or L2 (a small buffer every block rereads).
 //
-// Build: nvcc -O3 -std=c++17 -arch=sm_90a -o fence_probe bench/fence_probe.cu
-// Run:   ./fence_probe > result.json      (bench/fence_probe.sh does both on the device)
+// Found on the H200 (bench/results/fence_probe_h200_2026-11-24.json, bench/NOTES.md): a release
+// fence completes only once every bulk copy its block issued has landed, wherever they land;
+// copies another block issues into its shared memory do not hold it.
+//
+// Build here and carry the binary (bench/README.md):
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o .probe/fence_probe bench/fence_probe.cu
+//   .probe/fence_probe > $OUT/fence_probe.json
 #include <cuda_runtime.h>
 
 #include <algorithm>
