@@ -1,5 +1,7 @@
 """The megakernel engine's TTFC and streaming RTF alone (megakernel_check.py's engine stage), with
-the load time: `python bench/engine_ttfc.py [--json FILE]`. Random 0.6B CustomVoice checkpoint."""
+the load time: `python bench/engine_ttfc.py [--json FILE] [--run-ahead-ab]`. Random 0.6B
+CustomVoice checkpoint. --run-ahead-ab then measures warm TTFC and streaming again with
+QwenTTSEngine.run_ahead off, on, off, on (same engine, same texts and seeds)."""
 
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ import megakernel_check as mc  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--run-ahead-ab", action="store_true")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    r = mc.measure_engine()
+    r = mc.measure_engine([False, True, False, True] if args.run_ahead_ab else None)
     mc.print_engine(r)
     print(f"load (checkpoint on disk -> warm engine) {r.get('load_s', float('nan')):.1f} s")
     if args.json:

@@ -223,10 +223,12 @@ def build_random_checkpoint(out_dir: Path) -> None:
         raise RuntimeError(f"build_checkpoint failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
-def measure_engine() -> dict:
+def measure_engine(run_ahead: list[bool] | None = None) -> dict:
     """The engine on a random 0.6B CustomVoice checkpoint with backend="megakernel": load, the
     first request after load, warm TTFC over bench_texts.UTTERANCES, one streamed RTF sentence.
-    Same functions, texts, seeds and frame counts as bench_engine's phase, so the numbers compare."""
+    Same functions, texts, seeds and frame counts as bench_engine's phase, so the numbers compare.
+    `run_ahead`: after that, the warm TTFC and the streamed sentence again with
+    QwenTTSEngine.run_ahead set to each value in turn (same engine), under out["run_ahead"]."""
     out: dict = {}
     with tempfile.TemporaryDirectory(prefix="mk-ckpt-") as tmp:
         ckpt = Path(tmp)
@@ -245,6 +247,23 @@ def measure_engine() -> dict:
                     for i, text in enumerate(texts.UTTERANCES)]
             out["ttfc_warm_ms"] = bench_engine.summarize(warm)
             out["streaming"] = bench_engine.measure_stream(engine, texts.RTF_TEXT, texts.RTF_FRAMES, 200)
+            out["run_ahead_default"] = engine.run_ahead
+            for k, value in enumerate(run_ahead or []):
+                engine.run_ahead = value
+                warm = [1e3 * bench_engine.measure_ttfc(engine, text, texts.frames_for(text), 100 + i)
+                        for i, text in enumerate(texts.UTTERANCES)]
+                row = {"run_ahead": value, "ttfc_warm_ms": bench_engine.summarize(warm),
+                       "streaming": bench_engine.measure_stream(engine, texts.RTF_TEXT, texts.RTF_FRAMES, 200)}
+                # Greedy and seeded sampled codes of one utterance, compared across the settings.
+                row["codes"] = [engine.generate_codes(texts.RTF_TEXT, voice=engine.default_voice, max_frames=80,
+                                                      **kw).tolist() for kw in ({"greedy": True}, {"seed": 11})]
+                row["codes_identical_to_first"] = row["codes"] == out.get("run_ahead", [row])[0]["codes"]
+                out.setdefault("run_ahead", []).append(row)
+                st = row["streaming"]
+                print(f"run_ahead={value} (#{k}): warm TTFC p50 {row['ttfc_warm_ms']['p50']:.1f} ms, "
+                      f"p95 {row['ttfc_warm_ms']['p95']:.1f}; streaming RTF {st['rtf']:.4f}, "
+                      f"{st['frames_per_s_after_first_chunk']:.1f} frames/s after the first chunk; codes identical "
+                      f"to the first setting's: {row['codes_identical_to_first']}", flush=True)
         finally:
             engine.close()
             del engine

@@ -32,9 +32,9 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=200)
     args = ap.parse_args()
 
+    import megakernel_check as mc
     import torch
 
-    import megakernel_check as mc
     from pipecat_qwen_fast import megakernel as mk
     from pipecat_qwen_fast.sampling import SamplingParams
 

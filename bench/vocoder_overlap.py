@@ -99,7 +99,7 @@ def main() -> int:
             st = mc.timing_state(mb, D, 104, params)
             f = mb.frame_args(st, run_talker=True, pos=100)[0]
 
-            def frames():
+            def frames(mb=mb, st=st, f=f):
                 for _ in range(args.frames):
                     mb.launch(st, f)
 

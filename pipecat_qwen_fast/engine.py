@@ -152,6 +152,9 @@ class Session:
     vocoder_state: object | None = None
     done: bool = False
     stop_reason: str | None = None  # "eos" | "frame_cap" | "cancelled" | "error"
+    # The next frame, launched before this one was read (QwenTTSEngine.run_ahead): its device
+    # codes, their host copy and the event that completes the copy. The state already holds it.
+    ahead: tuple | None = None
 
 
 class QwenTTSEngine:
@@ -179,6 +182,11 @@ class QwenTTSEngine:
         self.model_dir = model_dir
         self.closed = False
         self._prepared_threads: set[int] = set()  # prepare_thread() done in these threads
+        # On a GPU, `step` launches the next frame before it reads this one's codes, so the GPU
+        # never waits for the host's EOS check and bookkeeping between two frames (except before a
+        # frame that completes a chunk: its vocoder call must not queue behind the next frame).
+        # A frame launched ahead of an EOS is dropped with its state (the session or segment ends).
+        self.run_ahead = device.type == "cuda"
         # On a GPU the streaming vocoder step replays one CUDA graph per chunk size; those of the
         # default chunk sizes are captured from compiled code, with cuDNN's preferred weight layout.
         defaults = (SynthesisRequest.first_chunk_frames, SynthesisRequest.chunk_frames, SynthesisRequest.max_chunk_frames)
@@ -430,6 +438,7 @@ class QwenTTSEngine:
         if s.state is not None:
             self.backend.release(s.state)
             s.state = None
+        s.ahead = None  # a frame launched past the previous segment's EOS went with its state
         req = s.request
         with torch.no_grad():
             prompt: Prompt = build_prompt(
@@ -461,13 +470,39 @@ class QwenTTSEngine:
         if s.done:
             return []
         try:
-            codes = self.backend.decode_frame(s.state)
-            host = codes.cpu().numpy()  # the one host read per frame (EOS check)
-            return self._after_frame(s, codes, host)
+            codes, host, copied = s.ahead if s.ahead is not None else self._launch(s)
+            s.ahead = None
+            if self.run_ahead and self._may_run_ahead(s):
+                s.ahead = self._launch(s)
+            if copied is not None:
+                copied.synchronize()  # the one host read per frame (EOS check); not the frame ahead
+            return self._after_frame(s, codes, host.numpy())
         except BaseException:
             s.stop_reason = s.stop_reason or "error"
             self.close_session(s)
             raise
+
+    def _launch(self, s: Session) -> tuple:
+        """Launch the session's next frame; its codes on the device, their host copy, and (on a
+        GPU) the event after which the copy is complete."""
+        codes = self.backend.decode_frame(s.state)
+        if codes.device.type != "cuda":
+            return codes, codes.cpu(), None
+        host = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=True)
+        host.copy_(codes, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return codes, host, copied
+
+    def _may_run_ahead(self, s: Session) -> bool:
+        """Whether the frame just launched is certain to be followed by another of this state,
+        unless it is EOS: it does not complete a chunk (whose vocoder call would queue behind the
+        frame ahead) and is not the segment's or the request's last allowed frame."""
+        if s.segment_frames + 1 >= s.frame_cap:
+            return False
+        if s.request.max_frames is not None and s.frames_decoded + 1 >= s.request.max_frames:
+            return False
+        return len(s.pending) + 1 < chunk_target(s.request, s.chunk_start)
 
     def step_many(self, sessions: list[Session]) -> list[list[AudioChunk] | Exception]:
         """One frame for each session; batched on backends that can (one weight read per batch).
@@ -480,8 +515,15 @@ class QwenTTSEngine:
         limit = getattr(self.backend, "max_batch", 1)
         groups: dict[SamplingParams, list[int]] = {}
         for i, s in enumerate(sessions):
-            if not s.done:
-                groups.setdefault(s.params, []).append(i)
+            if s.done:
+                continue
+            if s.ahead is not None:  # its frame of this round is already running
+                try:
+                    results[i] = self.step(s)
+                except Exception as e:  # noqa: BLE001 - reported to that session's caller
+                    results[i] = e
+                continue
+            groups.setdefault(s.params, []).append(i)
         for idxs in groups.values():
             for start in range(0, len(idxs), limit):
                 part = idxs[start : start + limit]
@@ -566,6 +608,7 @@ class QwenTTSEngine:
     def close_session(self, s: Session) -> None:
         """Free the session's KV cache and vocoder state (idempotent)."""
         s.done = True
+        s.ahead = None
         if s.state is not None:
             self.backend.release(s.state)
             s.state = None

@@ -139,6 +139,78 @@ def test_eos_stops_generation(tiny_checkpoint):
     eng.close()
 
 
+def _run(eng, request, run_ahead, use_step_many=False):
+    """Chunks, stop reason and frame count of one request, and how many steps found a frame
+    launched ahead."""
+    eng.run_ahead = run_ahead
+    s = eng.open_session(request)
+    chunks, aheads = [], 0
+    try:
+        while not s.done:
+            aheads += s.ahead is not None
+            if use_step_many:
+                [out] = eng.step_many([s])
+                if isinstance(out, Exception):
+                    raise out
+                chunks += out
+            else:
+                chunks += eng.step(s)
+    finally:
+        eng.run_ahead = False
+    key = [(c.frame_index, c.num_frames, c.pcm.tobytes(), c.codes.tobytes()) for c in chunks]
+    return key, s.stop_reason, s.frames_decoded, aheads
+
+
+def test_run_ahead_changes_nothing(tiny_checkpoint, monkeypatch):
+    """A frame launched before the previous one is read (run_ahead, the default on a GPU) gives
+    the same chunks, codes and stop, whether the utterance ends by EOS, by a cap or by max_frames,
+    across segments, through step and step_many."""
+    import pipecat_qwen_fast.engine as engine_mod
+
+    eng = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cpu", dtype="float32")
+    eos = eng.config.talker.codec_eos_id
+    with torch.no_grad():
+        eng.model.talker.codec_head.weight[eos] *= 1e3  # EOS within a few frames (test_eos_stops_generation)
+    monkeypatch.setattr(engine_mod, "MAX_SEGMENT_TOKENS", 8)
+    text = "One two three. Four five six seven. Eight nine ten."
+    reasons, used = set(), 0
+    for seed in range(3):
+        for kw in ({}, {"max_frames": 7}, {"chunk_frames": 2, "max_chunk_frames": 3}):
+            req = SynthesisRequest(text, voice="ryan", seed=seed, **kw)
+            off = _run(eng, req, False)
+            for many in (False, True):
+                on = _run(eng, req, True, use_step_many=many)
+                assert on[:3] == off[:3], (seed, kw, many)
+                used += on[3]
+            reasons.add(off[1])
+    assert used > 0, "no step ever found a frame launched ahead"
+    assert "eos" in reasons
+    eng.close()
+
+
+def test_run_ahead_frame_caps(endless):
+    for kw in ({}, {"max_frames": 9}):
+        req = SynthesisRequest("Hi there.", voice="ryan", seed=3, **kw)
+        off, on = _run(endless, req, False), _run(endless, req, True)
+        assert on[:3] == off[:3] and on[3] > 0, kw
+        assert off[1] == "frame_cap"
+
+
+def test_cancel_with_a_frame_ahead(endless):
+    endless.run_ahead = True
+    try:
+        s = endless.open_session(SynthesisRequest("Cancel me soon.", voice="ryan", seed=0))
+        endless.step(s)  # frame 0 completes the first chunk: nothing launched ahead
+        assert s.ahead is None
+        endless.step(s)  # frame 1 starts a 4-frame chunk: frame 2 is launched ahead
+        assert s.ahead is not None
+        endless.cancel(s)
+        assert s.done and s.ahead is None and s.state is None
+    finally:
+        endless.run_ahead = False
+    _assert_still_works(endless)
+
+
 def test_cancel_frees_state(endless):
     s = endless.open_session(SynthesisRequest("Cancel me soon.", voice="ryan", seed=0))
     endless.step(s)

@@ -74,19 +74,27 @@ def test_few_calls_on_fast_more_move_into_the_batch(engine):
     engine.cancel(s)
 
 
-def test_moved_calls_continue_exactly(engine):
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_moved_calls_continue_exactly(engine, run_ahead):
     # Greedy in fp32: both sides give the same codes, so a call moved mid-utterance (K/V rows,
-    # next input, code-0 history) must give the codes it gives alone.
+    # next input, code-0 history) must give the codes it gives alone. With run_ahead (the default
+    # on a GPU) a call is moved with a frame already launched ahead on the per-call side.
     reqs = [SynthesisRequest(f"Moved call {i}, a little longer.", voice="aiden", greedy=True, max_frames=10,
                              vocode=False) for i in range(3)]
     solo = [engine.generate_codes(r.text, voice="aiden", greedy=True, max_frames=10).numpy() for r in reqs]
-    first = [engine.open_session(r) for r in reqs[:2]]
-    for _ in range(4):
-        engine.step_many(first)
-    assert all(s.state.on_fast for s in first)
-    moved = engine.backend.moved
-    third = engine.open_session(reqs[2])
-    results = _run(engine, first + [third])
+    engine.run_ahead = run_ahead
+    try:
+        first = [engine.open_session(r) for r in reqs[:2]]
+        for _ in range(4):
+            for s in first:  # one call a round: the per-call path, where frames run ahead
+                engine.step_many([s])
+        assert all(s.state.on_fast for s in first)
+        assert all((s.ahead is not None) == run_ahead for s in first)
+        moved = engine.backend.moved
+        third = engine.open_session(reqs[2])
+        results = _run(engine, first + [third])
+    finally:
+        engine.run_ahead = False
     assert engine.backend.moved - moved == 2
     for codes, expected in zip(results, solo):
         assert np.array_equal(codes, expected)
