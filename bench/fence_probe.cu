@@ -38,9 +38,24 @@
 #define MAX_COPIES 6
 #define ITERS 64
 
-enum Op { OP_ATOM_RELEASE = 0, OP_FENCE_RELEASE, OP_ATOM_RELAXED, OP_LOAD_RELAXED, OP_PROXY_ATOM, OP_COUNT };
+enum Op {
+    OP_ATOM_RELEASE = 0,
+    OP_FENCE_RELEASE,
+    OP_ATOM_RELAXED,
+    OP_LOAD_RELAXED,
+    OP_PROXY_ATOM,
+    OP_BULK_STORE_ARRIVE,
+    OP_BULK_RED_ARRIVE,
+    OP_COUNT
+};
 static const char* kOpNames[OP_COUNT] = {"atom.add.release.gpu", "fence.release.gpu (MEMBAR)", "atom.add.relaxed.gpu",
-                                         "ld.relaxed.gpu (L2 hit)", "fence.proxy.async + atom.relaxed"};
+                                         "ld.relaxed.gpu (L2 hit)", "fence.proxy.async + atom.relaxed",
+                                         "512 B bulk store, wait_group 0, fence.proxy.async, atom.relaxed",
+                                         "512 B bulk reduce-add f32, wait_group 0, fence.proxy.async, atom.relaxed"};
+// The last two: a phase's results published without a release fence. The bulk operation's
+// completion (wait_group without .read) has the writes performed in global memory before the
+// relaxed arrival is issued; does that wait for the block's weight copies too?
+#define STAGE_BYTES 512
 enum Issuer { ISS_OTHER_WARP = 0, ISS_SAME_THREAD, ISS_PEER_INTO_ME, ISS_ME_INTO_PEER, ISS_COUNT };
 static const char* kIssuerNames[ISS_COUNT] = {"another warp of the block", "the timed thread",
                                               "peer CTA of the cluster, into this CTA's smem",
@@ -53,6 +68,7 @@ struct Args {
     int op, issuer, ncopies;
     long long delay;
     unsigned* counters;        // per block: atomic target, load target
+    float* sink;               // per block: STAGE_BYTES written by the bulk store / reduce
     long long* out;            // [block][ITERS][2]: op cycles, land cycles
 };
 
@@ -94,10 +110,25 @@ __device__ void issue(const Args& a, int iter, uint32_t bar, uint32_t dst, int b
     }
 }
 
-__device__ __forceinline__ long long timed_op(const Args& a, unsigned* ctr) {
+__device__ __forceinline__ long long timed_op(const Args& a, unsigned* ctr, uint32_t stage) {
     unsigned v = 0;
+    float* sink = a.sink + (size_t)blockIdx.x * (STAGE_BYTES / 4);
     const long long t0 = clk();
     switch (a.op) {
+        case OP_BULK_STORE_ARRIVE:
+        case OP_BULK_RED_ARRIVE:
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the staged values, written generically
+            if (a.op == OP_BULK_STORE_ARRIVE)
+                asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(sink), "r"(stage),
+                             "r"((uint32_t)STAGE_BYTES)
+                             : "memory");
+            else
+                asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(sink),
+                             "r"(stage), "r"((uint32_t)STAGE_BYTES)
+                             : "memory");
+            asm volatile("cp.async.bulk.commit_group;\ncp.async.bulk.wait_group 0;\nfence.proxy.async.global;" ::: "memory");
+            asm volatile("atom.add.relaxed.gpu.global.u32 %0, [%1], 1;" : "=r"(v) : "l"(ctr) : "memory");
+            break;
         case OP_ATOM_RELEASE:
             asm volatile("atom.add.release.gpu.global.u32 %0, [%1], 1;" : "=r"(v) : "l"(ctr) : "memory");
             break;
@@ -142,6 +173,7 @@ __device__ void probe(const Args& a) {
     const uint32_t rank = CLUSTER ? cluster_rank() : 0;
     if (threadIdx.x == 0) {
         *reinterpret_cast<volatile uint32_t*>(smem + 64) = 0u;
+        for (int i = 0; i < STAGE_BYTES / 4; ++i) reinterpret_cast<float*>(smem + 128 + MAX_COPIES * SLOT_BYTES)[i] = 1.f;
         asm volatile("mbarrier.init.shared.b64 [%0], 1;" ::"r"(s32(bar)) : "memory");
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -187,7 +219,7 @@ __device__ void probe(const Args& a) {
             const long long t0 = clk();
             while (clk() - t0 < a.delay) {
             }
-            const long long op = timed_op(a, ctr);
+            const long long op = timed_op(a, ctr, s32(smem + 128 + MAX_COPIES * SLOT_BYTES));
             const long long t1 = clk();
             long long land = -1;
             if (receives) {
@@ -233,7 +265,10 @@ int main() {
     long long* out = nullptr;
     const size_t n_out = (size_t)blocks * ITERS * 2;
     CK(cudaMalloc(&out, n_out * sizeof(long long)));
-    const int smem_bytes = 128 + MAX_COPIES * SLOT_BYTES;
+    const int smem_bytes = 128 + MAX_COPIES * SLOT_BYTES + STAGE_BYTES;
+    float* sink = nullptr;
+    CK(cudaMalloc(&sink, (size_t)blocks * STAGE_BYTES));
+    CK(cudaMemset(sink, 0, (size_t)blocks * STAGE_BYTES));
     CK(cudaFuncSetAttribute(probe_plain, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
     CK(cudaFuncSetAttribute(probe_cluster, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
     std::vector<long long> host(n_out);
@@ -248,10 +283,11 @@ int main() {
             for (int op = 0; op < OP_COUNT; ++op)
                 for (long long delay : delays)
                     for (int n : copies) {
-                        if (issuer >= ISS_PEER_INTO_ME && (op == OP_LOAD_RELAXED || op == OP_PROXY_ATOM)) continue;
-                        if (src_l2 && (delay != 0 || op == OP_LOAD_RELAXED || op == OP_PROXY_ATOM)) continue;
+                        const bool side = op == OP_LOAD_RELAXED || op >= OP_PROXY_ATOM;
+                        if (issuer >= ISS_PEER_INTO_ME && side) continue;
+                        if (src_l2 && (delay != 0 || side)) continue;
                         Args a{src, src_l2 ? (size_t)blocks * MAX_COPIES * SLOT_BYTES : src_bytes, src_l2, op, issuer, n,
-                               delay, counters, out};
+                               delay, counters, sink, out};
                         CK(cudaMemset(out, 0xff, n_out * sizeof(long long)));
                         for (int rep = 0; rep < 2; ++rep) {  // the first launch warms up
                             if (issuer >= ISS_PEER_INTO_ME) probe_cluster<<<blocks, 64, smem_bytes>>>(a);
