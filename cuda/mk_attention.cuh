@@ -11,7 +11,6 @@
 #define QMK_CHUNK 32   // positions per item: K and V rows of a full chunk fill one 32 KB slot
 #define QMK_PART 132   // per (kv head, chunk, q head): m, l, 2 pad, acc[128] (16-byte aligned)
 #define QMK_ATTN_SMEM_FLOATS 4  // merge flags, one per warp pair (attention_item)
-#define QMK_KV_STAGE 1024       // append 2: floats past `out` where the k and v rows are staged
 
 struct AttnArgs {
     const float* qkv;  // [H*128 q | KV*128 k | KV*128 v], raw projections (the q/k/v phase's output)
@@ -26,9 +25,7 @@ struct AttnArgs {
     int pos, num_heads, num_kv_heads, max_pos;
     float eps;
     int out_head0;  // head h's output goes to out + (h - out_head0) * 128
-    int append;     // store the new position's k and v (one of the items that compute a head); 2: staged
-                    // at out + QMK_KV_STAGE and stored by bulk copies (QMK_RELAXED passes, whose
-                    // arrivals do not release plain stores)
+    int append;     // store the new position's k and v (one of the items that compute a head)
 #ifdef QMK_TRACE_ATTN
     long long* dbg = nullptr;  // this item's trace row (talker items only; see qmk_attn_trace)
 #endif
@@ -159,22 +156,8 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
     QMK_DBG(3, q.x + k.x + v.x);
     if (last && w == 0 && a.append) {
         const size_t row = ((size_t)g * a.max_pos + pos) * QMK_HD + lane * 4;
-#if QMK_RELAXED
-        if (a.append == 2) {  // thread 0's bulk copies; it waits for them before its arrival
-            float* stage = a.out + QMK_KV_STAGE;
-            *reinterpret_cast<float4*>(stage + lane * 4) = k;
-            *reinterpret_cast<float4*>(stage + QMK_HD + lane * 4) = v;
-            __syncwarp();
-            if (lane == 0) {
-                bulk_store(a.kc + row, stage, QMK_HD * 4);
-                bulk_store(a.vc + row, stage + QMK_HD, QMK_HD * 4);
-            }
-        } else
-#endif
-        {
-            *reinterpret_cast<float4*>(a.kc + row) = k;
-            *reinterpret_cast<float4*>(a.vc + row) = v;
-        }
+        *reinterpret_cast<float4*>(a.kc + row) = k;
+        *reinterpret_cast<float4*>(a.vc + row) = v;
     }
     // Scores: every lane's partial dot for every position, then a transposing reduction that
     // leaves position i's full score in lane i (31 shuffles for 32 positions).

@@ -5,19 +5,6 @@
 #include <stdint.h>
 
 #define QMK_THREADS 512                      // consumer threads: every phase's work
-
-// QMK_RELAXED (Hopper; at run time qmk_stack.relaxed_arrivals): the code predictor's phases
-// publish their results with bulk stores and bulk reduce-adds from shared memory whose completion
-// the issuing thread waits for (cp.async.bulk.wait_group 0), and stores whose atomic reply it
-// waits for, then arrive with a relaxed atomic: no release fence, which would wait for every
-// weight copy the block has in flight (bench/fence_probe.cu: 583-597 cycles with 0-2 slots in
-// flight, against 767-2396 for the release arrival).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define QMK_RELAXED 1
-#else
-#define QMK_RELAXED 0
-#endif
-
 #define QMK_WARPS (QMK_THREADS / 32)
 // + the producer streaming weights (mk_stream.cuh): one warp, or on Hopper built with its
 // arch-specific features (sm_90a) a whole warpgroup that hands its registers to the consumers
@@ -150,38 +137,6 @@ __device__ __forceinline__ void red_add4(float* p, float a, float b, float c, fl
 #endif
 }
 
-#if QMK_RELAXED
-// Publication without a release fence (QMK_RELAXED, above). The calling thread copies
-// `bytes` (16-byte aligned, a multiple of 16) of shared memory it has seen written (after a block
-// barrier) to global memory, or adds them as floats; bulk_wait() returns once every such copy of
-// this thread has been performed in global memory.
-__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
-    asm volatile("fence.proxy.async.shared::cta;\n"
-                 "cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
-                 "cp.async.bulk.commit_group;" ::"l"(dst),
-                 "r"((uint32_t)__cvta_generic_to_shared(src)), "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void bulk_add(float* dst, const float* src, uint32_t bytes) {
-    asm volatile("fence.proxy.async.shared::cta;\n"
-                 "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                 "cp.async.bulk.commit_group;" ::"l"(dst),
-                 "r"((uint32_t)__cvta_generic_to_shared(src)), "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void bulk_wait() {
-    asm volatile("cp.async.bulk.wait_group 0;\nfence.proxy.async.global;" ::: "memory");
-}
-// A 32-bit store that has been performed in global memory when this returns: an exchange whose
-// reply the thread consumes (stored to `scratch`, a shared word nobody reads) before it goes on.
-__device__ __forceinline__ void store_performed(void* p, uint32_t v, uint32_t* scratch) {
-    uint32_t old;
-    asm volatile("atom.exch.relaxed.gpu.global.b32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-    asm volatile("st.volatile.shared.u32 [%0], %1;" ::"r"((uint32_t)__cvta_generic_to_shared(scratch)), "r"(old)
-                 : "memory");
-}
-#endif
-
 // ---------------------------------------------------------------------------------------------
 // Grid barrier over a zero-initialised counter. Block 0 adds 2^31 - (blocks - 1), every other
 // block 1: the top bit flips exactly when the last block arrives, so the counter never needs a
@@ -209,21 +164,6 @@ __device__ __forceinline__ unsigned grid_arrive(unsigned* counter) {
     unsigned old;
     asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(counter), "r"(add) : "memory");
     return old;
-}
-
-// The arrival without the release (QMK_RELAXED phases, whose writes are already performed).
-__device__ __forceinline__ unsigned grid_arrive_relaxed(unsigned* counter) {
-    const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
-    unsigned old;
-    asm volatile("atom.add.relaxed.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(counter), "r"(add) : "memory");
-    return old;
-}
-
-// Every bulk copy the calling thread issued is performed (Hopper; elsewhere there are none).
-__device__ __forceinline__ void bulk_wait_all() {
-#if QMK_RELAXED
-    bulk_wait();
-#endif
 }
 
 __device__ __forceinline__ void grid_wait(const unsigned* counter, unsigned arrived) {

@@ -18,7 +18,6 @@
 #define QMK_OWN_MAX 256    // residual rows one block may own (hidden / blocks)
 #define QMK_RED_ROWS 192   // matrix rows one block may own in a phase (gate and up count twice)
 #define QMK_AO_ROWS 64     // o_proj rows per fused attention + o_proj item
-#define QMK_AO_STAGE 512   // QMK_RELAXED: an item's sums staged this many floats into its heads' area
 #define QMK_SMEM_RING 0                               // RingState (mbarriers, producer cursor)
 #define QMK_SMEM_GEO (QMK_SMEM_RING + 512)            // Geo [16]: this block's slice per matrix kind
 #define QMK_SMEM_RED (QMK_SMEM_GEO + 512)             // float [QMK_RED_ROWS][4] row partials
@@ -463,12 +462,8 @@ struct Ctx {
         ++*stamps;
     }
 
-    // Grid barrier over the consumer threads of every block. `relaxed` (QMK_RELAXED): every
-    // global write of the phase was a bulk copy (each thread waits for its own here) or a
-    // performed store, so the arrival is a relaxed atomic, which does not wait for the block's
-    // weight copies in flight as a release does (bench/fence_probe.cu).
-    __device__ void sync(int phase, bool relaxed = false) {
-        if (QMK_RELAXED && relaxed) bulk_wait_all();
+    // Grid barrier over the consumer threads of every block.
+    __device__ void sync(int phase) {
         block_sync();
         if (threadIdx.x == 0) {
             stamp(phase, STEP_DONE);
@@ -477,7 +472,7 @@ struct Ctx {
             long long* gr = grid_row();
             if (gr) gr[0] = dbg_gtime(), gr[3] = phase;
 #endif
-            const unsigned arrived = QMK_RELAXED && relaxed ? grid_arrive_relaxed(counter) : grid_arrive(counter);
+            const unsigned arrived = grid_arrive(counter);
 #ifdef QMK_TRACE_ATTN
             if (gr) gr[1] = dbg_gtime();
 #endif
@@ -497,8 +492,7 @@ struct Ctx {
     // The end of a phase that only the blocks of one group wait for: its stores released to them
     // through `counter` (blocks outside any group pass null), the tiles handed back as at a grid
     // arrival, no wait.
-    __device__ void group_arrive(unsigned* counter, int phase, bool relaxed = false) {
-        if (QMK_RELAXED && relaxed) bulk_wait_all();
+    __device__ void group_arrive(unsigned* counter, int phase) {
         block_sync();
         if (threadIdx.x == 0) {
             stamp(phase, STEP_DONE);
@@ -506,8 +500,7 @@ struct Ctx {
             long long* gr = grid_row();
             if (gr) gr[0] = dbg_gtime(), gr[3] = 64 + phase;
 #endif
-            if (counter && QMK_RELAXED && relaxed) asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
-            else if (counter) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+            if (counter) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
 #ifdef QMK_TRACE_ATTN
             if (gr) gr[1] = gr[2] = dbg_gtime();
             ++seq;
@@ -519,28 +512,6 @@ struct Ctx {
         ring.end_deferred();
     }
 };
-
-// The code predictor's passes whose phases publish without release fences (QMK_RELAXED): from
-// pass 2 on, with every global write of their q/k/v, fused and MLP phases a bulk copy or a
-// performed store, the appended K/V rows included: a producer may read them for the next pass
-// before any later barrier (a first version stored them plainly and a GPU test saw stale rows,
-// 3.7e-4 off the reference). Passes 0 and 1 and the heads keep release arrivals.
-__device__ __forceinline__ bool relaxed_pass(const qmk_model& m, int pass) {
-    return QMK_RELAXED && m.pred.relaxed_arrivals && m.pred.fuse_attn_o && pass >= 2;
-}
-__device__ __forceinline__ uint32_t* performed_scratch() { return sm<uint32_t>(QMK_SMEM_STAMPS) + 3; }
-
-
-// QMK_RELAXED: rows [g.u0, g.u1) of `dst`, staged in `stage` by the phase's epilogue, stored by
-// one bulk copy from thread 0 (performed before its arrival: Ctx::sync / group_arrive).
-__device__ __forceinline__ void publish_rows(float* dst, const Geo& g, const float* stage) {
-#if QMK_RELAXED
-    block_sync();
-    if (threadIdx.x == 0 && g.u1 > g.u0) bulk_store(dst + g.u0, stage, (uint32_t)(g.u1 - g.u0) * 4);
-#else
-    (void)dst, (void)g, (void)stage;
-#endif
-}
 
 __device__ __forceinline__ float* norm_scratch() { return sm<float>(QMK_SMEM_NSCR); }
 
@@ -713,18 +684,6 @@ __device__ void run_gu_split(Ctx& c, const Phase& ph, int id, const Operand<2>& 
             c.ring.release(1);
         }
     }
-#if QMK_RELAXED
-    if (relaxed_pass(c.F.m(), ph.pass)) {  // the block's hidden-wide partial, staged, added by one bulk add
-        float* stage = sm<float>(QMK_SMEM_XS);
-#pragma unroll
-        for (int e = 0; e < CPT; ++e) stage[col + e] = acc[e];
-        block_sync();
-        if (threadIdx.x == 0) bulk_add(resid, stage, QMK_THREADS * CPT * 4);
-        if (!within) defer_mlp_tiles(c, g, ph);
-        c.stamp(id, STEP_EPILOGUE);
-        return;
-    }
-#endif
     if constexpr (CPT == 2) {  // lane pairs: the even lane adds both threads' four columns
         const float b0 = __shfl_down_sync(0xffffffffu, acc[0], 1), b1 = __shfl_down_sync(0xffffffffu, acc[1], 1);
         if ((threadIdx.x & 1) == 0) red_add4(resid + col, acc[0], acc[1], b0, b1);
@@ -743,9 +702,9 @@ __device__ void run_gu_split(Ctx& c, const Phase& ph, int id, const Operand<2>& 
 // Grouped q/k/v: the end of the phase (this block's head counter, if it has rows), the wait for
 // head g's blocks (thread 0, then the block), and the reset once every waiter has passed a grid
 // barrier since (the block of row group 0, before the next q/k/v phase's barrier).
-__device__ __forceinline__ void arrive_head(Ctx& c, const qmk_model& m, int id, bool relaxed = false) {
+__device__ __forceinline__ void arrive_head(Ctx& c, const qmk_model& m, int id) {
     const int b = blockIdx.x;
-    c.group_arrive(b < QMK_QKV_GROUP * m.pred.num_kv_heads ? head_ready(m) + b / QMK_QKV_GROUP : nullptr, id, relaxed);
+    c.group_arrive(b < QMK_QKV_GROUP * m.pred.num_kv_heads ? head_ready(m) + b / QMK_QKV_GROUP : nullptr, id);
 }
 __device__ __forceinline__ void wait_head(const qmk_model& m, int g) {
     if (threadIdx.x == 0)
@@ -753,17 +712,10 @@ __device__ __forceinline__ void wait_head(const qmk_model& m, int g) {
         }
     block_sync();
 }
-__device__ __forceinline__ void reset_head(const qmk_model& m, bool performed = false) {
+__device__ __forceinline__ void reset_head(const qmk_model& m) {
     const int b = blockIdx.x;
-    if (threadIdx.x == 0 && b < QMK_QKV_GROUP * m.pred.num_kv_heads && b % QMK_QKV_GROUP == 0) {
-#if QMK_RELAXED
-        if (performed) {
-            store_performed(head_ready(m) + b / QMK_QKV_GROUP, 0u, performed_scratch());
-            return;
-        }
-#endif
+    if (threadIdx.x == 0 && b < QMK_QKV_GROUP * m.pred.num_kv_heads && b % QMK_QKV_GROUP == 0)
         head_ready(m)[b / QMK_QKV_GROUP] = 0u;
-    }
 }
 
 // `tabled`: the position's raw q/k/v projections are this pass's table row (feed), not the q/k/v
@@ -857,27 +809,15 @@ __device__ __forceinline__ Acc pred_acc(const qmk_model& m, int n) {
     return {X, X + QMK_ACC_STRIDE};
 }
 
-// The block's share of both accumulators set to zero. `performed` (QMK_RELAXED): each zero has
-// been performed in global memory before the thread goes on (a relaxed arrival follows).
-__device__ __forceinline__ void zero_acc(const Acc& z, int D, bool performed = false) {
+// The block's share of both accumulators set to zero.
+__device__ __forceinline__ void zero_acc(const Acc& z, int D) {
     const int r0 = D * blockIdx.x / gridDim.x, r1 = D * (blockIdx.x + 1) / gridDim.x;
-#if QMK_RELAXED
-    if (performed) {
-        const int n = r1 - r0;
-        for (int k = threadIdx.x; k < n * (1 + QMK_ACC_COPIES); k += QMK_THREADS) {
-            const int i = r0 + k % n, copy = k / n;
-            store_performed(copy == 0 ? z.a + i : z.b + i + (copy - 1) * QMK_ACC_STRIDE, 0u, performed_scratch());
-        }
-        return;
-    }
-#endif
     for (int i = r0 + (int)threadIdx.x; i < r1; i += QMK_THREADS) {
         z.a[i] = 0.f;
 #pragma unroll
         for (int k = 0; k < QMK_ACC_COPIES; ++k) z.b[i + k * QMK_ACC_STRIDE] = 0.f;
     }
 }
-
 
 // Item (g, r): kv head g's two query heads (every row group recomputes them: a predictor position
 // attends to at most 16 positions), then rows 64 r .. 64 r + 63 of o_proj over those heads' 256
@@ -900,8 +840,7 @@ __device__ void run_attn_o(Ctx& c, const Phase& ph, int id, bool tabled, bool gr
         c.stamp(id, STEP_TILE);
         const AttnArgs a{dptr<const float>(m.qkv), heads, dptr<float>(S.k_cache) + off, dptr<float>(S.v_cache) + off,
                          bfp(L.q_norm), bfp(L.k_norm), dptr<const float>(S.rope), nullptr, nullptr, pos,
-                         S.num_heads, S.num_kv_heads, S.max_pos, S.eps, 2 * g,
-                         r == 0 ? (relaxed_pass(m, ph.pass) ? 2 : 1) : 0};
+                         S.num_heads, S.num_kv_heads, S.max_pos, S.eps, 2 * g, r == 0};
         const float* qkv = tabled ? *sm<const float* volatile>(QMK_SMEM_QSRC) : a.qkv;
         if (grouped) wait_head(m, g);
         attention_item(a, qkv, g, 0, 1, kv, sm<float>(QMK_SMEM_ATTN));
@@ -945,26 +884,9 @@ __device__ void run_attn_o(Ctx& c, const Phase& ph, int id, bool tabled, bool gr
 #pragma unroll
                 for (int e = 0; e < 4; ++e) v[e] += x[e];
             }
-#if QMK_RELAXED
-            if (relaxed_pass(m, ph.pass)) {
-                *reinterpret_cast<float4*>(heads + QMK_AO_STAGE + k) = make_float4(v[0], v[1], v[2], v[3]);
-            } else
-#endif
-            {
-                red_add4(acc.a + u, v[0], v[1], v[2], v[3]);
-                red_add4(acc.b + u, v[0], v[1], v[2], v[3]);
-            }
+            red_add4(acc.a + u, v[0], v[1], v[2], v[3]);
+            red_add4(acc.b + u, v[0], v[1], v[2], v[3]);
         }
-#if QMK_RELAXED
-        if (relaxed_pass(m, ph.pass)) {  // the item's 64 sums into both accumulators, one bulk add each
-            block_sync();
-            if (threadIdx.x == 0) {
-                bulk_add(acc.a + r * QMK_AO_ROWS, heads + QMK_AO_STAGE, QMK_AO_ROWS * 4);
-                bulk_add(acc.b + r * QMK_AO_ROWS, heads + QMK_AO_STAGE, QMK_AO_ROWS * 4);
-                if (mine > 1) bulk_wait();  // the next item stages here again
-            }
-        }
-#endif
     }
     c.stamp(id, STEP_EPILOGUE);
 }
@@ -977,7 +899,7 @@ __device__ void run_pred_fused(Ctx& c, int pass, VecRef src) {
     const qmk_model& m = c.F.m();
     const qmk_stack& S = m.pred;
     const int L = S.num_layers, D = S.hidden;
-    const bool grouped = grouped_qkv(m, pass), rx = relaxed_pass(m, pass);
+    const bool grouped = grouped_qkv(m, pass);
     float* qkv = dptr<float>(m.qkv);
     for (int l = 0; l < L; ++l) {
         const Phase pq{K_QKV, l, pass};
@@ -988,17 +910,9 @@ __device__ void run_pred_fused(Ctx& c, int pass, VecRef src) {
         if (!tabled) {
             Operand<2> x;
             load_xn<2>(in, bfp(Ly.input_norm), D, S.eps, x);
-            // QMK_RELAXED passes: the block's 32 rows staged and stored by one bulk copy.
-            const bool rq = rx && grouped && !last0;
-            float* stage = sm<float>(QMK_SMEM_ACTS);
-            run_mat<2>(c, pq, 16 + PH_QKV, x, [&](int u, int j, const float* red) {
-                const float v = row_sum(red, j);
-                if (rq) stage[j] = v;
-                else qkv[u] = v;
-            });
-            if (rq) publish_rows(qkv, geo(pq), stage);
+            run_mat<2>(c, pq, 16 + PH_QKV, x, [&](int u, int j, const float* red) { qkv[u] = row_sum(red, j); });
             // Pass 0's last attention has no barrier after it and reads whole heads: a grid barrier.
-            if (grouped && !last0) arrive_head(c, m, 16 + PH_QKV, rq);
+            if (grouped && !last0) arrive_head(c, m, 16 + PH_QKV);
             else c.sync(16 + PH_QKV);
         }
         if (last0) {  // only the K/V rows are used; no barrier (as in run_stack)
@@ -1007,15 +921,15 @@ __device__ void run_pred_fused(Ctx& c, int pass, VecRef src) {
         }
         const Acc acc = pred_acc(m, fused_layer(L, pass, l));
         run_attn_o(c, Phase{K_AO, l, pass}, 16 + PH_AO, tabled, grouped && !tabled, in, acc);
-        c.sync(16 + PH_AO, rx);
-        if (grouped) reset_head(m, rx);
+        c.sync(16 + PH_AO);
+        if (grouped) reset_head(m);
         Operand<2> xm;
         load_xn<2>(VecRef{acc.a, VEC_F32}, bfp(Ly.post_norm), D, S.eps, xm);
-        zero_acc(pred_acc(m, fused_layer(L, pass, l) + 1), D, rx);
+        zero_acc(pred_acc(m, fused_layer(L, pass, l) + 1), D);
         const Phase pg{K_GU, l, pass};
         if (D == 2048) run_gu_split<4>(c, pg, 16 + PH_MLP, xm, acc.b);
         else run_gu_split<2>(c, pg, 16 + PH_MLP, xm, acc.b);
-        c.sync(16 + PH_MLP, rx);
+        c.sync(16 + PH_MLP);
     }
 }
 

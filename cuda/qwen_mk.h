@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define QMK_ABI_VERSION 12
+#define QMK_ABI_VERSION 11
 #define QMK_MAX_GROUPS 16
 #define QMK_HEAD_DIM 128
 
@@ -55,11 +55,6 @@ typedef struct {
      * keeps them apart where a block's slices do not fit its shared memory twice (grids of fewer
      * than 64 blocks; qmk_merges_first_passes). 0: one pass after the other. */
     int32_t merge_first;
-    /* 1 (code predictor with fuse_attn_o, Hopper): from pass 2 on, the q/k/v, fused and MLP
-     * phases publish their results with bulk stores and bulk float adds whose completion they
-     * wait for, and arrive with relaxed atomics instead of release fences (which wait for every
-     * weight copy the block has in flight). Other architectures ignore it. 0: release arrivals. */
-    int32_t relaxed_arrivals;
     uint64_t layers;     /* qmk_layer[num_layers] in device memory */
     uint64_t final_norm; /* bf16 [hidden] */
     uint64_t rope;       /* fp32 [max_pos][2][64]: cos then sin per position */

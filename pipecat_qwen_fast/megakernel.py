@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_FILES = ("qwen_mk.h", "mk_util.cuh", "mk_stream.cuh", "mk_matvec.cuh", "mk_attention.cuh", "mk_sample.cuh",
                 "qwen_mk.cu")
-ABI_VERSION = 12
+ABI_VERSION = 11
 # MegakernelBackend(long_kernel=...) -> qmk_model.long_kernel
 LONG_KERNEL = {"auto": 0, "always": 1, "never": -1}
 TRACE_MAX = 8192
@@ -142,7 +142,6 @@ class QmkStack(ctypes.Structure):
         ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32), ("max_pos", ctypes.c_int32),
         ("eps", ctypes.c_float), ("split_down", ctypes.c_int32),
         ("fuse_attn_o", ctypes.c_int32), ("group_qkv", ctypes.c_int32), ("merge_first", ctypes.c_int32),
-        ("relaxed_arrivals", ctypes.c_int32),
         ("layers", ctypes.c_uint64), ("final_norm", ctypes.c_uint64), ("rope", ctypes.c_uint64),
         ("k_cache", ctypes.c_uint64), ("v_cache", ctypes.c_uint64),
     ]
@@ -390,8 +389,8 @@ class MegakernelBackend:
 
     def __init__(self, talker, device: torch.device, dtype: torch.dtype, warmup: bool = True,
                  input_tables: bool = True, split_down: bool = True, fuse_attn_o: bool = True,
-                 group_qkv: bool = True, merge_first: bool = True, relaxed_arrivals: bool = True, max_blocks: int = 0,
-                 long_kernel: str = "auto", prefills: PrefillGraphs | None = None):
+                 group_qkv: bool = True, merge_first: bool = True, max_blocks: int = 0, long_kernel: str = "auto",
+                 prefills: PrefillGraphs | None = None):
         if long_kernel not in LONG_KERNEL:
             raise ValueError(f"long_kernel must be one of {sorted(LONG_KERNEL)}, got {long_kernel!r}")
         reason = shape_unsupported_reason(talker)
@@ -429,9 +428,6 @@ class MegakernelBackend:
         # merge_first; needs fuse_attn_o and the input tables): one pass of phases less a frame.
         # The kernel keeps them apart on grids of fewer than 64 blocks (merges_first_passes).
         self.merge_first = merge_first
-        # From the predictor's pass 2 on, phases publish with bulk copies and arrive with relaxed
-        # atomics, not release fences (qmk_stack.relaxed_arrivals; Hopper only, needs fuse_attn_o).
-        self.relaxed_arrivals = relaxed_arrivals
         # At most this many blocks (0: one per SM): a smaller GPU's grid on this one, for tests.
         self.max_blocks = max_blocks
         # The long-context kernel runs a block's talker attention items at once; "auto" launches it
@@ -482,7 +478,6 @@ class MegakernelBackend:
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, max_pos=max_pos, eps=cfg.rms_norm_eps,
             split_down=int(self.split_down), fuse_attn_o=int(predictor and self.fuse_attn_o),
             group_qkv=int(predictor and self.group_qkv), merge_first=int(predictor and self.merge_first),
-            relaxed_arrivals=int(predictor and self.relaxed_arrivals),
             layers=ptr(table), final_norm=self._w(final_norm), rope=ptr(rope),
             k_cache=ptr(k), v_cache=ptr(v),
         )

@@ -328,13 +328,10 @@ def test_input_tables_match_the_qkv_phase(backends):
 #   group_qkv    the predictor's q/k/v phase ending without a grid barrier, each head's fused
 #                items waiting for its 16 blocks, against the barrier;
 #   merge_first  the predictor's passes 0 and 1 in one pass of phases, each for both positions,
-#                against one pass after the other;
-#   relaxed_arrivals  from the predictor's pass 2 on, results published by bulk stores and bulk
-#                float adds and relaxed arrivals, against plain stores, atomics and release
-#                arrivals.
+#                against one pass after the other.
 @needs_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("option", ["split_down", "fuse_attn_o", "group_qkv", "merge_first", "relaxed_arrivals"])
+@pytest.mark.parametrize("option", ["split_down", "fuse_attn_o", "group_qkv", "merge_first"])
 def test_kernel_option_matches_the_path_it_replaces(backends, option):
     """From the same prefill: identical codes over 8 sampled frames, talker and predictor hidden
     states within 1e-5."""
