@@ -196,6 +196,28 @@ def test_run_ahead_frame_caps(endless):
         assert off[1] == "frame_cap"
 
 
+def test_run_ahead_only_for_a_session_alone(endless):
+    """Sessions sharing step_many's rounds never run ahead (they would leave the batch for good);
+    one with a frame ahead when others join finishes it and runs ahead no more."""
+    endless.run_ahead = True
+    try:
+        a = endless.open_session(SynthesisRequest("First caller here.", voice="ryan", seed=1, max_frames=12))
+        for _ in range(2):
+            endless.step_many([a])
+        assert a.ahead is not None  # alone: frame 1 started a 4-frame chunk, frame 2 runs ahead
+        b = endless.open_session(SynthesisRequest("Second caller.", voice="ryan", seed=2, max_frames=12))
+        shared = 0
+        while not (a.done and b.done):
+            results = endless.step_many([a, b])
+            assert not any(isinstance(r, Exception) for r in results), results
+            if not (a.done or b.done):  # once one is done the other is alone and may run ahead
+                assert a.ahead is None and b.ahead is None
+                shared += 1
+        assert shared >= 5
+    finally:
+        endless.run_ahead = False
+
+
 def test_cancel_with_a_frame_ahead(endless):
     endless.run_ahead = True
     try:
