@@ -187,6 +187,9 @@ class QwenTTSEngine:
         # frame that completes a chunk: its vocoder call must not queue behind the next frame).
         # A frame launched ahead of an EOS is dropped with its state (the session or segment ends).
         self.run_ahead = device.type == "cuda"
+        # step_many clears it for a round of several sessions: a session stepped on its own that
+        # kept a frame ahead every round would never rejoin the batch.
+        self._ahead_allowed = True
         # On a GPU the streaming vocoder step replays one CUDA graph per chunk size; those of the
         # default chunk sizes are captured from compiled code, with cuDNN's preferred weight layout.
         defaults = (SynthesisRequest.first_chunk_frames, SynthesisRequest.chunk_frames, SynthesisRequest.max_chunk_frames)
@@ -465,16 +468,14 @@ class QwenTTSEngine:
         )
         return prompt.embeds
 
-    def step(self, s: Session, *, ahead: bool = True) -> list[AudioChunk]:
-        """Decode one frame of `s`; returns the audio chunk completed by it, if any. `ahead`:
-        whether it may launch the next frame before reading this one (run_ahead; step_many allows
-        it only to a session alone in its round, so that sessions sharing rounds stay batched)."""
+    def step(self, s: Session) -> list[AudioChunk]:
+        """Decode one frame of `s`; returns the audio chunk completed by it, if any."""
         if s.done:
             return []
         try:
             codes, host, copied = s.ahead if s.ahead is not None else self._launch(s)
             s.ahead = None
-            if ahead and self.run_ahead and self._may_run_ahead(s):
+            if self.run_ahead and self._ahead_allowed and self._may_run_ahead(s):
                 s.ahead = self._launch(s)
             if copied is not None:
                 copied.synchronize()  # the one host read per frame (EOS check); not the frame ahead
@@ -512,19 +513,24 @@ class QwenTTSEngine:
         Returns, per session, its completed chunks or the exception that ended it (that session is
         closed; the others go on).
         """
+        # Only a session alone in the round runs a frame ahead (_ahead_allowed).
+        self._ahead_allowed = sum(not s.done for s in sessions) == 1
+        try:
+            return self._step_round(sessions)
+        finally:
+            self._ahead_allowed = True
+
+    def _step_round(self, sessions: list[Session]) -> list[list[AudioChunk] | Exception]:
         results: list[list[AudioChunk] | Exception] = [[] for _ in sessions]
         batched = getattr(self.backend, "decode_frames", None)
         limit = getattr(self.backend, "max_batch", 1)
         groups: dict[SamplingParams, list[int]] = {}
-        # Only a session alone in the round runs a frame ahead: one stepped on its own every
-        # round would never rejoin the batch (a 16-stream run lost 10 % of its frames/s so).
-        alone = sum(not s.done for s in sessions) == 1
         for i, s in enumerate(sessions):
             if s.done:
                 continue
             if s.ahead is not None:  # its frame of this round is already running
                 try:
-                    results[i] = self.step(s, ahead=alone)
+                    results[i] = self.step(s)
                 except Exception as e:  # noqa: BLE001 - reported to that session's caller
                     results[i] = e
                 continue
@@ -535,7 +541,7 @@ class QwenTTSEngine:
                 if batched is None or len(part) == 1:
                     for i in part:
                         try:
-                            results[i] = self.step(sessions[i], ahead=alone)
+                            results[i] = self.step(sessions[i])
                         except Exception as e:  # noqa: BLE001 - reported to that session's caller
                             results[i] = e
                     continue
