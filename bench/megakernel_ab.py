@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_one(iters: int, root: Path, size: str, positions: list[int]) -> dict:
+def run_one(iters: int, root: Path, size: str, positions: list[int], max_blocks: int = 0) -> dict:
     import torch
 
     sys.path.insert(0, str(root))
@@ -37,13 +37,14 @@ def run_one(iters: int, root: Path, size: str, positions: list[int]) -> dict:
     from pipecat_qwen_fast.sampling import SamplingParams
 
     talker, cfg = mc.load_reference().random_talker(size, "cuda", seed=0)
-    mb = mk.MegakernelBackend(talker, torch.device("cuda"), torch.bfloat16)
+    mb = mk.MegakernelBackend(talker, torch.device("cuda"), torch.bfloat16, max_blocks=max_blocks)
     D = cfg.talker.hidden_size
     out: dict = {"modes": {}}
     for sampling in (False, True):
         params = SamplingParams(do_sample=sampling, subtalker_do_sample=sampling)
         torch.manual_seed(0)  # the same prefill and K/V in every variant
         st = mc.timing_state(mb, D, max([104] + [p + 4 for p in positions]), params)
+        out["grid_blocks"] = mb.grid_blocks(st)
         tag = "sampling" if sampling else "greedy"
         # Seeded (timing_state's seed 1), so sampled codes must match across variants too.
         out[f"{tag}_codes"] = torch.stack([mb.decode_frame(st).clone() for _ in range(8)]).tolist()

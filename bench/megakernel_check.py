@@ -223,6 +223,12 @@ def build_random_checkpoint(out_dir: Path) -> None:
         raise RuntimeError(f"build_checkpoint failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
+def warm_ttfc(engine) -> dict:
+    """Warm TTFC over bench_texts.UTTERANCES (bench_engine's seeds and frame counts)."""
+    return bench_engine.summarize([1e3 * bench_engine.measure_ttfc(engine, text, texts.frames_for(text), 100 + i)
+                                   for i, text in enumerate(texts.UTTERANCES)])
+
+
 def measure_engine(run_ahead: list[bool] | None = None) -> dict:
     """The engine on a random 0.6B CustomVoice checkpoint with backend="megakernel": load, the
     first request after load, warm TTFC over bench_texts.UTTERANCES, one streamed RTF sentence.
@@ -243,16 +249,12 @@ def measure_engine(run_ahead: list[bool] | None = None) -> dict:
         try:
             first = texts.UTTERANCES[1]
             out["first_request_ttfc_ms"] = 1e3 * bench_engine.measure_ttfc(engine, first, texts.frames_for(first), 1)
-            warm = [1e3 * bench_engine.measure_ttfc(engine, text, texts.frames_for(text), 100 + i)
-                    for i, text in enumerate(texts.UTTERANCES)]
-            out["ttfc_warm_ms"] = bench_engine.summarize(warm)
+            out["ttfc_warm_ms"] = warm_ttfc(engine)
             out["streaming"] = bench_engine.measure_stream(engine, texts.RTF_TEXT, texts.RTF_FRAMES, 200)
             out["run_ahead_default"] = engine.run_ahead
             for k, value in enumerate(run_ahead or []):
                 engine.run_ahead = value
-                warm = [1e3 * bench_engine.measure_ttfc(engine, text, texts.frames_for(text), 100 + i)
-                        for i, text in enumerate(texts.UTTERANCES)]
-                row = {"run_ahead": value, "ttfc_warm_ms": bench_engine.summarize(warm),
+                row = {"run_ahead": value, "ttfc_warm_ms": warm_ttfc(engine),
                        "streaming": bench_engine.measure_stream(engine, texts.RTF_TEXT, texts.RTF_FRAMES, 200)}
                 # Greedy and seeded sampled codes of one utterance, compared across the settings.
                 row["codes"] = [engine.generate_codes(texts.RTF_TEXT, voice=engine.default_voice, max_frames=80,

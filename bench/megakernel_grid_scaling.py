@@ -32,46 +32,23 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=200)
     args = ap.parse_args()
 
-    import megakernel_check as mc
     import torch
+    from megakernel_ab import run_one
 
-    from pipecat_qwen_fast import megakernel as mk
-    from pipecat_qwen_fast.sampling import SamplingParams
-
-    talker, cfg = mc.load_reference().random_talker(args.size, "cuda", seed=0)
-    D = cfg.talker.hidden_size
     result = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "commit": os.environ.get("BENCH_COMMIT", "unknown"), "gpu": torch.cuda.get_device_name(),
               "script": "bench/megakernel_grid_scaling.py", "size": args.size, "grids": []}
     first_codes = None
     for cap in args.blocks:
-        mb = mk.MegakernelBackend(talker, torch.device("cuda"), torch.bfloat16, max_blocks=cap)
-        row: dict = {"max_blocks": cap, "modes": {}}
-        codes = {}
-        for sampling in (False, True):
-            params = SamplingParams(do_sample=sampling, subtalker_do_sample=sampling)
-            torch.manual_seed(0)
-            st = mc.timing_state(mb, D, 104, params)
-            row["grid_blocks"] = mb.grid_blocks(st)
-            tag = "sampling" if sampling else "greedy"
-            codes[tag] = torch.stack([mb.decode_frame(st).clone() for _ in range(8)]).tolist()
-            modes = {
-                f"frame_{tag}_pos100": mb.frame_args(st, run_talker=True, pos=100)[0],
-                f"talker_only_{tag}_pos100": mb.frame_args(st, run_talker=True, run_predictor=False, pos=100)[0],
-                f"predictor_only_{tag}": mb.frame_args(st, run_talker=False)[0],
-            }
-            for name, f in modes.items():
-                mc.time_launches(mb, st, f, 20)
-                row["modes"][name] = mc.summary(mc.time_launches(mb, st, f, args.iters))
-            row[f"profile_{tag}_pos100"] = mc.phase_profile(mb, st, mb.frame_args(st, run_talker=True, pos=100)[0])
-            mb.release(st)
+        # megakernel_ab's measurement of one build, on this grid (it loads the same random talker).
+        row = {"max_blocks": cap, **run_one(args.iters, ROOT, args.size, [], max_blocks=cap)}
+        codes = {tag: row.pop(f"{tag}_codes") for tag in ("greedy", "sampling")}
         if first_codes is None:
             first_codes = codes
         row["codes_identical_to_first"] = codes == first_codes
         result["grids"].append(row)
         print(f"blocks {row['grid_blocks']:4}  " + "  ".join(f"{k} {v['median_ms']:.4f}" for k, v in row["modes"].items())
               + f"  codes identical: {row['codes_identical_to_first']}", flush=True)
-        del mb
         torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

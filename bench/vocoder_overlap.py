@@ -43,6 +43,7 @@ def main() -> int:
     args = ap.parse_args()
 
     import megakernel_check as mc
+    from cuda_timing import event_times_ms
     from vocoder_bench import build
 
     from pipecat_qwen_fast import megakernel as mk
@@ -80,14 +81,7 @@ def main() -> int:
         for _ in range(5):
             vocoder_call()
         torch.cuda.synchronize()
-        voc_alone = []
-        for _ in range(args.repeats):
-            a, b = ev(), ev()
-            a.record()
-            vocoder_call()
-            b.record()
-            b.synchronize()
-            voc_alone.append(a.elapsed_time(b))
+        voc_alone = event_times_ms(vocoder_call, args.repeats, sync_each=True)
         out["vocoder_alone_ms"] = statistics.median(voc_alone)
         print(f"vocoder {args.chunk}-frame call alone: {out['vocoder_alone_ms']:.3f} ms "
               f"(compiled: {out['vocoder_compiled']})", flush=True)
@@ -107,14 +101,8 @@ def main() -> int:
             for _ in range(3):
                 frames()
             torch.cuda.synchronize()
-            alone, both, k_done, v_done = [], [], [], []
-            for _ in range(args.repeats):
-                a, b = ev(), ev()
-                a.record()
-                frames()
-                b.record()
-                b.synchronize()
-                alone.append(a.elapsed_time(b))
+            alone = event_times_ms(frames, args.repeats, sync_each=True)
+            both, k_done, v_done = [], [], []
             for _ in range(args.repeats):
                 start, k_end, v_end = ev(), ev(), ev()
                 start.record()
