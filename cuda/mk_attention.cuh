@@ -26,6 +26,10 @@ struct AttnArgs {
     float eps;
     int out_head0;  // head h's output goes to out + (h - out_head0) * 128
     int append;     // store the new position's k and v (one of the items that compute a head)
+    // 1 (the talker's fused attention + o_proj, qwen_mk.cu run_talker_ao): every item publishes
+    // its result (the head's output for a single chunk, else its partial softmax) and adds 1 to
+    // its head's count with a release; no item merges (the o_proj items do, after an acquire).
+    int publish = 0;
 #ifdef QMK_TRACE_ATTN
     long long* dbg = nullptr;  // this item's trace row (talker items only; see qmk_attn_trace)
 #endif
@@ -196,6 +200,10 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
     if (nchunk == 1) {
         *reinterpret_cast<float4*>(a.out + (size_t)(h - a.out_head0) * QMK_HD + lane * 4) =
             make_float4(o.x / l, o.y / l, o.z / l, o.w / l);
+        if (a.publish) {
+            asm volatile("bar.sync %0, 64;" ::"r"(2 + pair) : "memory");
+            if (w == 0 && lane == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(a.count + g) : "memory");
+        }
         return;
     }
     // Several chunks: publish (m, l, acc); the last item of this kv head to finish merges.
@@ -210,6 +218,10 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
     // barrier. (Two __threadfence, as before v24, compile to MEMBAR.SC.GPU + CCTL.IVALL each: the
     // talker step was 0.02 ms slower; bench/NOTES.md, v24.)
     asm volatile("bar.sync %0, 64;" ::"r"(2 + pair) : "memory");  // the pair's two warps
+    if (a.publish) {
+        if (w == 0 && lane == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(a.count + g) : "memory");
+        return;
+    }
     if (w == 0 && lane == 0) {
         const unsigned prev = atom_add_acq_rel(a.count + g, 1u);
         sm[pair] = prev == (unsigned)(nchunk - 1) ? 1.f : 0.f;

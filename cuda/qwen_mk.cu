@@ -104,9 +104,11 @@ __device__ __forceinline__ Phase first_phase(const qmk_frame& f) {
 // instead of a q/k/v phase.
 __device__ __forceinline__ bool from_table(const qmk_model& m, int pass) { return pass >= 1 && m.qkv0[pass - 1] != 0; }
 
-// The attention phase of a layer: fused with o_proj for the predictor (qmk_stack.fuse_attn_o),
-// except pass 0's last layer, which has no o_proj (only its K/V rows are used).
+// The attention phase of a layer: fused with o_proj where the stack's fuse_attn_o is set (for the
+// talker, qmk_decode_frame sets it per launch: short kernel only), except the predictor's pass 0's
+// last layer, which has no o_proj (only its K/V rows are used).
 __device__ __forceinline__ int attn_kind(const qmk_model& m, int layer, int pass) {
+    if (pass < 0) return m.talker.fuse_attn_o ? K_AO : K_ATTN;
     const bool fused = pass >= 0 && m.pred.fuse_attn_o &&
                        !(pass == 0 && layer + 1 == m.pred.num_layers && !m.pred.merge_first);
     return fused ? K_AO : K_ATTN;
@@ -343,18 +345,24 @@ __device__ Tile attn_tile(const Frame& F, const Phase& ph, int t) {
     return tl;
 }
 
-// A fused attention + o_proj item streams its head's cached K/V rows (from pass 1 on), then its
-// o_proj tile.
+// A predictor's fused attention + o_proj item streams its head's cached K/V rows (from pass 1 on),
+// then its o_proj tile. The talker's fused phase streams the K/V tiles of the block's attention
+// items first (as its attention phase would), then one o_proj tile per item (run_talker_ao).
 __device__ __forceinline__ int ao_tiles_per_item(const Phase& ph) { return ph.pass > 0 ? 2 : 1; }
 
 __device__ int ao_tiles(const Frame& F, const Phase& ph) {
-    const int items = ao_items(F.m().pred);
+    const int items = ao_items(F.stack(ph));
     const int mine = blockIdx.x < items ? (items - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-    return mine * ao_tiles_per_item(ph);
+    return (ph.pass < 0 ? attn_tiles(F, ph) : 0) + mine * ao_tiles_per_item(ph);
 }
 
 __device__ Tile ao_tile(const Frame& F, const Phase& ph, int t) {
-    const qmk_stack& S = F.m().pred;
+    const qmk_stack& S = F.stack(ph);
+    if (ph.pass < 0) {
+        const int att = attn_tiles(F, ph);
+        if (t < att) return attn_tile(F, ph, t);
+        t -= att;
+    }
     const int per = ao_tiles_per_item(ph), it = blockIdx.x + (t / per) * gridDim.x;
     const int R = ao_row_groups(S), g = it / R, r = it % R;
     Tile tl;
@@ -819,10 +827,60 @@ __device__ __forceinline__ void zero_acc(const Acc& z, int D) {
     }
 }
 
+// Rows 64 r .. 64 r + 63 of o_proj over kv head g's 256 columns (its two query heads' outputs,
+// `heads` in shared memory) from the ring's next tile (qmk_layer.o_blk), added into both
+// accumulators; head 0's items also add the layer input's rows. `mine`: the block's items in the
+// phase.
+__device__ __forceinline__ void ao_rows(Ctx& c, int id, int g, int r, int mine, const float* heads, VecRef in,
+                                        const Acc& acc) {
+    float* sums = sm<float>(QMK_SMEM_RED);
+    const int row = threadIdx.x >> 3, part = threadIdx.x & 7;
+    // 8 threads per o_proj row; thread `part` takes columns 8 part + 64 i (a quarter warp
+    // reads 128 contiguous bytes of the row).
+    const bf16* w = reinterpret_cast<const bf16*>(c.ring.wait(0)) + (size_t)row * 2 * QMK_HD;
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int col = 8 * part + 64 * i;
+        float wv[8], xv[8];
+        unpack8(*reinterpret_cast<const uint4*>(w + col), wv);
+        read8(heads + col, xv);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s = fmaf(wv[e], xv[e], s);
+    }
+    s += __shfl_xor_sync(0xffffffffu, s, 4);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    if (part == 0) sums[row] = s;
+    block_sync();
+    c.stamp(id, STEP_DOTS);
+    // The o_proj tile goes back at the grid arrival when it is the block's only item (like a
+    // matrix phase's); with several items the next one may need its slot.
+    if (mine == 1) c.ring.defer(1);
+    else c.ring.release(1);
+    if (threadIdx.x < QMK_AO_ROWS / 4) {
+        const int k = 4 * threadIdx.x, u = r * QMK_AO_ROWS + k;
+        float v[4] = {sums[k], sums[k + 1], sums[k + 2], sums[k + 3]};
+        if (g == 0) {
+            float x[4];
+            if (in.kind == VEC_BF16) {
+                const uint2 b = *reinterpret_cast<const uint2*>(static_cast<const bf16*>(in.p) + u);
+                x[0] = bf_lo(b.x), x[1] = bf_hi(b.x), x[2] = bf_lo(b.y), x[3] = bf_hi(b.y);
+            } else {
+                const float4 f = ld_vec4(static_cast<const float*>(in.p) + u, in.kind);
+                x[0] = f.x, x[1] = f.y, x[2] = f.z, x[3] = f.w;
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[e] += x[e];
+        }
+        red_add4(acc.a + u, v[0], v[1], v[2], v[3]);
+        red_add4(acc.b + u, v[0], v[1], v[2], v[3]);
+    }
+}
+
 // Item (g, r): kv head g's two query heads (every row group recomputes them: a predictor position
-// attends to at most 16 positions), then rows 64 r .. 64 r + 63 of o_proj over those heads' 256
-// columns (qmk_layer.o_blk, one 32 KB tile), added into both accumulators; head 0's items also
-// add the layer input's rows. Row group 0 appends the K/V rows.
+// attends to at most 16 positions), then rows 64 r .. 64 r + 63 of o_proj (ao_rows). Row group 0
+// appends the K/V rows.
 // `grouped`: the q/k/v rows come from a grouped q/k/v phase: wait for the head's blocks first.
 __device__ void run_attn_o(Ctx& c, const Phase& ph, int id, bool tabled, bool grouped, VecRef in, const Acc& acc) {
     const qmk_model& m = c.F.m();
@@ -832,8 +890,6 @@ __device__ void run_attn_o(Ctx& c, const Phase& ph, int id, bool tabled, bool gr
     const int mine = blockIdx.x < items ? (items - 1 - blockIdx.x) / gridDim.x + 1 : 0;
     const size_t off = (size_t)ph.layer * S.num_kv_heads * S.max_pos * QMK_HD;
     float* heads = sm<float>(QMK_SMEM_XS);  // the item's two heads' outputs
-    float* sums = sm<float>(QMK_SMEM_RED);
-    const int row = threadIdx.x >> 3, part = threadIdx.x & 7;
     for (int it = blockIdx.x; it < items; it += gridDim.x) {
         const int g = it / R, r = it % R;
         const float* kv = pos > 0 ? reinterpret_cast<const float*>(c.ring.wait(0)) : nullptr;
@@ -846,47 +902,7 @@ __device__ void run_attn_o(Ctx& c, const Phase& ph, int id, bool tabled, bool gr
         attention_item(a, qkv, g, 0, 1, kv, sm<float>(QMK_SMEM_ATTN));
         block_sync();
         if (pos > 0) c.ring.release(1);
-        // 8 threads per o_proj row; thread `part` takes columns 8 part + 64 i (a quarter warp
-        // reads 128 contiguous bytes of the row).
-        const bf16* w = reinterpret_cast<const bf16*>(c.ring.wait(0)) + (size_t)row * 2 * QMK_HD;
-        float s = 0.f;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int col = 8 * part + 64 * i;
-            float wv[8], xv[8];
-            unpack8(*reinterpret_cast<const uint4*>(w + col), wv);
-            read8(heads + col, xv);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) s = fmaf(wv[e], xv[e], s);
-        }
-        s += __shfl_xor_sync(0xffffffffu, s, 4);
-        s += __shfl_xor_sync(0xffffffffu, s, 2);
-        s += __shfl_xor_sync(0xffffffffu, s, 1);
-        if (part == 0) sums[row] = s;
-        block_sync();
-        c.stamp(id, STEP_DOTS);
-        // The o_proj tile goes back at the grid arrival when it is the block's only item (like a
-        // matrix phase's); with several items the next one may need its slot.
-        if (mine == 1) c.ring.defer(1);
-        else c.ring.release(1);
-        if (threadIdx.x < QMK_AO_ROWS / 4) {
-            const int k = 4 * threadIdx.x, u = r * QMK_AO_ROWS + k;
-            float v[4] = {sums[k], sums[k + 1], sums[k + 2], sums[k + 3]};
-            if (g == 0) {
-                float x[4];
-                if (in.kind == VEC_BF16) {
-                    const uint2 b = *reinterpret_cast<const uint2*>(static_cast<const bf16*>(in.p) + u);
-                    x[0] = bf_lo(b.x), x[1] = bf_hi(b.x), x[2] = bf_lo(b.y), x[3] = bf_hi(b.y);
-                } else {
-                    const float4 f = ld_vec4(static_cast<const float*>(in.p) + u, in.kind);
-                    x[0] = f.x, x[1] = f.y, x[2] = f.z, x[3] = f.w;
-                }
-#pragma unroll
-                for (int e = 0; e < 4; ++e) v[e] += x[e];
-            }
-            red_add4(acc.a + u, v[0], v[1], v[2], v[3]);
-            red_add4(acc.b + u, v[0], v[1], v[2], v[3]);
-        }
+        ao_rows(c, id, g, r, mine, heads, in, acc);
     }
     c.stamp(id, STEP_EPILOGUE);
 }
@@ -930,6 +946,99 @@ __device__ void run_pred_fused(Ctx& c, int pass, VecRef src) {
         if (D == 2048) run_gu_split<4>(c, pg, 16 + PH_MLP, xm, acc.b);
         else run_gu_split<2>(c, pg, 16 + PH_MLP, xm, acc.b);
         c.sync(16 + PH_MLP);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The talker with attention and o_proj in one phase (qmk_stack.fuse_attn_o on the talker's stack;
+// qmk_decode_frame sets it only for the short kernel, whose attention items each have a block)
+//
+// The (kv head, chunk) attention items run as in the attention phase but only publish (their
+// head's output for a single chunk, else their partial softmax) and count; then items (g, r) of
+// o_proj, as in the predictor's fused phase, wait for head g's count, merge its partials and
+// multiply their 32 KB o_proj tile, which streamed during the attention. One grid barrier less per
+// layer; the residual takes the predictor's accumulator pairs (a: after attention, b: after the
+// MLP), layer l the pair (L - l) % 2, so the last layer's `b` is pair 1 and the codec head phase
+// may zero pairs 0 and 2 for the predictor while it reads it.
+// (Every pointer is derived from the layer index where it is used, none kept across phases: the
+// loop holding them spilled 220 bytes in the short kernel.)
+__device__ __forceinline__ Acc talker_acc(const qmk_model& m, int l) { return pred_acc(m, m.talker.num_layers - l); }
+__device__ __forceinline__ VecRef talker_in(const qmk_model& m, int l) {
+    return l == 0 ? VecRef{dptr<const float>(m.pending), VEC_F32} : VecRef{talker_acc(m, l - 1).b, VEC_ACC};
+}
+
+__device__ void run_talker_ao(Ctx& c, int layer) {
+    const qmk_model& m = c.F.m();
+    const Phase ph{K_AO, layer, -1};
+    const qmk_stack& S = m.talker;
+    const qmk_layer& L = c.F.layer(ph);
+    const AttnItems A = attn_items(c.F, ph);
+    const size_t off = (size_t)ph.layer * S.num_kv_heads * S.max_pos * QMK_HD;
+    unsigned* count = dptr<unsigned>(m.attn_count);
+    float* part = dptr<float>(m.attn_part);
+    AttnArgs a{dptr<const float>(m.qkv), dptr<float>(m.attn),   dptr<float>(S.k_cache) + off,
+               dptr<float>(S.v_cache) + off, bfp(L.q_norm), bfp(L.k_norm), dptr<const float>(S.rope),
+               part, count, A.pos, S.num_heads, S.num_kv_heads, S.max_pos, S.eps, 0, 1};
+    a.publish = 1;
+    for (int it = blockIdx.x; it < A.items; it += gridDim.x) {
+        const bool has = A.has_tile(it);
+        const float* tile = has ? reinterpret_cast<const float*>(c.ring.wait(0)) : nullptr;
+        c.stamp(PH_AO, STEP_TILE);
+        attention_item(a, a.qkv, it / A.nchunk, it % A.nchunk, A.nchunk, tile, sm<float>(QMK_SMEM_ATTN));
+        block_sync();
+        if (has) c.ring.release(1);
+    }
+    const int R = ao_row_groups(S), items = ao_items(S);
+    const int mine = blockIdx.x < items ? (items - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+    float* heads = sm<float>(QMK_SMEM_XS);
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int it = blockIdx.x; it < items; it += gridDim.x) {
+        const int g = it / R, r = it % R;
+        if (threadIdx.x == 0)
+            while (ld_acquire(count + g) < (unsigned)A.nchunk) {
+            }
+        block_sync();
+        if (w < 2) {  // query head 2 g + w; the partials were published with a release: ld.cg
+            const float4 o = A.nchunk == 1
+                                 ? __ldcg(reinterpret_cast<const float4*>(a.out + (size_t)(2 * g + w) * QMK_HD + lane * 4))
+                                 : merge_head(part + (size_t)g * A.nchunk * 2 * QMK_PART + w * QMK_PART, A.nchunk, lane);
+            *reinterpret_cast<float4*>(heads + w * QMK_HD + lane * 4) = o;
+        }
+        block_sync();
+        ao_rows(c, PH_AO, g, r, mine, heads, talker_in(m, layer), talker_acc(m, layer));
+    }
+    c.stamp(PH_AO, STEP_EPILOGUE);
+}
+
+// The talker's layers with fuse_attn_o, from the step's input (qmk_model.pending). The result is
+// the last layer's `b` (talker_acc).
+__device__ void run_talker_fused(Ctx& c) {
+    const qmk_model& m = c.F.m();
+    const qmk_stack& S = m.talker;
+    const int L = S.num_layers, D = S.hidden;
+    for (int l = 0; l < L; ++l) {
+        const Phase pq{K_QKV, l, -1};
+        {
+            Operand<2> x;
+            load_xn<2>(talker_in(m, l), bfp(c.F.layer(pq).input_norm), D, S.eps, x);
+            if (l == 0) zero_acc(talker_acc(m, 0), D);  // a later layer's pair: during the MLP phase before it
+            float* qkv = dptr<float>(m.qkv);
+            run_mat<2>(c, pq, PH_QKV, x, [&](int u, int j, const float* red) { qkv[u] = row_sum(red, j); });
+        }
+        c.sync(PH_QKV);
+        run_talker_ao(c, l);
+        c.sync(PH_AO);
+        const Acc acc = talker_acc(m, l);
+        Operand<2> xm;
+        load_xn<2>(VecRef{acc.a, VEC_F32}, bfp(c.F.layer(pq).post_norm), D, S.eps, xm);
+        // Every o_proj item has passed its wait (the barrier above); the next layer's attention
+        // items count after two more.
+        if (blockIdx.x == 0 && (int)threadIdx.x < S.num_kv_heads) dptr<unsigned>(m.attn_count)[threadIdx.x] = 0u;
+        if (l + 1 < L) zero_acc(talker_acc(m, l + 1), D);
+        const Phase pg{K_GU, l, -1};
+        if (D == 2048) run_gu_split<4>(c, pg, PH_MLP, xm, acc.b);
+        else run_gu_split<2>(c, pg, PH_MLP, xm, acc.b);
+        c.sync(PH_MLP);
     }
 }
 
@@ -1323,8 +1432,13 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
         const Phase ph{K_HEAD_T, 0, -1};
         Operand<2> x;
         if (f.run_talker) {
-            run_stack<LONG>(c, -1, VecRef{dptr<const float>(m.pending), VEC_F32});
-            load_xn<2>(VecRef{dptr<const float>(m.resid), m.talker.split_down ? VEC_ACC : VEC_F32},
+            const VecRef step_in{dptr<const float>(m.pending), VEC_F32};
+            bool fused = false;
+            if constexpr (!LONG) fused = m.talker.fuse_attn_o;
+            if (fused) run_talker_fused(c);
+            else run_stack<LONG>(c, -1, step_in);
+            const float* out = fused ? talker_acc(m, m.talker.num_layers - 1).b : dptr<const float>(m.resid);
+            load_xn<2>(VecRef{out, fused || m.talker.split_down ? VEC_ACC : VEC_F32},
                        bfp(m.talker.final_norm), Dt, m.talker.eps, x);
             if (blockIdx.x == 0) store_operand<2>(x, Dt, dptr<float>(m.hidden));
         } else {
@@ -1551,6 +1665,26 @@ extern "C" int qmk_merges_first_passes(const qmk_model* m, int32_t* out) {
     return cudaSuccess;
 }
 
+// The talker's attention and o_proj in one phase (run_talker_fused) where asked for: with the split
+// down projection (its accumulators), in the short kernel only (each attention item has a block,
+// so an o_proj item never waits for an item that its own block has yet to run).
+// QMK_NO_TALKER_FUSE builds never fuse (A/B timing of the same build).
+static bool talker_fuses(const qmk_model& m, const qmk_frame& f, bool long_kernel) {
+#ifdef QMK_NO_TALKER_FUSE
+    return false;
+#else
+    return m.talker.fuse_attn_o && m.talker.split_down && f.run_talker && !long_kernel;
+#endif
+}
+
+extern "C" int qmk_uses_talker_fusion(const qmk_model* m, const qmk_frame* f, int32_t* out) {
+    GridConfig g;
+    const int e = grid_config(*m, &g);
+    if (e != cudaSuccess) return e;
+    *out = talker_fuses(*m, *f, uses_long_kernel(*m, *f, g.blocks)) ? 1 : 0;
+    return cudaSuccess;
+}
+
 extern "C" int qmk_decode_frame(const qmk_model* m, const qmk_frame* f, uint64_t stream) {
     GridConfig g;
     const int e = grid_config(*m, &g);
@@ -1558,11 +1692,12 @@ extern "C" int qmk_decode_frame(const qmk_model* m, const qmk_frame* f, uint64_t
     Params p;
     p.m = *m;
     p.m.pred.merge_first = merges_first(*m, g) ? 1 : 0;
+    const bool long_kernel = uses_long_kernel(*m, *f, g.blocks);
+    p.m.talker.fuse_attn_o = talker_fuses(*m, *f, long_kernel) ? 1 : 0;
     p.f = *f;
     p.nslot = g.nslot;
     void* args[] = {&p};
-    const void* kernel = uses_long_kernel(*m, *f, g.blocks) ? (const void*)qmk_frame_kernel<true>
-                                                            : (const void*)qmk_frame_kernel<false>;
+    const void* kernel = long_kernel ? (const void*)qmk_frame_kernel<true> : (const void*)qmk_frame_kernel<false>;
     return cudaLaunchCooperativeKernel(kernel, dim3(g.blocks), dim3(g.threads), args, (size_t)g.smem,
                                        reinterpret_cast<cudaStream_t>(stream));
 }

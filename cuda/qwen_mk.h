@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define QMK_ABI_VERSION 11
+#define QMK_ABI_VERSION 12
 #define QMK_MAX_GROUPS 16
 #define QMK_HEAD_DIM 128
 
@@ -40,10 +40,12 @@ typedef struct {
      * order of the additions varies from run to run in the last bit). 0: down is a phase of its
      * own behind a grid barrier (bitwise reproducible). */
     int32_t split_down;
-    /* 1 (code predictor only; needs split_down and at most 32 positions): attention and o_proj
-     * are one phase. Each (KV head, 64 o_proj rows) item recomputes its head's attention and adds
-     * its o_proj partial with float atomics into accumulators that start at zero; no barrier
-     * between attention and o_proj. 0: o_proj is a phase of its own. */
+    /* 1 (needs split_down): attention and o_proj are one phase. Each (KV head, 64 o_proj rows)
+     * item adds its o_proj partial with float atomics into accumulators that start at zero; no
+     * barrier between attention and o_proj. In the code predictor (at most 32 positions) each
+     * item recomputes its head's attention; in the talker (short kernel only: qmk_decode_frame
+     * clears it for the long-context one) the attention items publish per head and an o_proj
+     * item waits for its head's count (qmk_model.attn_count). 0: o_proj is a phase of its own. */
     int32_t fuse_attn_o;
     /* 1 (code predictor with fuse_attn_o; 16 blocks per KV head in the grid): the q/k/v phase
      * gives each head's 512 rows to 16 blocks and ends without a grid barrier; the fused phase's
@@ -149,6 +151,8 @@ int qmk_grid_size(const qmk_model* m, int32_t* blocks, int32_t* smem_bytes);
 int qmk_uses_long_kernel(const qmk_model* m, const qmk_frame* f, int32_t* out);
 /* *out = 1 when qmk_decode_frame(m, ...) runs predictor passes 0 and 1 together (merge_first). */
 int qmk_merges_first_passes(const qmk_model* m, int32_t* out);
+/* *out = 1 when qmk_decode_frame(m, f) runs the talker's attention and o_proj in one phase. */
+int qmk_uses_talker_fusion(const qmk_model* m, const qmk_frame* f, int32_t* out);
 /* Launch one frame on `stream` (a cudaStream_t); returns a cudaError_t. */
 int qmk_decode_frame(const qmk_model* m, const qmk_frame* f, uint64_t stream);
 const char* qmk_error_string(int code);

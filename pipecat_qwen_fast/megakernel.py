@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_FILES = ("qwen_mk.h", "mk_util.cuh", "mk_stream.cuh", "mk_matvec.cuh", "mk_attention.cuh", "mk_sample.cuh",
                 "qwen_mk.cu")
-ABI_VERSION = 11
+ABI_VERSION = 12
 # MegakernelBackend(long_kernel=...) -> qmk_model.long_kernel
 LONG_KERNEL = {"auto": 0, "always": 1, "never": -1}
 TRACE_MAX = 8192
@@ -194,6 +194,7 @@ def load_library(path: Path) -> ctypes.CDLL:
     lib.qmk_grid_size.argtypes = [ctypes.POINTER(QmkModel), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)]
     lib.qmk_uses_long_kernel.argtypes = [ctypes.POINTER(QmkModel), ctypes.POINTER(QmkFrame), ctypes.POINTER(ctypes.c_int32)]
     lib.qmk_merges_first_passes.argtypes = [ctypes.POINTER(QmkModel), ctypes.POINTER(ctypes.c_int32)]
+    lib.qmk_uses_talker_fusion.argtypes = [ctypes.POINTER(QmkModel), ctypes.POINTER(QmkFrame), ctypes.POINTER(ctypes.c_int32)]
     lib.qmk_decode_frame.argtypes = [ctypes.POINTER(QmkModel), ctypes.POINTER(QmkFrame), ctypes.c_uint64]
     lib.qmk_error_string.restype = ctypes.c_char_p
     if lib.qmk_abi_version() != ABI_VERSION:
@@ -389,8 +390,8 @@ class MegakernelBackend:
 
     def __init__(self, talker, device: torch.device, dtype: torch.dtype, warmup: bool = True,
                  input_tables: bool = True, split_down: bool = True, fuse_attn_o: bool = True,
-                 group_qkv: bool = True, merge_first: bool = True, max_blocks: int = 0, long_kernel: str = "auto",
-                 prefills: PrefillGraphs | None = None):
+                 group_qkv: bool = True, merge_first: bool = True, fuse_talker_attn_o: bool = True,
+                 max_blocks: int = 0, long_kernel: str = "auto", prefills: PrefillGraphs | None = None):
         if long_kernel not in LONG_KERNEL:
             raise ValueError(f"long_kernel must be one of {sorted(LONG_KERNEL)}, got {long_kernel!r}")
         reason = shape_unsupported_reason(talker)
@@ -428,13 +429,20 @@ class MegakernelBackend:
         # merge_first; needs fuse_attn_o and the input tables): one pass of phases less a frame.
         # The kernel keeps them apart on grids of fewer than 64 blocks (merges_first_passes).
         self.merge_first = merge_first
+        # The talker's attention and o_proj in one phase too (qmk_stack.fuse_attn_o on its stack):
+        # the attention items publish per head and o_proj items wait for their head instead of a
+        # grid barrier, reading o regrouped per KV head (0.6B: +112 MB, 1.7B: +224 MB). The kernel
+        # does it in the short kernel only (talker positions below ~500 on an H200;
+        # uses_talker_fusion); it needs split_down's accumulators.
+        self.fuse_talker_attn_o = fuse_talker_attn_o and split_down
         # At most this many blocks (0: one per SM): a smaller GPU's grid on this one, for tests.
         self.max_blocks = max_blocks
         # The long-context kernel runs a block's talker attention items at once; "auto" launches it
         # once those items outnumber the blocks (from position 512 on an H200), "always" and
         # "never" are for tests and measurements (qmk_model.long_kernel).
         self.long_kernel = long_kernel
-        self.talker_layers = self._layer_table(talker.model)
+        self.talker_layers = self._layer_table(
+            talker.model, grouped_kv_heads=self.tcfg.stack.num_kv_heads if self.fuse_talker_attn_o else 0)
         self.pred_layers = self._layer_table(talker.code_predictor.model,
                                              grouped_kv_heads=self.pcfg.stack.num_kv_heads if self.fuse_attn_o else 0)
         self.pred_rope = rope_table(self.num_groups, self.pcfg.stack.rope_theta, device)
@@ -472,11 +480,12 @@ class MegakernelBackend:
 
     def _stack(self, cfg, table: Tensor, final_norm: Tensor, rope: Tensor, k: Tensor, v: Tensor, max_pos: int,
                predictor: bool = False) -> QmkStack:
-        # fuse_attn_o and group_qkv are code-predictor options; the talker's stack never has them.
+        # group_qkv and merge_first are code-predictor options; the talker's stack never has them.
+        fuse = self.fuse_attn_o if predictor else self.fuse_talker_attn_o
         return QmkStack(
             hidden=cfg.hidden_size, inter=cfg.intermediate_size, num_layers=cfg.num_layers,
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, max_pos=max_pos, eps=cfg.rms_norm_eps,
-            split_down=int(self.split_down), fuse_attn_o=int(predictor and self.fuse_attn_o),
+            split_down=int(self.split_down), fuse_attn_o=int(fuse),
             group_qkv=int(predictor and self.group_qkv), merge_first=int(predictor and self.merge_first),
             layers=ptr(table), final_norm=self._w(final_norm), rope=ptr(rope),
             k_cache=ptr(k), v_cache=ptr(v),
@@ -637,6 +646,14 @@ class MegakernelBackend:
         out = ctypes.c_int32(0)
         check(self.lib, self.lib.qmk_uses_long_kernel(ctypes.byref(state.model), ctypes.byref(f), ctypes.byref(out)),
               "qmk_uses_long_kernel")
+        return bool(out.value)
+
+    def uses_talker_fusion(self, state: MegakernelState) -> bool:
+        """Whether this state's next frame runs the talker's attention and o_proj in one phase."""
+        f, _ = self.frame_args(state, run_talker=state.frame > 0)
+        out = ctypes.c_int32(0)
+        check(self.lib, self.lib.qmk_uses_talker_fusion(ctypes.byref(state.model), ctypes.byref(f), ctypes.byref(out)),
+              "qmk_uses_talker_fusion")
         return bool(out.value)
 
     def export_state(self, state: MegakernelState) -> SessionSnapshot:

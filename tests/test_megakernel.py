@@ -343,6 +343,31 @@ def test_kernel_option_matches_the_path_it_replaces(backends, option):
     assert_same_frames(side_by_side(b, plain), f"{option} on", "off")
 
 
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("prompt_len", [12, 100, 300])
+def test_talker_fusion_matches_the_o_proj_phase(backends, prompt_len):
+    """The talker's attention and o_proj in one phase (the default: attention items publish per
+    head, o_proj items wait for their head) against the o_proj phase (`fuse_talker_attn_o=False`),
+    from the same prefill: identical codes over 8 sampled frames, hidden states within 1e-5. From
+    12 positions every head is one chunk (its output published as is); from 100 and 300 its
+    4 and 10 chunks' partials are merged by every o_proj item."""
+    b = backends
+    frames = 8
+    plain = mk.MegakernelBackend(b.talker, torch.device("cuda"), torch.bfloat16, warmup=False,
+                                 fuse_talker_attn_o=False)
+    assert b.mb.fuse_talker_attn_o and not plain.fuse_talker_attn_o
+    runs = []
+    for backend, fused in ((b.mb, True), (plain, False)):
+        st = start(backend, b.talker, SamplingParams(), frames, seed=3, prompt_len=prompt_len)
+        backend.decode_frame(st)  # frame 0 (no talker step); the next frames run the talker
+        assert backend.uses_talker_fusion(st) == fused
+        runs.append([(backend.decode_frame(st).clone(), st.buffers["hidden"].clone(),
+                      st.buffers["pred_hidden"][1:].clone()) for _ in range(frames)])
+        backend.release(st)
+    assert_same_frames(runs, "talker fused", "o_proj phase")
+
+
 def merges_first_passes(b, backend=None) -> bool:
     backend = backend or b.mb
     D = b.cfg.talker.hidden_size
@@ -398,6 +423,9 @@ def test_long_context_kernel_matches(backends):
         assert b.mb.uses_long_kernel(st) == (items > b.mb.grid_blocks(st))  # "auto", the default
         st.model.long_kernel = mk.LONG_KERNEL[mode]
         assert b.mb.uses_long_kernel(st) == (mode == "always")
+        # The short kernel fuses the talker's attention and o_proj here too (some blocks run two
+        # attention items before their o_proj item); the long-context kernel never does.
+        assert b.mb.uses_talker_fusion(st) == (mode == "never")
         runs.append([(b.mb.decode_frame(st).clone(), st.buffers["hidden"].clone(),
                       st.buffers["pred_hidden"][1:].clone()) for _ in range(frames)])
         b.mb.release(st)
