@@ -1378,7 +1378,7 @@ __host__ __device__ __forceinline__ int smem_bytes(int nslot) { return QMK_SMEM_
 
 // LONG: the long-context kernel, launched when the talker's attention items outnumber the blocks
 // (qmk_decode_frame); it differs only in run_attention.
-template <bool LONG>
+template <bool LONG, bool TFUSE>
 __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const __grid_constant__ Params P) {
     const qmk_model& m = P.m;
     const qmk_frame& f = P.f;
@@ -1433,12 +1433,10 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
         Operand<2> x;
         if (f.run_talker) {
             const VecRef step_in{dptr<const float>(m.pending), VEC_F32};
-            bool fused = false;
-            if constexpr (!LONG) fused = m.talker.fuse_attn_o;
-            if (fused) run_talker_fused(c);
+            if constexpr (TFUSE) run_talker_fused(c);
             else run_stack<LONG>(c, -1, step_in);
-            const float* out = fused ? talker_acc(m, m.talker.num_layers - 1).b : dptr<const float>(m.resid);
-            load_xn<2>(VecRef{out, fused || m.talker.split_down ? VEC_ACC : VEC_F32},
+            const float* out = TFUSE ? talker_acc(m, m.talker.num_layers - 1).b : dptr<const float>(m.resid);
+            load_xn<2>(VecRef{out, TFUSE || m.talker.split_down ? VEC_ACC : VEC_F32},
                        bfp(m.talker.final_norm), Dt, m.talker.eps, x);
             if (blockIdx.x == 0) store_operand<2>(x, Dt, dptr<float>(m.hidden));
         } else {
@@ -1594,7 +1592,8 @@ static int grid_config(const qmk_model& m, GridConfig* out) {
         // per SM, and only if the occupancy the driver reports allows it (for both kernels).
         // The block size is the kernel's launch bound, which depends on the architecture it was
         // built for (QMK_BLOCK_THREADS in the device pass).
-        const void* kernels[2] = {(const void*)qmk_frame_kernel<false>, (const void*)qmk_frame_kernel<true>};
+        const void* kernels[3] = {(const void*)qmk_frame_kernel<false, false>, (const void*)qmk_frame_kernel<true, false>,
+                                  (const void*)qmk_frame_kernel<false, true>};
         cudaFuncAttributes attr;
         if ((e = cudaFuncGetAttributes(&attr, kernels[0])) != cudaSuccess) return e;
         const int threads = attr.maxThreadsPerBlock;
@@ -1697,7 +1696,9 @@ extern "C" int qmk_decode_frame(const qmk_model* m, const qmk_frame* f, uint64_t
     p.f = *f;
     p.nslot = g.nslot;
     void* args[] = {&p};
-    const void* kernel = long_kernel ? (const void*)qmk_frame_kernel<true> : (const void*)qmk_frame_kernel<false>;
+    const void* kernel = long_kernel           ? (const void*)qmk_frame_kernel<true, false>
+                         : p.m.talker.fuse_attn_o ? (const void*)qmk_frame_kernel<false, true>
+                                                  : (const void*)qmk_frame_kernel<false, false>;
     return cudaLaunchCooperativeKernel(kernel, dim3(g.blocks), dim3(g.threads), args, (size_t)g.smem,
                                        reinterpret_cast<cudaStream_t>(stream));
 }
