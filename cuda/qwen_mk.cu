@@ -1665,14 +1665,17 @@ extern "C" int qmk_merges_first_passes(const qmk_model* m, int32_t* out) {
 }
 
 // The talker's attention and o_proj in one phase (run_talker_fused) where asked for: with the split
-// down projection (its accumulators), in the short kernel only (each attention item has a block,
-// so an o_proj item never waits for an item that its own block has yet to run).
+// down projection (its accumulators), in the short kernel only (the long-context one keeps its
+// own attention phase), and where every o_proj item has a block of its own. The 1.7B talker's
+// 256 items on 132 blocks ran 0.022 ms a step slower than its o_proj phase (two items a block,
+// one after the other: bench/NOTES.md, v25), so only the 0.6B's 128 fuse on an H200.
 // QMK_NO_TALKER_FUSE builds never fuse (A/B timing of the same build).
-static bool talker_fuses(const qmk_model& m, const qmk_frame& f, bool long_kernel) {
+static bool talker_fuses(const qmk_model& m, const qmk_frame& f, bool long_kernel, int blocks) {
 #ifdef QMK_NO_TALKER_FUSE
     return false;
 #else
-    return m.talker.fuse_attn_o && m.talker.split_down && f.run_talker && !long_kernel;
+    const int o_items = m.talker.num_kv_heads * (m.talker.hidden / QMK_AO_ROWS);
+    return m.talker.fuse_attn_o && m.talker.split_down && f.run_talker && !long_kernel && o_items <= blocks;
 #endif
 }
 
@@ -1680,7 +1683,7 @@ extern "C" int qmk_uses_talker_fusion(const qmk_model* m, const qmk_frame* f, in
     GridConfig g;
     const int e = grid_config(*m, &g);
     if (e != cudaSuccess) return e;
-    *out = talker_fuses(*m, *f, uses_long_kernel(*m, *f, g.blocks)) ? 1 : 0;
+    *out = talker_fuses(*m, *f, uses_long_kernel(*m, *f, g.blocks), g.blocks) ? 1 : 0;
     return cudaSuccess;
 }
 
@@ -1692,7 +1695,7 @@ extern "C" int qmk_decode_frame(const qmk_model* m, const qmk_frame* f, uint64_t
     p.m = *m;
     p.m.pred.merge_first = merges_first(*m, g) ? 1 : 0;
     const bool long_kernel = uses_long_kernel(*m, *f, g.blocks);
-    p.m.talker.fuse_attn_o = talker_fuses(*m, *f, long_kernel) ? 1 : 0;
+    p.m.talker.fuse_attn_o = talker_fuses(*m, *f, long_kernel, g.blocks) ? 1 : 0;
     p.f = *f;
     p.nslot = g.nslot;
     void* args[] = {&p};

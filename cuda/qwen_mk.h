@@ -43,9 +43,10 @@ typedef struct {
     /* 1 (needs split_down): attention and o_proj are one phase. Each (KV head, 64 o_proj rows)
      * item adds its o_proj partial with float atomics into accumulators that start at zero; no
      * barrier between attention and o_proj. In the code predictor (at most 32 positions) each
-     * item recomputes its head's attention; in the talker (short kernel only: qmk_decode_frame
-     * clears it for the long-context one) the attention items publish per head and an o_proj
-     * item waits for its head's count (qmk_model.attn_count). 0: o_proj is a phase of its own. */
+     * item recomputes its head's attention; in the talker the attention items publish per head
+     * and an o_proj item waits for its head's count (qmk_model.attn_count); qmk_decode_frame
+     * clears it for the long-context kernel and where the o_proj items outnumber the blocks
+     * (qmk_uses_talker_fusion). 0: o_proj is a phase of its own. */
     int32_t fuse_attn_o;
     /* 1 (code predictor with fuse_attn_o; 16 blocks per KV head in the grid): the q/k/v phase
      * gives each head's 512 rows to 16 blocks and ends without a grid barrier; the fused phase's
