@@ -201,18 +201,14 @@ __device__ __forceinline__ const Geo& geo(const Phase& ph) {
 __device__ __forceinline__ int ao_row_groups(const qmk_stack& S) { return S.hidden / QMK_AO_ROWS; }
 __device__ __forceinline__ int ao_items(const qmk_stack& S) { return S.num_kv_heads * ao_row_groups(S); }
 
-// Grouped q/k/v (qmk_stack.group_qkv, with fuse_attn_o): block 16 g + r computes rows 32 r ..
-// 32 r + 31 of kv head g's 512 q/k/v rows (its two query heads, its k, its v), so the fused
-// phase's items of head g (the predictor's; the talker's attention items) wait for those 16
-// blocks (qmk_model.head_ready), not a grid barrier. (The talker's unfused attention grouped the
-// same way measured no gain: bench/NOTES.md, v19.)
+// Grouped q/k/v (qmk_stack.group_qkv, the predictor's with fuse_attn_o): block 16 g + r computes
+// rows 32 r .. 32 r + 31 of kv head g's 512 q/k/v rows (its two query heads, its k, its v), so the
+// fused phase's items of head g wait for those 16 blocks (qmk_model.head_ready), not a grid
+// barrier. (The talker's attention grouped the same way measured no gain: bench/NOTES.md, v19.)
 #define QMK_QKV_GROUP 16
 __device__ __forceinline__ bool grouped_qkv(const qmk_model& m, int pass) {
-#ifdef QMK_NO_TALKER_GROUP  // A/B timing: the fused talker keeps its q/k/v barrier
-    if (pass < 0) return false;
-#endif
-    const qmk_stack& S = pass < 0 ? m.talker : m.pred;
-    return S.group_qkv && S.fuse_attn_o && QMK_QKV_GROUP * S.num_kv_heads <= (int)gridDim.x;
+    const qmk_stack& S = m.pred;
+    return pass >= 0 && S.group_qkv && S.fuse_attn_o && QMK_QKV_GROUP * S.num_kv_heads <= (int)gridDim.x;
 }
 __device__ __forceinline__ unsigned* head_ready(const qmk_model& m) { return dptr<unsigned>(m.head_ready); }
 
@@ -714,9 +710,9 @@ __device__ void run_gu_split(Ctx& c, const Phase& ph, int id, const Operand<2>& 
 // Grouped q/k/v: the end of the phase (this block's head counter, if it has rows), the wait for
 // head g's blocks (thread 0, then the block), and the reset once every waiter has passed a grid
 // barrier since (the block of row group 0, before the next q/k/v phase's barrier).
-__device__ __forceinline__ void arrive_head(Ctx& c, const qmk_model& m, int id, int kv_heads) {
+__device__ __forceinline__ void arrive_head(Ctx& c, const qmk_model& m, int id) {
     const int b = blockIdx.x;
-    c.group_arrive(b < QMK_QKV_GROUP * kv_heads ? head_ready(m) + b / QMK_QKV_GROUP : nullptr, id);
+    c.group_arrive(b < QMK_QKV_GROUP * m.pred.num_kv_heads ? head_ready(m) + b / QMK_QKV_GROUP : nullptr, id);
 }
 __device__ __forceinline__ void wait_head(const qmk_model& m, int g) {
     if (threadIdx.x == 0)
@@ -724,9 +720,9 @@ __device__ __forceinline__ void wait_head(const qmk_model& m, int g) {
         }
     block_sync();
 }
-__device__ __forceinline__ void reset_head(const qmk_model& m, int kv_heads) {
+__device__ __forceinline__ void reset_head(const qmk_model& m) {
     const int b = blockIdx.x;
-    if (threadIdx.x == 0 && b < QMK_QKV_GROUP * kv_heads && b % QMK_QKV_GROUP == 0)
+    if (threadIdx.x == 0 && b < QMK_QKV_GROUP * m.pred.num_kv_heads && b % QMK_QKV_GROUP == 0)
         head_ready(m)[b / QMK_QKV_GROUP] = 0u;
 }
 
@@ -932,7 +928,7 @@ __device__ void run_pred_fused(Ctx& c, int pass, VecRef src) {
             load_xn<2>(in, bfp(Ly.input_norm), D, S.eps, x);
             run_mat<2>(c, pq, 16 + PH_QKV, x, [&](int u, int j, const float* red) { qkv[u] = row_sum(red, j); });
             // Pass 0's last attention has no barrier after it and reads whole heads: a grid barrier.
-            if (grouped && !last0) arrive_head(c, m, 16 + PH_QKV, m.pred.num_kv_heads);
+            if (grouped && !last0) arrive_head(c, m, 16 + PH_QKV);
             else c.sync(16 + PH_QKV);
         }
         if (last0) {  // only the K/V rows are used; no barrier (as in run_stack)
@@ -942,7 +938,7 @@ __device__ void run_pred_fused(Ctx& c, int pass, VecRef src) {
         const Acc acc = pred_acc(m, fused_layer(L, pass, l));
         run_attn_o(c, Phase{K_AO, l, pass}, 16 + PH_AO, tabled, grouped && !tabled, in, acc);
         c.sync(16 + PH_AO);
-        if (grouped) reset_head(m, m.pred.num_kv_heads);
+        if (grouped) reset_head(m);
         Operand<2> xm;
         load_xn<2>(VecRef{acc.a, VEC_F32}, bfp(Ly.post_norm), D, S.eps, xm);
         zero_acc(pred_acc(m, fused_layer(L, pass, l) + 1), D);
@@ -988,7 +984,6 @@ __device__ void run_talker_ao(Ctx& c, int layer) {
         const bool has = A.has_tile(it);
         const float* tile = has ? reinterpret_cast<const float*>(c.ring.wait(0)) : nullptr;
         c.stamp(PH_AO, STEP_TILE);
-        if (grouped_qkv(m, -1)) wait_head(m, it / A.nchunk);
         attention_item(a, a.qkv, it / A.nchunk, it % A.nchunk, A.nchunk, tile, sm<float>(QMK_SMEM_ATTN));
         block_sync();
         if (has) c.ring.release(1);
@@ -1030,11 +1025,9 @@ __device__ void run_talker_fused(Ctx& c) {
             float* qkv = dptr<float>(m.qkv);
             run_mat<2>(c, pq, PH_QKV, x, [&](int u, int j, const float* red) { qkv[u] = row_sum(red, j); });
         }
-        if (grouped_qkv(m, -1)) arrive_head(c, m, PH_QKV, S.num_kv_heads);
-        else c.sync(PH_QKV);
+        c.sync(PH_QKV);
         run_talker_ao(c, l);
         c.sync(PH_AO);
-        if (grouped_qkv(m, -1)) reset_head(m, S.num_kv_heads);  // every attention item has passed its wait
         const Acc acc = talker_acc(m, l);
         Operand<2> xm;
         load_xn<2>(VecRef{acc.a, VEC_F32}, bfp(c.F.layer(pq).post_norm), D, S.eps, xm);
@@ -1262,12 +1255,12 @@ __device__ void run_pred_first(Ctx& c, VecRef src0, VecRef src1) {
                               qkv1[u] = row_sum(r1, j);
                           });
         }
-        if (grouped) arrive_head(c, m, 16 + PH_QKV, m.pred.num_kv_heads);
+        if (grouped) arrive_head(c, m, 16 + PH_QKV);
         else c.sync(16 + PH_QKV);
         const Acc a0 = first_acc(m, 0, l), a1 = first_acc(m, 1, l);
         run_attn_o_first(c, Phase{K_AO, l, 0}, 16 + PH_AO, grouped, in0, in1, last ? nullptr : &a0, a1);
         c.sync(16 + PH_AO);
-        if (grouped) reset_head(m, m.pred.num_kv_heads);
+        if (grouped) reset_head(m);
         const Phase pg{K_GU, l, 0};
         if (last) {  // position 1 alone; pass 2's first pair zeroed as pass 1's last layer does
             Operand<2> xm;

@@ -48,10 +48,9 @@ typedef struct {
      * clears it for the long-context kernel and where the o_proj items outnumber the blocks
      * (qmk_uses_talker_fusion). 0: o_proj is a phase of its own. */
     int32_t fuse_attn_o;
-    /* 1 (with fuse_attn_o; 16 blocks per KV head in the grid): the q/k/v phase gives each
-     * head's 512 rows to 16 blocks and ends without a grid barrier; the fused phase's items (the
-     * talker's attention items) wait for their head's blocks through qmk_model.head_ready.
-     * 0: a grid barrier. */
+    /* 1 (code predictor with fuse_attn_o; 16 blocks per KV head in the grid): the q/k/v phase
+     * gives each head's 512 rows to 16 blocks and ends without a grid barrier; the fused phase's
+     * items wait for their head's blocks through qmk_model.head_ready. 0: a grid barrier. */
     int32_t group_qkv;
     /* 1 (code predictor with fuse_attn_o and a layer-0 table for pass 1, qmk_model.qkv0): passes
      * 0 (the talker hidden) and 1 (code 0) run together, each matrix phase multiplying its tiles
@@ -113,7 +112,7 @@ typedef struct {
     uint64_t attn_part;   /* split-attention partials, qmk_attn_part_floats() */
     uint64_t attn_count;  /* uint32 [max KV heads], zero-initialised, self-resetting */
     uint64_t barrier;     /* uint32 [1], zero-initialised: the grid barrier's counter */
-    uint64_t head_ready;  /* uint32 [max kv heads], zero-initialised, self-resetting: blocks done
+    uint64_t head_ready;  /* uint32 [pred kv heads], zero-initialised, self-resetting: blocks done
                              with a head's q/k/v rows (group_qkv) */
 } qmk_model;
 

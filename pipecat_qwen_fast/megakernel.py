@@ -420,9 +420,8 @@ class MegakernelBackend:
         # grid barrier less per predictor layer, reading o regrouped per KV head (+20 MB). It adds
         # into the residual with atomics, as the split down projection does, so it needs that.
         self.fuse_attn_o = fuse_attn_o and split_down
-        # The q/k/v phase ends without a grid barrier (with fuse_attn_o; the predictor's, and the
-        # talker's where it is fused): 16 blocks per KV head, and the fused phase waits for its
-        # head's blocks only (qmk_stack.group_qkv;
+        # The predictor's q/k/v phase ends without a grid barrier (with fuse_attn_o): 16 blocks
+        # per KV head, and the fused phase waits for its head's blocks only (qmk_stack.group_qkv;
         # the kernel keeps the barrier on a grid of fewer than 16 blocks per head). False: always
         # the barrier.
         self.group_qkv = group_qkv
@@ -487,13 +486,13 @@ class MegakernelBackend:
 
     def _stack(self, cfg, table: Tensor, final_norm: Tensor, rope: Tensor, k: Tensor, v: Tensor, max_pos: int,
                predictor: bool = False) -> QmkStack:
-        # merge_first is a code-predictor option; group_qkv goes with fuse_attn_o in either stack.
+        # group_qkv and merge_first are code-predictor options; the talker's stack never has them.
         fuse = self.fuse_attn_o if predictor else self.fuse_talker_attn_o
         return QmkStack(
             hidden=cfg.hidden_size, inter=cfg.intermediate_size, num_layers=cfg.num_layers,
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, max_pos=max_pos, eps=cfg.rms_norm_eps,
             split_down=int(self.split_down), fuse_attn_o=int(fuse),
-            group_qkv=int(fuse and self.group_qkv), merge_first=int(predictor and self.merge_first),
+            group_qkv=int(predictor and self.group_qkv), merge_first=int(predictor and self.merge_first),
             layers=ptr(table), final_norm=self._w(final_norm), rope=ptr(rope),
             k_cache=ptr(k), v_cache=ptr(v),
         )
@@ -529,7 +528,7 @@ class MegakernelBackend:
             "attn_count": torch.zeros(max(ts.num_kv_heads, ps.num_kv_heads), device=dev, dtype=torch.int32),
             # The grid barrier counts arrivals from zero; one per state, so two sessions never share it.
             "barrier": torch.zeros(1, device=dev, dtype=torch.int32),
-            "head_ready": torch.zeros(max(ts.num_kv_heads, ps.num_kv_heads), device=dev, dtype=torch.int32),
+            "head_ready": torch.zeros(ps.num_kv_heads, device=dev, dtype=torch.int32),
             # Text vectors stay bf16: the ABI reads them at that width (the engine makes them in bf16).
             "trailing": trailing.to(dev, bf).contiguous(),
             "pad_vec": pad_vec.to(dev, bf).contiguous(),
