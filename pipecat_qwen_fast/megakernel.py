@@ -648,18 +648,16 @@ class MegakernelBackend:
 
     def uses_long_kernel(self, state: MegakernelState) -> bool:
         """Whether this state's next frame launches the long-context kernel (long_kernel)."""
-        f, _ = self.frame_args(state, run_talker=state.frame > 0)
-        out = ctypes.c_int32(0)
-        check(self.lib, self.lib.qmk_uses_long_kernel(ctypes.byref(state.model), ctypes.byref(f), ctypes.byref(out)),
-              "qmk_uses_long_kernel")
-        return bool(out.value)
+        return self._next_frame_flag(state, "qmk_uses_long_kernel")
 
     def uses_talker_fusion(self, state: MegakernelState) -> bool:
         """Whether this state's next frame runs the talker's attention and o_proj in one phase."""
+        return self._next_frame_flag(state, "qmk_uses_talker_fusion")
+
+    def _next_frame_flag(self, state: MegakernelState, fn: str) -> bool:
         f, _ = self.frame_args(state, run_talker=state.frame > 0)
         out = ctypes.c_int32(0)
-        check(self.lib, self.lib.qmk_uses_talker_fusion(ctypes.byref(state.model), ctypes.byref(f), ctypes.byref(out)),
-              "qmk_uses_talker_fusion")
+        check(self.lib, getattr(self.lib, fn)(ctypes.byref(state.model), ctypes.byref(f), ctypes.byref(out)), fn)
         return bool(out.value)
 
     def export_state(self, state: MegakernelState) -> SessionSnapshot:
