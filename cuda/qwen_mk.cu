@@ -200,6 +200,12 @@ __device__ __forceinline__ const Geo& geo(const Phase& ph) {
 // round-robin (qwen_mk.cu, run_attn_o).
 __device__ __forceinline__ int ao_row_groups(const qmk_stack& S) { return S.hidden / QMK_AO_ROWS; }
 __device__ __forceinline__ int ao_items(const qmk_stack& S) { return S.num_kv_heads * ao_row_groups(S); }
+// The talker's fused phase (run_talker_ao): 16 o_proj items per kv head, each of hidden / 16 rows,
+// streamed as that many 64-row tiles (one for the 0.6B, two for the 1.7B's 2048 rows), so the
+// items never outnumber an H200's blocks.
+#define QMK_TAO_GROUPS 16
+__device__ __forceinline__ int tao_items(const qmk_stack& S) { return S.num_kv_heads * QMK_TAO_GROUPS; }
+__device__ __forceinline__ int tao_subtiles(const qmk_stack& S) { return S.hidden / (QMK_TAO_GROUPS * QMK_AO_ROWS); }
 
 // Grouped q/k/v (qmk_stack.group_qkv, the predictor's with fuse_attn_o): block 16 g + r computes
 // rows 32 r .. 32 r + 31 of kv head g's 512 q/k/v rows (its two query heads, its k, its v), so the
@@ -351,21 +357,33 @@ __device__ Tile attn_tile(const Frame& F, const Phase& ph, int t) {
 __device__ __forceinline__ int ao_tiles_per_item(const Phase& ph) { return ph.pass > 0 ? 2 : 1; }
 
 __device__ int ao_tiles(const Frame& F, const Phase& ph) {
-    const int items = ao_items(F.stack(ph));
+    if (ph.pass < 0) {
+        const qmk_stack& S = F.m().talker;
+        const int items = tao_items(S);
+        const int mine = blockIdx.x < items ? (items - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+        return attn_tiles(F, ph) + mine * tao_subtiles(S);
+    }
+    const int items = ao_items(F.m().pred);
     const int mine = blockIdx.x < items ? (items - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-    return (ph.pass < 0 ? attn_tiles(F, ph) : 0) + mine * ao_tiles_per_item(ph);
+    return mine * ao_tiles_per_item(ph);
 }
 
 __device__ Tile ao_tile(const Frame& F, const Phase& ph, int t) {
     const qmk_stack& S = F.stack(ph);
+    Tile tl;
     if (ph.pass < 0) {
         const int att = attn_tiles(F, ph);
         if (t < att) return attn_tile(F, ph, t);
         t -= att;
+        const int sub = tao_subtiles(S), it = blockIdx.x + (t / sub) * gridDim.x;
+        const int g = it / QMK_TAO_GROUPS, r = (it % QMK_TAO_GROUPS) * sub + t % sub;
+        const size_t first = ((size_t)g * S.hidden + (size_t)r * QMK_AO_ROWS) * 2 * QMK_HD;
+        tl.r[0] = {bfp(F.layer(ph).o_blk) + first, (uint32_t)QMK_SLOT_BYTES};
+        tl.n = 1;
+        return tl;
     }
     const int per = ao_tiles_per_item(ph), it = blockIdx.x + (t / per) * gridDim.x;
     const int R = ao_row_groups(S), g = it / R, r = it % R;
-    Tile tl;
     if (per == 2 && t % per == 0) {  // K then V rows of positions 0 .. pass - 1
         const size_t row = ((size_t)ph.layer * S.num_kv_heads + g) * S.max_pos * QMK_HD;
         const uint32_t bytes = (uint32_t)ph.pass * QMK_HD * 4;
@@ -828,16 +846,16 @@ __device__ __forceinline__ void zero_acc(const Acc& z, int D) {
 }
 
 // Rows 64 r .. 64 r + 63 of o_proj over kv head g's 256 columns (its two query heads' outputs,
-// `heads` in shared memory) from the ring's next tile (qmk_layer.o_blk), added into both
-// accumulators; head 0's items also add the layer input's rows. `mine`: the block's items in the
-// phase.
+// `heads` in shared memory) from the ring's tile `tile` after the consumed ones (qmk_layer.o_blk),
+// added into both accumulators; head 0's items also add the layer input's rows. `mine`: the
+// block's items in the phase (one: the tile is deferred to the grid arrival).
 __device__ __forceinline__ void ao_rows(Ctx& c, int id, int g, int r, int mine, const float* heads, VecRef in,
-                                        const Acc& acc) {
+                                        const Acc& acc, uint32_t tile = 0) {
     float* sums = sm<float>(QMK_SMEM_RED);
     const int row = threadIdx.x >> 3, part = threadIdx.x & 7;
     // 8 threads per o_proj row; thread `part` takes columns 8 part + 64 i (a quarter warp
     // reads 128 contiguous bytes of the row).
-    const bf16* w = reinterpret_cast<const bf16*>(c.ring.wait(0)) + (size_t)row * 2 * QMK_HD;
+    const bf16* w = reinterpret_cast<const bf16*>(c.ring.wait(tile)) + (size_t)row * 2 * QMK_HD;
     float s = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -988,12 +1006,12 @@ __device__ void run_talker_ao(Ctx& c, int layer) {
         block_sync();
         if (has) c.ring.release(1);
     }
-    const int R = ao_row_groups(S), items = ao_items(S);
+    const int sub = tao_subtiles(S), items = tao_items(S);
     const int mine = blockIdx.x < items ? (items - 1 - blockIdx.x) / gridDim.x + 1 : 0;
     float* heads = sm<float>(QMK_SMEM_XS);
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int it = blockIdx.x; it < items; it += gridDim.x) {
-        const int g = it / R, r = it % R;
+        const int g = it / QMK_TAO_GROUPS, r = (it % QMK_TAO_GROUPS) * sub;
         if (threadIdx.x == 0)
             while (ld_acquire(count + g) < (unsigned)A.nchunk) {
             }
@@ -1005,7 +1023,11 @@ __device__ void run_talker_ao(Ctx& c, int layer) {
             *reinterpret_cast<float4*>(heads + w * QMK_HD + lane * 4) = o;
         }
         block_sync();
-        ao_rows(c, PH_AO, g, r, mine, heads, talker_in(m, layer), talker_acc(m, layer));
+        for (int k = 0; k < sub; ++k) {
+            if (k) block_sync();  // the row sums' area is rewritten
+            // A deferred tile stays ahead of `consumed`: the next one is `deferred` further on.
+            ao_rows(c, PH_AO, g, r + k, mine, heads, talker_in(m, layer), talker_acc(m, layer), c.ring.deferred);
+        }
     }
     c.stamp(PH_AO, STEP_EPILOGUE);
 }
@@ -1666,15 +1688,15 @@ extern "C" int qmk_merges_first_passes(const qmk_model* m, int32_t* out) {
 
 // The talker's attention and o_proj in one phase (run_talker_fused) where asked for: with the split
 // down projection (its accumulators), in the short kernel only (the long-context one keeps its
-// own attention phase), and where every o_proj item has a block of its own. The 1.7B talker's
-// 256 items on 132 blocks ran 0.022 ms a step slower than its o_proj phase (two items a block,
-// one after the other: bench/NOTES.md, v25), so only the 0.6B's 128 fuse on an H200.
+// own attention phase), and where every o_proj item has a block of its own (tao_items: 128). With
+// 64-row items the 1.7B's 256 on 132 blocks, two a block one after the other, ran 0.022 ms a step
+// slower than its o_proj phase (bench/NOTES.md, v25); its items are 128 rows since.
 // QMK_NO_TALKER_FUSE builds never fuse (A/B timing of the same build).
 static bool talker_fuses(const qmk_model& m, const qmk_frame& f, bool long_kernel, int blocks) {
 #ifdef QMK_NO_TALKER_FUSE
     return false;
 #else
-    const int o_items = m.talker.num_kv_heads * (m.talker.hidden / QMK_AO_ROWS);
+    const int o_items = m.talker.num_kv_heads * QMK_TAO_GROUPS;
     return m.talker.fuse_attn_o && m.talker.split_down && f.run_talker && !long_kernel && o_items <= blocks;
 #endif
 }

@@ -431,15 +431,14 @@ class MegakernelBackend:
         self.merge_first = merge_first
         # The talker's attention and o_proj in one phase too (qmk_stack.fuse_attn_o on its stack):
         # the attention items publish per head and o_proj items wait for their head instead of a
-        # grid barrier, reading o regrouped per KV head (0.6B: +112 MB). -0.024 ms a 0.6B talker
-        # step on the H200 (bench/NOTES.md, v25). Only where each (KV head, 64 rows) item gets a
-        # block of its own (the 1.7B's 256 lost 0.022 ms) and in the short kernel (talker
-        # positions below ~500 on an H200; uses_talker_fusion); it needs split_down's accumulators.
+        # grid barrier, reading o regrouped per KV head (0.6B: +112 MB, 1.7B: +224 MB). -0.024 ms a
+        # 0.6B talker step on the H200 (bench/NOTES.md, v25). Only where each of the 16 o_proj items
+        # per KV head gets a block of its own, and in the short kernel (talker positions below ~500
+        # on an H200; uses_talker_fusion); it needs split_down's accumulators.
         blocks = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
         if max_blocks > 0:
             blocks = min(blocks, max_blocks)
-        ts = self.tcfg.stack
-        o_items = ts.num_kv_heads * (ts.hidden_size // 64)
+        o_items = self.tcfg.stack.num_kv_heads * 16
         self.fuse_talker_attn_o = fuse_talker_attn_o and split_down and o_items <= blocks
         # At most this many blocks (0: one per SM): a smaller GPU's grid on this one, for tests.
         self.max_blocks = max_blocks
