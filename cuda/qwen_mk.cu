@@ -749,7 +749,8 @@ __device__ __forceinline__ void reset_head(const qmk_model& m) {
 // with several items runs up to QMK_ATTN_PAIRS of them at once, one per warp pair, their tiles in
 // the ring together. The short kernel keeps one item at a time: the pairs' code, merely present,
 // cost 0.03 ms a frame at position 100 (register allocation; bench/NOTES.md, v20).
-template <bool LONG>
+// PUBLISH: the fused talker's attention (run_talker_ao): items publish and count, none merges.
+template <bool LONG, bool PUBLISH = false>
 __device__ void run_attention(Ctx& c, const Phase& ph, int id, bool tabled) {
     const qmk_model& m = c.F.m();
     const qmk_stack& S = c.F.stack(ph);
@@ -759,7 +760,7 @@ __device__ void run_attention(Ctx& c, const Phase& ph, int id, bool tabled) {
     const AttnArgs a{dptr<const float>(m.qkv), dptr<float>(m.attn),   dptr<float>(S.k_cache) + off,
                      dptr<float>(S.v_cache) + off, bfp(L.q_norm), bfp(L.k_norm), dptr<const float>(S.rope),
                      dptr<float>(m.attn_part), dptr<unsigned>(m.attn_count), A.pos, S.num_heads,
-                     S.num_kv_heads, S.max_pos, S.eps, 0, 1};
+                     S.num_kv_heads, S.max_pos, S.eps, 0, 1, PUBLISH};
     if constexpr (!LONG) {
         for (int it = blockIdx.x; it < A.items; it += gridDim.x) {
 #ifdef QMK_TRACE_ATTN
@@ -985,27 +986,16 @@ __device__ __forceinline__ VecRef talker_in(const qmk_model& m, int l) {
     return l == 0 ? VecRef{dptr<const float>(m.pending), VEC_F32} : VecRef{talker_acc(m, l - 1).b, VEC_ACC};
 }
 
+template <bool LONG>
 __device__ void run_talker_ao(Ctx& c, int layer) {
     const qmk_model& m = c.F.m();
     const Phase ph{K_AO, layer, -1};
     const qmk_stack& S = m.talker;
-    const qmk_layer& L = c.F.layer(ph);
     const AttnItems A = attn_items(c.F, ph);
-    const size_t off = (size_t)ph.layer * S.num_kv_heads * S.max_pos * QMK_HD;
     unsigned* count = dptr<unsigned>(m.attn_count);
-    float* part = dptr<float>(m.attn_part);
-    AttnArgs a{dptr<const float>(m.qkv), dptr<float>(m.attn),   dptr<float>(S.k_cache) + off,
-               dptr<float>(S.v_cache) + off, bfp(L.q_norm), bfp(L.k_norm), dptr<const float>(S.rope),
-               part, count, A.pos, S.num_heads, S.num_kv_heads, S.max_pos, S.eps, 0, 1};
-    a.publish = 1;
-    for (int it = blockIdx.x; it < A.items; it += gridDim.x) {
-        const bool has = A.has_tile(it);
-        const float* tile = has ? reinterpret_cast<const float*>(c.ring.wait(0)) : nullptr;
-        c.stamp(PH_AO, STEP_TILE);
-        attention_item(a, a.qkv, it / A.nchunk, it % A.nchunk, A.nchunk, tile, sm<float>(QMK_SMEM_ATTN));
-        block_sync();
-        if (has) c.ring.release(1);
-    }
+    const float* part = dptr<const float>(m.attn_part);
+    const float* out = dptr<const float>(m.attn);
+    run_attention<LONG, true>(c, ph, PH_AO, false);
     const int sub = tao_subtiles(S), items = tao_items(S);
     const int mine = blockIdx.x < items ? (items - 1 - blockIdx.x) / gridDim.x + 1 : 0;
     float* heads = sm<float>(QMK_SMEM_XS);
@@ -1018,7 +1008,7 @@ __device__ void run_talker_ao(Ctx& c, int layer) {
         block_sync();
         if (w < 2) {  // query head 2 g + w; the partials were published with a release: ld.cg
             const float4 o = A.nchunk == 1
-                                 ? __ldcg(reinterpret_cast<const float4*>(a.out + (size_t)(2 * g + w) * QMK_HD + lane * 4))
+                                 ? __ldcg(reinterpret_cast<const float4*>(out + (size_t)(2 * g + w) * QMK_HD + lane * 4))
                                  : merge_head(part + (size_t)g * A.nchunk * 2 * QMK_PART + w * QMK_PART, A.nchunk, lane);
             *reinterpret_cast<float4*>(heads + w * QMK_HD + lane * 4) = o;
         }
@@ -1033,7 +1023,8 @@ __device__ void run_talker_ao(Ctx& c, int layer) {
 }
 
 // The talker's layers with fuse_attn_o, from the step's input (qmk_model.pending). The result is
-// the last layer's `b` (talker_acc).
+// the last layer's `b` (talker_acc). LONG: the long-context kernel's attention (run_attention).
+template <bool LONG>
 __device__ void run_talker_fused(Ctx& c) {
     const qmk_model& m = c.F.m();
     const qmk_stack& S = m.talker;
@@ -1048,7 +1039,7 @@ __device__ void run_talker_fused(Ctx& c) {
             run_mat<2>(c, pq, PH_QKV, x, [&](int u, int j, const float* red) { qkv[u] = row_sum(red, j); });
         }
         c.sync(PH_QKV);
-        run_talker_ao(c, l);
+        run_talker_ao<LONG>(c, l);
         c.sync(PH_AO);
         const Acc acc = talker_acc(m, l);
         Operand<2> xm;
@@ -1455,7 +1446,7 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
         Operand<2> x;
         if (f.run_talker) {
             const VecRef step_in{dptr<const float>(m.pending), VEC_F32};
-            if constexpr (TFUSE) run_talker_fused(c);
+            if constexpr (TFUSE) run_talker_fused<LONG>(c);
             else run_stack<LONG>(c, -1, step_in);
             const float* out = TFUSE ? talker_acc(m, m.talker.num_layers - 1).b : dptr<const float>(m.resid);
             load_xn<2>(VecRef{out, TFUSE || m.talker.split_down ? VEC_ACC : VEC_F32},
@@ -1614,8 +1605,8 @@ static int grid_config(const qmk_model& m, GridConfig* out) {
         // per SM, and only if the occupancy the driver reports allows it (for both kernels).
         // The block size is the kernel's launch bound, which depends on the architecture it was
         // built for (QMK_BLOCK_THREADS in the device pass).
-        const void* kernels[3] = {(const void*)qmk_frame_kernel<false, false>, (const void*)qmk_frame_kernel<true, false>,
-                                  (const void*)qmk_frame_kernel<false, true>};
+        const void* kernels[4] = {(const void*)qmk_frame_kernel<false, false>, (const void*)qmk_frame_kernel<true, false>,
+                                  (const void*)qmk_frame_kernel<false, true>, (const void*)qmk_frame_kernel<true, true>};
         cudaFuncAttributes attr;
         if ((e = cudaFuncGetAttributes(&attr, kernels[0])) != cudaSuccess) return e;
         const int threads = attr.maxThreadsPerBlock;
@@ -1687,17 +1678,17 @@ extern "C" int qmk_merges_first_passes(const qmk_model* m, int32_t* out) {
 }
 
 // The talker's attention and o_proj in one phase (run_talker_fused) where asked for: with the split
-// down projection (its accumulators), in the short kernel only (the long-context one keeps its
-// own attention phase), and where every o_proj item has a block of its own (tao_items: 128). With
+// down projection (its accumulators), and where every o_proj item has a block of its own
+// (tao_items: 128), in the short and the long-context kernel alike. With
 // 64-row items the 1.7B's 256 on 132 blocks, two a block one after the other, ran 0.022 ms a step
 // slower than its o_proj phase (bench/NOTES.md, v25); its items are 128 rows since.
 // QMK_NO_TALKER_FUSE builds never fuse (A/B timing of the same build).
-static bool talker_fuses(const qmk_model& m, const qmk_frame& f, bool long_kernel, int blocks) {
+static bool talker_fuses(const qmk_model& m, const qmk_frame& f, int blocks) {
 #ifdef QMK_NO_TALKER_FUSE
     return false;
 #else
     const int o_items = m.talker.num_kv_heads * QMK_TAO_GROUPS;
-    return m.talker.fuse_attn_o && m.talker.split_down && f.run_talker && !long_kernel && o_items <= blocks;
+    return m.talker.fuse_attn_o && m.talker.split_down && f.run_talker && o_items <= blocks;
 #endif
 }
 
@@ -1705,7 +1696,7 @@ extern "C" int qmk_uses_talker_fusion(const qmk_model* m, const qmk_frame* f, in
     GridConfig g;
     const int e = grid_config(*m, &g);
     if (e != cudaSuccess) return e;
-    *out = talker_fuses(*m, *f, uses_long_kernel(*m, *f, g.blocks), g.blocks) ? 1 : 0;
+    *out = talker_fuses(*m, *f, g.blocks) ? 1 : 0;
     return cudaSuccess;
 }
 
@@ -1717,13 +1708,13 @@ extern "C" int qmk_decode_frame(const qmk_model* m, const qmk_frame* f, uint64_t
     p.m = *m;
     p.m.pred.merge_first = merges_first(*m, g) ? 1 : 0;
     const bool long_kernel = uses_long_kernel(*m, *f, g.blocks);
-    p.m.talker.fuse_attn_o = talker_fuses(*m, *f, long_kernel, g.blocks) ? 1 : 0;
+    p.m.talker.fuse_attn_o = talker_fuses(*m, *f, g.blocks) ? 1 : 0;
     p.f = *f;
     p.nslot = g.nslot;
     void* args[] = {&p};
-    const void* kernel = long_kernel           ? (const void*)qmk_frame_kernel<true, false>
-                         : p.m.talker.fuse_attn_o ? (const void*)qmk_frame_kernel<false, true>
-                                                  : (const void*)qmk_frame_kernel<false, false>;
+    const void* kernels[2][2] = {{(const void*)qmk_frame_kernel<false, false>, (const void*)qmk_frame_kernel<false, true>},
+                                 {(const void*)qmk_frame_kernel<true, false>, (const void*)qmk_frame_kernel<true, true>}};
+    const void* kernel = kernels[long_kernel][p.m.talker.fuse_attn_o];
     return cudaLaunchCooperativeKernel(kernel, dim3(g.blocks), dim3(g.threads), args, (size_t)g.smem,
                                        reinterpret_cast<cudaStream_t>(stream));
 }

@@ -45,7 +45,7 @@ typedef struct {
      * barrier between attention and o_proj. In the code predictor (at most 32 positions) each
      * item recomputes its head's attention; in the talker the attention items publish per head
      * and an o_proj item waits for its head's count (qmk_model.attn_count); qmk_decode_frame
-     * clears it for the long-context kernel and where the o_proj items outnumber the blocks
+     * clears it where the talker's 16 o_proj items per KV head outnumber the blocks
      * (qmk_uses_talker_fusion). 0: o_proj is a phase of its own. */
     int32_t fuse_attn_o;
     /* 1 (code predictor with fuse_attn_o; 16 blocks per KV head in the grid): the q/k/v phase

@@ -433,8 +433,8 @@ class MegakernelBackend:
         # the attention items publish per head and o_proj items wait for their head instead of a
         # grid barrier, reading o regrouped per KV head (0.6B: +112 MB, 1.7B: +224 MB). -0.024 ms a
         # 0.6B talker step on the H200 (bench/NOTES.md, v25). Only where each of the 16 o_proj items
-        # per KV head gets a block of its own, and in the short kernel (talker positions below ~500
-        # on an H200; uses_talker_fusion); it needs split_down's accumulators.
+        # per KV head gets a block of its own (uses_talker_fusion); it needs split_down's
+        # accumulators.
         blocks = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
         if max_blocks > 0:
             blocks = min(blocks, max_blocks)

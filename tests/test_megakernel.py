@@ -345,13 +345,14 @@ def test_kernel_option_matches_the_path_it_replaces(backends, option):
 
 @needs_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("prompt_len", [12, 100, 300])
+@pytest.mark.parametrize("prompt_len", [12, 100, 300, 560])
 def test_talker_fusion_matches_the_o_proj_phase(backends, prompt_len):
     """The talker's attention and o_proj in one phase (the default: attention items publish per
     head, o_proj items wait for their head) against the o_proj phase (`fuse_talker_attn_o=False`),
     from the same prefill: identical codes over 8 sampled frames, hidden states within 1e-5. From
     12 positions every head is one chunk (its output published as is); from 100 and 300 its
-    4 and 10 chunks' partials are merged by every o_proj item."""
+    4 and 10 chunks' partials are merged by every o_proj item; from 560 both run the long-context
+    kernel (on an H200), a block's attention items at once."""
     b = backends
     frames = 8
     plain = mk.MegakernelBackend(b.talker, torch.device("cuda"), torch.bfloat16, warmup=False,
@@ -423,9 +424,9 @@ def test_long_context_kernel_matches(backends):
         assert b.mb.uses_long_kernel(st) == (items > b.mb.grid_blocks(st))  # "auto", the default
         st.model.long_kernel = mk.LONG_KERNEL[mode]
         assert b.mb.uses_long_kernel(st) == (mode == "always")
-        # The short kernel fuses the talker's attention and o_proj here too (some blocks run two
-        # attention items before their o_proj item); the long-context kernel never does.
-        assert b.mb.uses_talker_fusion(st) == (mode == "never")
+        # Both fuse the talker's attention and o_proj (the short kernel's blocks then run up to
+        # two attention items one after the other before their o_proj item).
+        assert b.mb.uses_talker_fusion(st)
         runs.append([(b.mb.decode_frame(st).clone(), st.buffers["hidden"].clone(),
                       st.buffers["pred_hidden"][1:].clone()) for _ in range(frames)])
         b.mb.release(st)
