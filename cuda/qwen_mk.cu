@@ -970,17 +970,17 @@ __device__ void run_pred_fused(Ctx& c, int pass, VecRef src) {
 
 // ---------------------------------------------------------------------------------------------
 // The talker with attention and o_proj in one phase (qmk_stack.fuse_attn_o on the talker's stack;
-// qmk_decode_frame sets it only for the short kernel, whose attention items each have a block)
+// qmk_decode_frame sets it where the o_proj items fit the grid, talker_fuses, and launches the
+// TFUSE kernels, which hold this code and not run_stack's talker: inlined beside it, it cost the
+// predictor 0.30 ms a frame in spills)
 //
 // The (kv head, chunk) attention items run as in the attention phase but only publish (their
-// head's output for a single chunk, else their partial softmax) and count; then items (g, r) of
-// o_proj, as in the predictor's fused phase, wait for head g's count, merge its partials and
-// multiply their 32 KB o_proj tile, which streamed during the attention. One grid barrier less per
-// layer; the residual takes the predictor's accumulator pairs (a: after attention, b: after the
-// MLP), layer l the pair (L - l) % 2, so the last layer's `b` is pair 1 and the codec head phase
-// may zero pairs 0 and 2 for the predictor while it reads it.
-// (Every pointer is derived from the layer index where it is used, none kept across phases: the
-// loop holding them spilled 220 bytes in the short kernel.)
+// head's output for a single chunk, else their partial softmax) and count; then 16 o_proj items per
+// kv head g (hidden / 16 rows each), as in the predictor's fused phase, wait for head g's count,
+// merge its partials and multiply their o_proj tiles, which streamed during the attention. One
+// grid barrier less per layer; the residual takes the predictor's accumulator pairs (a: after
+// attention, b: after the MLP), layer l the pair (L - l) % 2, so the last layer's `b` is pair 1 and
+// the codec head phase may zero pairs 0 and 2 for the predictor while it reads it.
 __device__ __forceinline__ Acc talker_acc(const qmk_model& m, int l) { return pred_acc(m, m.talker.num_layers - l); }
 __device__ __forceinline__ VecRef talker_in(const qmk_model& m, int l) {
     return l == 0 ? VecRef{dptr<const float>(m.pending), VEC_F32} : VecRef{talker_acc(m, l - 1).b, VEC_ACC};
@@ -1390,7 +1390,8 @@ __device__ void publish_frame(const qmk_model& m, const qmk_frame& f, bool full)
 __host__ __device__ __forceinline__ int smem_bytes(int nslot) { return QMK_SMEM_SLOTS + nslot * QMK_SLOT_BYTES; }
 
 // LONG: the long-context kernel, launched when the talker's attention items outnumber the blocks
-// (qmk_decode_frame); it differs only in run_attention.
+// (qmk_decode_frame); it differs only in run_attention. TFUSE: the talker's attention and o_proj
+// in one phase (run_talker_fused).
 template <bool LONG, bool TFUSE>
 __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const __grid_constant__ Params P) {
     const qmk_model& m = P.m;
@@ -1602,7 +1603,7 @@ static int grid_config(const qmk_model& m, GridConfig* out) {
         if (nslot < 2) return cudaErrorNotSupported;
         const int smem = smem_bytes(nslot);
         // The kernels wait on grid barriers, so every block must be resident at once: one block
-        // per SM, and only if the occupancy the driver reports allows it (for both kernels).
+        // per SM, and only if the occupancy the driver reports allows it (for all four kernels).
         // The block size is the kernel's launch bound, which depends on the architecture it was
         // built for (QMK_BLOCK_THREADS in the device pass).
         const void* kernels[4] = {(const void*)qmk_frame_kernel<false, false>, (const void*)qmk_frame_kernel<true, false>,
