@@ -202,7 +202,7 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
             make_float4(o.x / l, o.y / l, o.z / l, o.w / l);
         if (a.publish) {
             asm volatile("bar.sync %0, 64;" ::"r"(2 + pair) : "memory");
-            if (w == 0 && lane == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(a.count + g) : "memory");
+            if (w == 0 && lane == 0) red_add_release(a.count + g);
         }
         return;
     }
@@ -219,7 +219,7 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
     // talker step was 0.02 ms slower; bench/NOTES.md, v24.)
     asm volatile("bar.sync %0, 64;" ::"r"(2 + pair) : "memory");  // the pair's two warps
     if (a.publish) {
-        if (w == 0 && lane == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(a.count + g) : "memory");
+        if (w == 0 && lane == 0) red_add_release(a.count + g);
         return;
     }
     if (w == 0 && lane == 0) {

@@ -105,7 +105,7 @@ __device__ __forceinline__ Phase first_phase(const qmk_frame& f) {
 __device__ __forceinline__ bool from_table(const qmk_model& m, int pass) { return pass >= 1 && m.qkv0[pass - 1] != 0; }
 
 // The attention phase of a layer: fused with o_proj where the stack's fuse_attn_o is set (for the
-// talker, qmk_decode_frame sets it per launch: short kernel only), except the predictor's pass 0's
+// talker, qmk_decode_frame sets it per launch: talker_fuses), except the predictor's pass 0's
 // last layer, which has no o_proj (only its K/V rows are used).
 __device__ __forceinline__ int attn_kind(const qmk_model& m, int layer, int pass) {
     if (pass < 0) return m.talker.fuse_attn_o ? K_AO : K_ATTN;
@@ -526,7 +526,7 @@ struct Ctx {
             long long* gr = grid_row();
             if (gr) gr[0] = dbg_gtime(), gr[3] = 64 + phase;
 #endif
-            if (counter) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+            if (counter) red_add_release(counter);
 #ifdef QMK_TRACE_ATTN
             if (gr) gr[1] = gr[2] = dbg_gtime();
             ++seq;
@@ -1212,8 +1212,8 @@ __device__ void run_attn_o_first(Ctx& c, const Phase& ph, int id, bool grouped, 
         c.stamp(id, STEP_DOTS);
         if (mine == 1) c.ring.defer(1);
         else c.ring.release(1);
-        // run_attn_o's epilogue, per position. (Shared through one inlined helper it changed
-        // the short kernel's instructions, so it stays written out twice.)
+        // ao_rows' epilogue, per position. (Shared through one inlined helper it changed the
+        // short kernel's instructions, so it stays written out twice.)
         const int p = threadIdx.x / (QMK_AO_ROWS / 4);
         if (p < 2 && (p == 1 || acc0 != nullptr)) {
             const int k = 4 * (threadIdx.x % (QMK_AO_ROWS / 4)), u = r * QMK_AO_ROWS + k;

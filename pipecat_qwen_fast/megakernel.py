@@ -43,6 +43,9 @@ LONG_KERNEL = {"auto": 0, "always": 1, "never": -1}
 TRACE_MAX = 8192
 MAX_GROUPS = 16
 HEAD_DIM = 128
+# o_proj items per KV head of the fused talker phase (qwen_mk.cu QMK_TAO_GROUPS): the kernel fuses
+# only where they all get a block of their own (talker_fuses).
+TALKER_O_ITEMS_PER_KV_HEAD = 16
 NVCC_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "-Xcompiler", "-fPIC")
 
 
@@ -432,13 +435,14 @@ class MegakernelBackend:
         # The talker's attention and o_proj in one phase too (qmk_stack.fuse_attn_o on its stack):
         # the attention items publish per head and o_proj items wait for their head instead of a
         # grid barrier, reading o regrouped per KV head (0.6B: +112 MB, 1.7B: +224 MB). -0.024 ms a
-        # 0.6B talker step on the H200 (bench/NOTES.md, v25). Only where each of the 16 o_proj items
-        # per KV head gets a block of its own (uses_talker_fusion); it needs split_down's
+        # 0.6B talker step on the H200 (bench/NOTES.md, v25). Only where each o_proj item gets a
+        # block of its own (one block per SM, max_blocks applied, as the kernel's grid;
+        # uses_talker_fusion): elsewhere the regrouped o would be dead weight. It needs split_down's
         # accumulators.
         blocks = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
         if max_blocks > 0:
             blocks = min(blocks, max_blocks)
-        o_items = self.tcfg.stack.num_kv_heads * 16
+        o_items = self.tcfg.stack.num_kv_heads * TALKER_O_ITEMS_PER_KV_HEAD
         self.fuse_talker_attn_o = fuse_talker_attn_o and split_down and o_items <= blocks
         # At most this many blocks (0: one per SM): a smaller GPU's grid on this one, for tests.
         self.max_blocks = max_blocks
