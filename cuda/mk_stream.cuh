@@ -64,8 +64,7 @@ __device__ __forceinline__ void ring_init(int nslot) {
 // Producer lane: copy tile number `i` into its slot. `written_here`: the source was written by
 // generic stores earlier in this launch (K/V rows of the code predictor). `weights`: read once per
 // frame, evicted from L2 first (Hopper; sm_80 copies without a hint).
-__device__ __forceinline__ void issue_tile(const Tile& t, uint32_t i, int nslot, bool written_here, bool weights,
-                                           bool keep = false) {
+__device__ __forceinline__ void issue_tile(const Tile& t, uint32_t i, int nslot, bool written_here, bool weights) {
     uint64_t* bar = ring_state().full + i % nslot;
     unsigned char* dst = slot_ptr(i, nslot);
 #if __CUDA_ARCH__ >= 900
@@ -73,7 +72,7 @@ __device__ __forceinline__ void issue_tile(const Tile& t, uint32_t i, int nslot,
     uint32_t total = 0;
     for (int k = 0; k < t.n; ++k) total += t.r[k].bytes;
     mbar_expect_tx(bar, total);
-    const uint64_t pol = keep ? evict_last_policy() : evict_first_policy();
+    const uint64_t pol = evict_first_policy();
     for (int k = 0; k < t.n; ++k) {
         if (weights) bulk_copy_hint(dst, t.r[k].src, t.r[k].bytes, bar, pol);
         else bulk_copy(dst, t.r[k].src, t.r[k].bytes, bar);
@@ -81,7 +80,6 @@ __device__ __forceinline__ void issue_tile(const Tile& t, uint32_t i, int nslot,
     }
 #else
     (void)written_here;
-    (void)keep;
     (void)weights;  // cp.async reads through the generic proxy
     for (int k = 0; k < t.n; ++k) {
         const unsigned char* src = static_cast<const unsigned char*>(t.r[k].src);

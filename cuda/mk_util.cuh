@@ -235,22 +235,6 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
     return pol;
 }
 
-// Weights read again within the frame (a chosen part of the code predictor's, which runs 15 times
-// a frame) stay in L2 as long as everything else streamed is evicted first.
-__device__ __forceinline__ uint64_t evict_last_policy() {
-    uint64_t pol;
-#if defined(QMK_PRED_KEEP_FRAC)
-#define QMK_STR2(x) #x
-#define QMK_STR(x) QMK_STR2(x)
-    asm volatile("createpolicy.fractional.L2::evict_last.L2::evict_first.b64 %0, " QMK_STR(QMK_PRED_KEEP_FRAC) ";" : "=l"(pol));
-#elif defined(QMK_KEEP_NORMAL)
-    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
-#else
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
-#endif
-    return pol;
-}
-
 __device__ __forceinline__ void bulk_copy_hint(void* dst, const void* src, uint32_t bytes, uint64_t* bar, uint64_t pol) {
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(

@@ -428,21 +428,6 @@ struct TileCursor {
     }
 };
 
-// QMK_PRED_KEEP: a mask of the predictor's weights kept in L2 across its passes; bit 3 l + k for
-// layer l's q/k/v (k = 0), o_proj (1) and MLP (2). Experiment.
-__device__ __forceinline__ bool kept_in_l2(const Phase& ph) {
-#if defined(QMK_PRED_KEEP_FRAC)
-    return ph.pass >= 0 && ph.kind != K_HEAD_P;
-#elif defined(QMK_PRED_KEEP)
-    if (ph.pass < 0) return false;
-    const int k = ph.kind == K_QKV ? 0 : ph.kind == K_AO || ph.kind == K_O ? 1 : ph.kind == K_GU || ph.kind == K_DOWN ? 2 : -1;
-    return k >= 0 && ((QMK_PRED_KEEP >> (3 * ph.layer + k)) & 1);
-#else
-    (void)ph;
-    return false;
-#endif
-}
-
 // The producer warp's lane 0: walk the frame's tiles in the consumers' order and issue each copy
 // as soon as its slot is free. Stops at the end of the frame's tiles, or when the consumers end
 // the frame early (EOS).
@@ -456,7 +441,7 @@ __device__ __noinline__ void produce(const Params* P) {
         // The predictor's K/V rows were stored by other blocks earlier in this launch.
         const Phase& ph = cur.ph;
         const Tile t = phase_tile(F, ph, cur.tile++);
-        issue_tile(t, i++, nslot, t.kv && ph.pass >= 0, !t.kv, kept_in_l2(ph));
+        issue_tile(t, i++, nslot, t.kv && ph.pass >= 0, !t.kv);
     }
     *reinterpret_cast<volatile uint32_t*>(&ring_state().issued) = i;
 }
@@ -1643,9 +1628,6 @@ static int grid_config(const qmk_model& m, GridConfig* out) {
 }
 
 extern "C" int qmk_grid_size(const qmk_model* m, int32_t* blocks, int32_t* smem_bytes) {
-#ifdef QMK_L2_SETASIDE_MB
-    cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, (size_t)QMK_L2_SETASIDE_MB << 20);
-#endif
     GridConfig g;
     const int e = grid_config(*m, &g);
     if (e != cudaSuccess) return e;
