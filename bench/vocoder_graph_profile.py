@@ -68,6 +68,8 @@ def main() -> int:
                     help="the vocoder's dtype (the engine runs it in bfloat16 on CUDA)")
     ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
                     help="conv weights channels-innermost, as the engine stores them on CUDA")
+    ap.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=True,
+                    help="cuDNN times its algorithms for each shape at capture, as the engine's graphs do")
     ap.add_argument("--whole-frames", type=int, default=0,
                     help="also time the eager whole-utterance decode of this many frames")
     args = ap.parse_args()
@@ -78,10 +80,10 @@ def main() -> int:
     voc = Vocoder.from_state_dict(base.cfg, base.state_dict(), device="cuda", dtype=dtype)  # as the engine loads it
     if args.channels_last:
         voc.use_channels_last()
-    gv = GraphedVocoder(voc, torch.device("cuda"), dtype, compile_sizes=())
+    gv = GraphedVocoder(voc, torch.device("cuda"), dtype, compile_sizes=(), cudnn_benchmark=args.cudnn_benchmark)
     q = voc.cfg.num_quantizers
     out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtype": args.dtype,
-           "channels_last": args.channels_last}
+           "channels_last": args.channels_last, "cudnn_benchmark": args.cudnn_benchmark}
     try:
         import triton
 
@@ -97,7 +99,8 @@ def main() -> int:
     variants = [("plain", gv)]
     if args.compile:
         variants.append(("compiled", GraphedVocoder(voc, torch.device("cuda"), dtype,
-                                                    compile_sizes=tuple(args.chunks))))
+                                                    compile_sizes=tuple(args.chunks),
+                                                    cudnn_benchmark=args.cudnn_benchmark)))
     for name, g in variants:
         for n in args.chunks:
             t0 = time.perf_counter() if name == "compiled" else None

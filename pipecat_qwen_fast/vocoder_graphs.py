@@ -15,6 +15,7 @@ it cannot run (no triton, no compiler), and `QWEN_FAST_COMPILE_VOCODER=0` turns 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -29,7 +30,7 @@ from .vocoder import Vocoder, VocoderStream
 
 logger = logging.getLogger(__name__)
 
-MAX_GRAPHS = 32  # chunk sizes captured at most; other sizes run eagerly
+MAX_GRAPHS = 48  # chunk sizes captured at most; other sizes run eagerly
 
 
 def copy_stream(dst: VocoderStream, src: VocoderStream) -> None:
@@ -73,10 +74,24 @@ def _recompile_limit_patch(n: int):
     return cfg.patch(**{key: max(n, getattr(cfg, key))})
 
 
+@contextlib.contextmanager
+def _cudnn_benchmark(on: bool):
+    """cuDNN times its candidate algorithms for each new convolution shape (at the capture's warm-up
+    call, outside the capture) instead of taking its heuristic's first pick; restored afterwards, so
+    the rest of the process keeps its own setting."""
+    prev = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = on or prev
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = prev
+
+
 class GraphedVocoder:
     def __init__(self, vocoder: Vocoder, device: torch.device, dtype: torch.dtype, use_graphs: bool | None = None,
-                 compile_sizes: tuple[int, ...] = ()):
+                 compile_sizes: tuple[int, ...] = (), cudnn_benchmark: bool = True):
         self.vocoder = vocoder
+        self.cudnn_benchmark = cudnn_benchmark
         self.device = device
         self.dtype = dtype
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
@@ -126,26 +141,33 @@ class GraphedVocoder:
             stream=voc.new_stream(batch=1, device=self.device, dtype=self.dtype),
         )
         if self.capturer is not None:
-            step: Callable = voc.stream_step
-            compiled = False
-            if compile_step:
-                try:
-                    t0 = time.perf_counter()
-                    if self._compiled is None:
-                        self._compiled = torch.compile(voc.stream_step, dynamic=False)
-                    with _recompile_limit_patch(64):
-                        self._compiled(entry.codes, entry.stream)  # compiles now, outside any capture
-                    entry.stream.reset()
-                    step, compiled = self._compiled, True
-                    logger.info("vocoder step for %d-frame chunks compiled in %.1f s", n, time.perf_counter() - t0)
-                except Exception as e:  # noqa: BLE001 - any compiler failure: the plain graph still works
-                    logger.warning("compiling the vocoder step failed (%s: %s); using the plain graph",
-                                   type(e).__name__, str(e)[:300])
-                    self.compile_sizes.clear()
-                    entry.stream.reset()
-            with _recompile_limit_patch(64):
-                entry.graph, entry.out = self.capturer.capture(lambda: step(entry.codes, entry.stream))
-            if compiled:
-                self.compiled_sizes.add(n)
+            with _cudnn_benchmark(self.cudnn_benchmark):
+                self._capture(entry, n, compile_step)
         self.entries[n] = entry
         return entry
+
+    def _capture(self, entry: _Entry, n: int, compile_step: bool) -> None:
+        """The entry's graph, from compiled code where asked and the compiler works."""
+        voc = self.vocoder
+        step: Callable = voc.stream_step
+        compiled = False
+        if compile_step:
+            try:
+                t0 = time.perf_counter()
+                if self._compiled is None:
+                    self._compiled = torch.compile(voc.stream_step, dynamic=False)
+                with _recompile_limit_patch(64):
+                    self._compiled(entry.codes, entry.stream)  # compiles now, outside any capture
+                entry.stream.reset()
+                step, compiled = self._compiled, True
+                logger.info("vocoder step for %d-frame chunks compiled in %.1f s", n, time.perf_counter() - t0)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: the plain graph still works
+                logger.warning("compiling the vocoder step failed (%s: %s); using the plain graph",
+                               type(e).__name__, str(e)[:300])
+                self.compile_sizes.clear()
+                entry.stream.reset()
+        with _recompile_limit_patch(64):
+            entry.graph, entry.out = self.capturer.capture(lambda: step(entry.codes, entry.stream))
+        if compiled:
+            self.compiled_sizes.add(n)
+
