@@ -286,7 +286,8 @@ def measure_breakdown(engine: QwenTTSEngine, n: int) -> dict:
     device_s = decode_frames_back_to_back(engine, n)
     step_s = step_wall_per_frame(engine, n, None)
     voc4_s = step_wall_per_frame(engine, n, 4) - step_s
-    voc16_s = step_wall_per_frame(engine, max(16, n - n % 16), 16) - step_s
+    steady = SynthesisRequest.max_chunk_frames  # the default schedule's chunk once it stops growing
+    voc_steady_s = step_wall_per_frame(engine, max(steady, n - n % steady), steady) - step_s
     voc1_s = step_wall_per_frame(engine, n, 1) - step_s
     out = {
         "frames": n,
@@ -294,10 +295,11 @@ def measure_breakdown(engine: QwenTTSEngine, n: int) -> dict:
         "engine_step_ms": 1e3 * step_s,
         "host_overhead_ms": 1e3 * (step_s - device_s),
         "vocoder_ms_per_frame_chunk4": 1e3 * voc4_s,
-        "vocoder_ms_per_frame_chunk16": 1e3 * voc16_s,
+        "steady_chunk_frames": steady,
+        "vocoder_ms_per_frame_steady": 1e3 * voc_steady_s,
         "vocoder_ms_per_call_chunk1": 1e3 * voc1_s,
-        # A streamed frame once the default schedule (1, 4, 10, 16, 16, ... frames) reaches 16.
-        "streaming_frame_ms_estimate": 1e3 * (step_s + voc16_s),
+        # A streamed frame once the default schedule (1, 4, 8, 16, 32, 32, ... frames) reaches 32.
+        "streaming_frame_ms_estimate": 1e3 * (step_s + voc_steady_s),
         "streaming_frame_ms_estimate_chunk4": 1e3 * (step_s + voc4_s),
     }
     try:

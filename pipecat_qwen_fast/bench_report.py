@@ -192,6 +192,9 @@ def breakdown_table(results: dict) -> str:
         if not b:
             continue
         name = f"ours ({backend})"
+        # Runs before the 32-frame steady chunk recorded 16-frame chunks under another key.
+        steady = b.get("steady_chunk_frames", 16)
+        steady_key = "vocoder_ms_per_frame_steady" if "vocoder_ms_per_frame_steady" in b else "vocoder_ms_per_frame_chunk16"
         items = [
             ("decode_frame, back to back (device-bound)", "decode_frame_ms"),
             ("  talker (28 layers + codec head)", "talker_ms"),
@@ -200,13 +203,13 @@ def breakdown_table(results: dict) -> str:
             ("engine.step (adds the per-frame EOS read + bookkeeping)", "engine_step_ms"),
             ("  host overhead (engine.step - decode_frame)", "host_overhead_ms"),
             ("vocoder in engine.step, 4-frame chunks, per frame", "vocoder_ms_per_frame_chunk4"),
-            ("vocoder in engine.step, 16-frame chunks (the default's steady state), per frame",
-             "vocoder_ms_per_frame_chunk16"),
+            (f"vocoder in engine.step, {steady}-frame chunks (the default's steady state), per frame", steady_key),
             ("vocoder in engine.step, one 1-frame chunk", "vocoder_ms_per_call_chunk1"),
         ]
         if b.get("split"):
             lines.append(f"| {name} | talker / predictor split: {_short(b['split'])} | n/a |")
-        differences = {"vocoder_ms_per_frame_chunk4", "vocoder_ms_per_frame_chunk16", "vocoder_ms_per_call_chunk1",
+        differences = {"vocoder_ms_per_frame_chunk4", "vocoder_ms_per_frame_chunk16", "vocoder_ms_per_frame_steady",
+                       "vocoder_ms_per_call_chunk1",
                        "host_overhead_ms"}
         for label, key in items:
             if b.get(key) is not None:

@@ -63,22 +63,45 @@ MAX_SEGMENT_TOKENS = 200
 
 # From the third chunk on, a chunk holds at most this many times the frames already sent. A chunk
 # of n frames after S sent reaches the player in time while the decoder runs at >= ~(n / S + 1)x
-# real time: 5x for the second chunk (4 after 1), 3x for the later ones, so growth never asks more
-# than the default second chunk already does. With 4x growth (1, 4, 16) the third chunk asked 4.2x
-# and 16 concurrent torch-backend streams (4.5x each) ran out of audio by 1 ms where 1, 4, 4 did
-# not (H200 full run at c332932). A 16-frame vocoder call costs 0.12-0.14 ms a frame against
-# 0.38-0.44 for a 4-frame one (bench/NOTES.md, "Chunk schedule").
+# real time: 5x for the second chunk (4 after 1), at most 3x for the later ones, so growth never
+# asks more than the default second chunk already does. With 4x growth (1, 4, 16) the third chunk
+# asked 4.2x and 16 concurrent torch-backend streams (4.5x each) ran out of audio by 1 ms where
+# 1, 4, 4 did not (H200 full run at c332932).
 CHUNK_GROWTH = 2
 
 
 def chunk_target(request: SynthesisRequest, frames_sent: int) -> int:
-    """Frames in the chunk that starts after `frames_sent` frames of audio."""
+    """Frames in the chunk that starts after `frames_sent` frames of audio.
+
+    From the third chunk on, chunks double from `chunk_frames` (1, 4, 8, 16, 32, 32, ... by
+    default) as far as growth and `max_chunk_frames` allow, so a default stream uses a handful of
+    sizes, each a compiled vocoder graph. A vocoder call costs nearly the same for 1 to 16 frames:
+    a 32-frame chunk costs 0.076 ms a frame against 0.12 for 16 and 0.38 for 4 (bench/NOTES.md,
+    "Chunk schedule").
+    """
     if frames_sent == 0:
         return request.first_chunk_frames
     n = request.chunk_frames
-    if request.max_chunk_frames is not None and frames_sent > request.first_chunk_frames:
-        n = max(n, min(request.max_chunk_frames, CHUNK_GROWTH * frames_sent))
+    most = request.max_chunk_frames
+    if most is not None and frames_sent > request.first_chunk_frames:
+        limit = min(most, CHUNK_GROWTH * frames_sent)
+        while 2 * n <= limit:
+            n *= 2
+        if most <= limit:  # the cap itself, where doubling does not land on it
+            n = max(n, most)
     return n
+
+
+def schedule_sizes(request: SynthesisRequest) -> tuple[int, ...]:
+    """The chunk sizes a long stream of `request` sends (its last chunk may be any smaller size)."""
+    sizes, sent = [], 0
+    while True:
+        n = chunk_target(request, sent)
+        # Until capped, each chunk from the third on at least doubles: a repeat is the steady size.
+        if len(sizes) >= 2 and n == sizes[-1]:
+            return tuple(sorted(set(sizes)))
+        sizes.append(n)
+        sent += n
 
 
 @dataclass
@@ -93,9 +116,9 @@ class SynthesisRequest:
     voice_clone: VoiceClonePrompt | None = None
     first_chunk_frames: int = 1
     chunk_frames: int = 4
-    # From the third chunk on, chunks grow up to this, each at most CHUNK_GROWTH x the frames already
-    # sent; None (or <= chunk_frames): every later chunk is chunk_frames.
-    max_chunk_frames: int | None = 16
+    # From the third chunk on, chunks double up to this, each at most CHUNK_GROWTH x the frames
+    # already sent (chunk_target); None (or <= chunk_frames): every later chunk is chunk_frames.
+    max_chunk_frames: int | None = 32
     max_frames: int | None = None
     sampling: SamplingParams | None = None  # overrides generation_config.json
     vocode: bool = True
@@ -192,11 +215,11 @@ class QwenTTSEngine:
         self._ahead_allowed = True
         # On a GPU the streaming vocoder step replays one CUDA graph per chunk size; those of the
         # default chunk sizes are captured from compiled code, with cuDNN's preferred weight layout.
-        defaults = (SynthesisRequest.first_chunk_frames, SynthesisRequest.chunk_frames, SynthesisRequest.max_chunk_frames)
         self.vocoder_graphs = None
         if device.type == "cuda":
             vocoder.use_channels_last()
-            self.vocoder_graphs = GraphedVocoder(vocoder, device, dtype, compile_sizes=defaults)
+            self.vocoder_graphs = GraphedVocoder(vocoder, device, dtype,
+                                                 compile_sizes=schedule_sizes(SynthesisRequest("")))
 
     # ------------------------------------------------------------------ loading
 
@@ -267,8 +290,8 @@ class QwenTTSEngine:
             capture([defaults, defaults.greedy()])
         self.prepare_thread()
         if self.vocoder_graphs is not None:
-            # Every size a default stream can send (1, 4, 10, 16 and the tails it may end on) and
-            # synthesize()'s 25: a size first seen mid-stream would be captured right then.
+            # Every size a default stream can send (1, 4, 8, 16, 32 and the tails it may end on)
+            # and synthesize()'s 25: a size first seen mid-stream would be captured right then.
             self.vocoder_graphs.capture([*range(1, SynthesisRequest.max_chunk_frames + 1), 25])
         voice = self.voices[0] if self.voices else None
         vc = None

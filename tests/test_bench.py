@@ -104,8 +104,8 @@ def test_breakdown_and_floor(engine):
     assert b["frames"] == 4 and b["decode_frame_ms"] > 0 and b["engine_step_ms"] > 0
     # Vocoder figures are differences of two timings: finite, but on a busy CPU not always > 0.
     assert math.isfinite(b["vocoder_ms_per_frame_chunk4"]) and math.isfinite(b["vocoder_ms_per_call_chunk1"])
-    assert math.isfinite(b["vocoder_ms_per_frame_chunk16"])
-    assert b["streaming_frame_ms_estimate"] == pytest.approx(b["engine_step_ms"] + b["vocoder_ms_per_frame_chunk16"])
+    assert b["steady_chunk_frames"] == 32 and math.isfinite(b["vocoder_ms_per_frame_steady"])
+    assert b["streaming_frame_ms_estimate"] == pytest.approx(b["engine_step_ms"] + b["vocoder_ms_per_frame_steady"])
     assert "split" not in b  # CPU: no CUDA events, no split reported
     assert b["host_overhead_ms"] == pytest.approx(b["engine_step_ms"] - b["decode_frame_ms"])
     positions, how = bench_engine.prompt_positions(engine, texts.RTF_TEXT)

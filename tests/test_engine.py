@@ -21,7 +21,7 @@ from pipecat_qwen_fast import (
     UnsupportedFeatureError,
     VoiceClonePrompt,
 )
-from pipecat_qwen_fast.engine import MAX_SEGMENT_TOKENS, chunk_target, split_text
+from pipecat_qwen_fast.engine import MAX_SEGMENT_TOKENS, chunk_target, schedule_sizes, split_text
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +53,10 @@ def test_listings(engine):
 def test_stream_chunks_and_equals_whole(endless):
     kw = dict(voice="ryan", language="english", seed=7, max_frames=30)
     chunks = list(endless.stream("Hello there, how are you?", **kw))
-    # Default schedule: 1 frame, then 4, then 10 (twice the frames already sent), 16 (the cap), ...
-    assert [c.num_frames for c in chunks] == [1, 4, 10, 15]
-    assert [c.frame_index for c in chunks] == [0, 1, 5, 15]
+    # Default schedule: 1 frame, then 4, then doubling within twice the frames already sent (8, 16,
+    # 32: the cap, ...); the last chunk holds what is left.
+    assert [c.num_frames for c in chunks] == [1, 4, 8, 16, 1]
+    assert [c.frame_index for c in chunks] == [0, 1, 5, 13, 29]
     for c in chunks:
         assert c.pcm.dtype == np.int16 and len(c.pcm) == 1920 * c.num_frames
     streamed = np.concatenate([c.pcm for c in chunks])
@@ -75,9 +76,11 @@ def test_fixed_chunks_without_growth(endless):
 @pytest.mark.parametrize(
     "first, chunk, most, sizes",
     [
-        (1, 4, 16, [1, 4, 10, 16, 16]),
-        (1, 2, 16, [1, 2, 6, 16, 16]),  # 6: twice the 3 frames already sent
-        (2, 4, 32, [2, 4, 12, 32, 32]),
+        (1, 4, 32, [1, 4, 8, 16, 32, 32]),  # the default
+        (1, 4, 16, [1, 4, 8, 16, 16]),
+        (1, 2, 16, [1, 2, 4, 8, 16]),  # 4: the most of the ladder 2, 4, 8, ... within twice the 3 sent
+        (2, 4, 32, [2, 4, 8, 16, 32]),
+        (1, 4, 20, [1, 4, 8, 20, 20]),  # 20, off the ladder, once growth allows it (13 sent)
         (1, 4, None, [1, 4, 4, 4, 4]),
         (1, 8, 4, [1, 8, 8, 8, 8]),  # a cap below chunk_frames never shrinks a chunk
     ],
@@ -89,6 +92,12 @@ def test_chunk_schedule(first, chunk, most, sizes):
         got.append(chunk_target(req, sent))
         sent += got[-1]
     assert got == sizes
+    assert schedule_sizes(req) == tuple(sorted(set(sizes)))
+
+
+def test_default_schedule_sizes():
+    # The engine compiles these vocoder graphs at warm-up (the sizes before a default stream's tail).
+    assert schedule_sizes(SynthesisRequest("x")) == (1, 4, 8, 16, 32)
 
 
 def test_bad_max_chunk_frames(engine):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pipecat_qwen_fast import QwenTTSEngine
-from pipecat_qwen_fast.vocoder_graphs import GraphedVocoder, compile_unavailable_reason
+from pipecat_qwen_fast.engine import SynthesisRequest, schedule_sizes
+from pipecat_qwen_fast.vocoder_graphs import GraphedVocoder, _cudnn_benchmark, compile_unavailable_reason
 
 
 def test_graphed_wrapper_equals_plain_stream(tiny_checkpoint):
@@ -72,3 +73,37 @@ def test_compiled_graphs_match_plain_graphs_on_cuda(tiny_checkpoint):
     finally:
         torch.backends.cudnn.allow_tf32 = tf32
         engine.close()
+
+
+def test_cudnn_benchmark_scope_restores_the_setting():
+    before = torch.backends.cudnn.benchmark
+    try:
+        for outside in (False, True):
+            torch.backends.cudnn.benchmark = outside
+            with pytest.raises(RuntimeError), _cudnn_benchmark(True):
+                assert torch.backends.cudnn.benchmark
+                raise RuntimeError("a failed capture")
+            assert torch.backends.cudnn.benchmark is outside
+            with _cudnn_benchmark(False):  # off: the process's own setting stands
+                assert torch.backends.cudnn.benchmark is outside
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
+def test_engine_warmup_compiles_the_default_schedule_on_cuda(tiny_checkpoint):
+    """Warm-up compiles every size a default stream sends before its tail (1, 4, 8, 16, 32) and
+    captures every tail, so no stream meets a compile or a capture."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA not available: the engine captures vocoder graphs on CUDA only")
+    reason = compile_unavailable_reason(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(f"vocoder step not compiled here: {reason}")
+    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", zero_eos=True), device="cuda",
+                                           backend="torch")  # EOS row zeroed: the stream runs to max_frames
+    graphs = engine.vocoder_graphs
+    assert graphs.compiled_sizes == set(schedule_sizes(SynthesisRequest("x"))) == {1, 4, 8, 16, 32}
+    assert set(range(1, 33)) <= set(graphs.entries)
+    captured = set(graphs.entries)
+    sizes = [c.num_frames for c in engine.stream("Hello there, a longer sentence.", voice="ryan", seed=0, max_frames=70)]
+    assert sizes == [1, 4, 8, 16, 32, 9]
+    assert set(graphs.entries) == captured

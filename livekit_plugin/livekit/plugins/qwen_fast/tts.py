@@ -52,7 +52,7 @@ class TTS(tts.TTS):
         text_mode: str | None = None,
         first_chunk_frames: int = 1,
         chunk_frames: int = 4,
-        max_chunk_frames: int | None = 16,
+        max_chunk_frames: int | None = 32,
         max_frames: int | None = None,
         engine_service: EngineService | None = None,
         sentence_tokenizer: NotGivenOr[tokenize.SentenceTokenizer] = NOT_GIVEN,
@@ -73,9 +73,9 @@ class TTS(tts.TTS):
             text_mode: "prefill" or "dual_track"; None uses the model variant's default.
             first_chunk_frames: Codec frames (80 ms each) in the first audio chunk.
             chunk_frames: Codec frames in the second chunk.
-            max_chunk_frames: From the third chunk on, chunks grow up to this many frames, each
-                at most twice the audio already sent (1, 4, 10, 16, 16, ... by default: fewer
-                vocoder calls per second of audio); None keeps every later chunk at
+            max_chunk_frames: From the third chunk on, chunks double up to this many frames,
+                each at most twice the audio already sent (1, 4, 8, 16, 32, 32, ... by default:
+                fewer vocoder calls per second of audio); None keeps every later chunk at
                 ``chunk_frames``.
             max_frames: Cap on frames per utterance; None uses the model's limit.
             engine_service: Use this EngineService instead of the process-wide shared one.
