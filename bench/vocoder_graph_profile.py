@@ -70,6 +70,8 @@ def main() -> int:
                     help="conv weights channels-innermost, as the engine stores them on CUDA")
     ap.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=True,
                     help="cuDNN times its algorithms for each shape at capture, as the engine's graphs do")
+    ap.add_argument("--compile-dynamic", action="store_true",
+                    help="one compiled step for every chunk size >= 2 (the frame count symbolic)")
     ap.add_argument("--whole-frames", type=int, default=0,
                     help="also time the eager whole-utterance decode of this many frames")
     args = ap.parse_args()
@@ -83,7 +85,8 @@ def main() -> int:
     gv = GraphedVocoder(voc, torch.device("cuda"), dtype, compile_sizes=(), cudnn_benchmark=args.cudnn_benchmark)
     q = voc.cfg.num_quantizers
     out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtype": args.dtype,
-           "channels_last": args.channels_last, "cudnn_benchmark": args.cudnn_benchmark}
+           "channels_last": args.channels_last, "cudnn_benchmark": args.cudnn_benchmark,
+           "compile_dynamic": args.compile_dynamic}
     try:
         import triton
 
@@ -99,8 +102,10 @@ def main() -> int:
     variants = [("plain", gv)]
     if args.compile:
         variants.append(("compiled", GraphedVocoder(voc, torch.device("cuda"), dtype,
-                                                    compile_sizes=tuple(args.chunks),
-                                                    cudnn_benchmark=args.cudnn_benchmark)))
+                                                    compile_sizes=tuple(c for c in args.chunks
+                                                                        if c == 1 or not args.compile_dynamic),
+                                                    cudnn_benchmark=args.cudnn_benchmark,
+                                                    compile_dynamic=args.compile_dynamic)))
     for name, g in variants:
         for n in args.chunks:
             t0 = time.perf_counter() if name == "compiled" else None

@@ -218,8 +218,11 @@ class QwenTTSEngine:
         self.vocoder_graphs = None
         if device.type == "cuda":
             vocoder.use_channels_last()
-            self.vocoder_graphs = GraphedVocoder(vocoder, device, dtype,
-                                                 compile_sizes=schedule_sizes(SynthesisRequest("")))
+            # The first two chunks (1 and 4 frames: time to first audio) get steps compiled for
+            # their shape; every later size, tails included, one shape-generic compiled step.
+            first = SynthesisRequest("")
+            self.vocoder_graphs = GraphedVocoder(vocoder, device, dtype, compile_dynamic=True,
+                                                 compile_sizes=(first.first_chunk_frames, first.chunk_frames))
 
     # ------------------------------------------------------------------ loading
 

@@ -5,12 +5,15 @@ chunk size (bench/NOTES.md, "Vocoder"). A captured call replays them in one go. 
 a static stream state: the session's state is copied in before the replay and out after it (a few
 MB, two fused copies), so every session shares one graph per chunk size.
 
-The sizes in `compile_sizes` (the engine passes its default chunk sizes) are captured at warm-up
-from `torch.compile`d code instead: inductor fuses ~400 of a call's elementwise and copy kernels,
-which takes a bfloat16 1-frame call on the H200 from 2.5 to 1.7 ms and a 4-frame call from 2.9 to
-1.8 ms (bench/NOTES.md, "Vocoder graphs"). Compiling costs 23-37 s per chunk size on a cold
-inductor cache, hence only those sizes; it is skipped, with the reason logged, where
-it cannot run (no triton, no compiler), and `QWEN_FAST_COMPILE_VOCODER=0` turns it off.
+The sizes in `compile_sizes` (the engine passes its first two chunk sizes, 1 and 4) are captured
+at warm-up from `torch.compile`d code for their own shape: inductor fuses ~400 of a call's
+elementwise and copy kernels, which takes a bfloat16 1-frame call on the H200 from 2.5 to 1.7 ms
+and a 4-frame call from 2.9 to 1.8 ms (bench/NOTES.md, "Vocoder graphs"). With `compile_dynamic`
+every other size of 2 frames or more is captured from one more compiled step whose frame count is
+symbolic: 0.0-0.2 ms slower a call than a step compiled for its size, but compiled once for all of
+them (bench/NOTES.md, "Chunk schedule 1, 4, 8, 16, 32"). Compiling costs 30-55 s per step on a
+cold inductor cache; it is skipped, with the reason logged, where it cannot run (no triton, no
+compiler), and `QWEN_FAST_COMPILE_VOCODER=0` turns it off.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ def _cudnn_benchmark(on: bool):
 
 class GraphedVocoder:
     def __init__(self, vocoder: Vocoder, device: torch.device, dtype: torch.dtype, use_graphs: bool | None = None,
-                 compile_sizes: tuple[int, ...] = (), cudnn_benchmark: bool = True):
+                 compile_sizes: tuple[int, ...] = (), cudnn_benchmark: bool = True, compile_dynamic: bool = False):
         self.vocoder = vocoder
         self.cudnn_benchmark = cudnn_benchmark
         self.device = device
@@ -99,9 +102,11 @@ class GraphedVocoder:
         self.capturer = GraphCapturer(device) if self.use_graphs else None
         reason = compile_unavailable_reason(device) if self.use_graphs else "no CUDA graphs"
         self.compile_sizes = set(compile_sizes) if reason is None else set()
-        if reason is not None and compile_sizes:
+        self.compile_dynamic = compile_dynamic and reason is None
+        if reason is not None and (compile_sizes or compile_dynamic):
             logger.info("vocoder step not compiled: %s", reason)
-        self._compiled: Callable | None = None
+        self._compiled: Callable | None = None  # compiled per shape (compile_sizes)
+        self._generic: Callable | None = None  # one compiled step for the other sizes (compile_dynamic)
         self.compiled_sizes: set[int] = set()  # sizes whose graph holds compiled code
 
     def decode_stream(self, codes: Tensor, stream: VocoderStream) -> Tensor:
@@ -125,15 +130,17 @@ class GraphedVocoder:
         return out.clone()
 
     def capture(self, sizes: list[int]) -> None:
-        """Capture the graphs of these chunk sizes now (warm-up); those in `compile_sizes` from
-        compiled code. Sizes first seen later are captured then, never compiled (no compile stall
-        in the middle of a stream)."""
-        for n in sizes:
+        """Capture the graphs of these chunk sizes now (warm-up): those in `compile_sizes` from a
+        step compiled for their shape (first, so the shape-generic step never takes them), the
+        others of 2 frames or more from the shape-generic one where `compile_dynamic`. A size first
+        seen later never compiles (no compile stall in the middle of a stream): it takes the
+        shape-generic step where its guards already cover it, else a plain graph."""
+        for n in sorted(sizes, key=lambda n: n not in self.compile_sizes):
             if n not in self.entries:
-                self._make(n, compile_step=n in self.compile_sizes)
+                self._make(n, warmup=True)
 
     @torch.no_grad()
-    def _make(self, n: int, compile_step: bool = False) -> _Entry:
+    def _make(self, n: int, warmup: bool = False) -> _Entry:
         voc = self.vocoder
         q = voc.cfg.num_quantizers
         entry = _Entry(
@@ -142,32 +149,48 @@ class GraphedVocoder:
         )
         if self.capturer is not None:
             with _cudnn_benchmark(self.cudnn_benchmark):
-                self._capture(entry, n, compile_step)
+                self._capture(entry, n, warmup)
         self.entries[n] = entry
         return entry
 
-    def _capture(self, entry: _Entry, n: int, compile_step: bool) -> None:
+    def _compiled_step(self, generic: bool) -> Callable:
+        if generic:
+            if self._generic is None:
+                self._generic = torch.compile(self.vocoder.stream_step, dynamic=None)
+            return self._generic
+        if self._compiled is None:
+            self._compiled = torch.compile(self.vocoder.stream_step, dynamic=False)
+        return self._compiled
+
+    def _capture(self, entry: _Entry, n: int, warmup: bool) -> None:
         """The entry's graph, from compiled code where asked and the compiler works."""
-        voc = self.vocoder
-        step: Callable = voc.stream_step
+        step: Callable = self.vocoder.stream_step
         compiled = False
-        if compile_step:
+        generic = not (warmup and n in self.compile_sizes)
+        if not generic or (self.compile_dynamic and n >= 2 and (warmup or self._generic is not None)):
+            # After warm-up a size may only reuse the generic step's code, never compile.
+            stance = contextlib.nullcontext() if warmup else torch.compiler.set_stance("fail_on_recompile")
             try:
                 t0 = time.perf_counter()
-                if self._compiled is None:
-                    self._compiled = torch.compile(voc.stream_step, dynamic=False)
-                with _recompile_limit_patch(64):
-                    self._compiled(entry.codes, entry.stream)  # compiles now, outside any capture
+                fn = self._compiled_step(generic)
+                if generic:  # 1 would be specialised: dynamo treats sizes 0 and 1 as constants
+                    torch._dynamo.mark_dynamic(entry.codes, 2)
+                with _recompile_limit_patch(64), stance:
+                    fn(entry.codes, entry.stream)  # compiles now where needed, outside any capture
                 entry.stream.reset()
-                step, compiled = self._compiled, True
-                logger.info("vocoder step for %d-frame chunks compiled in %.1f s", n, time.perf_counter() - t0)
+                step, compiled = fn, True
+                logger.info("vocoder step for %d-frame chunks %s in %.1f s", n,
+                            "compiled" if not generic else "from the shape-generic step", time.perf_counter() - t0)
             except Exception as e:  # noqa: BLE001 - any compiler failure: the plain graph still works
-                logger.warning("compiling the vocoder step failed (%s: %s); using the plain graph",
-                               type(e).__name__, str(e)[:300])
-                self.compile_sizes.clear()
+                if warmup:
+                    logger.warning("compiling the vocoder step%s failed (%s: %s); using plain graphs",
+                                   " (shape-generic)" if generic else "", type(e).__name__, str(e)[:300])
+                    if generic:
+                        self.compile_dynamic = False
+                    else:
+                        self.compile_sizes.clear()
                 entry.stream.reset()
         with _recompile_limit_patch(64):
             entry.graph, entry.out = self.capturer.capture(lambda: step(entry.codes, entry.stream))
         if compiled:
             self.compiled_sizes.add(n)
-

@@ -280,18 +280,23 @@ def window_attention(
     slice). Keys at negative positions are empty history slots and are masked out.
     """
     n = q.shape[2]
+    if n <= ATTENTION_QUERY_BLOCK:  # one block: no loop over n, so a compiled step can keep n symbolic
+        return _window_block(q, k, v, q_pos, k_pos, key_offset, window, 0, n)
     outs = []
     for a in range(0, n, ATTENTION_QUERY_BLOCK):
-        b = min(n, a + ATTENTION_QUERY_BLOCK)
-        ka = max(0, a + key_offset - (window - 1))
-        kb = b + key_offset
-        kp = k_pos[ka:kb]
-        rel = q_pos[a:b, None] - kp[None, :]
-        mask = (rel >= 0) & (rel < window) & (kp >= 0)[None, :]
-        outs.append(
-            F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, ka:kb], v[:, :, ka:kb], attn_mask=mask)
-        )
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        outs.append(_window_block(q, k, v, q_pos, k_pos, key_offset, window, a, min(n, a + ATTENTION_QUERY_BLOCK)))
+    return torch.cat(outs, dim=2)
+
+
+def _window_block(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, key_offset: int, window: int,
+                  a: int, b: int) -> Tensor:
+    """window_attention for queries a .. b - 1."""
+    ka = max(0, a + key_offset - (window - 1))
+    kb = b + key_offset
+    kp = k_pos[ka:kb]
+    rel = q_pos[a:b, None] - kp[None, :]
+    mask = (rel >= 0) & (rel < window) & (kp >= 0)[None, :]
+    return F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, ka:kb], v[:, :, ka:kb], attn_mask=mask)
 
 
 class Attention(nn.Module):

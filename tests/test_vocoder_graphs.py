@@ -7,7 +7,11 @@ import torch
 
 from pipecat_qwen_fast import QwenTTSEngine
 from pipecat_qwen_fast.engine import SynthesisRequest, schedule_sizes
-from pipecat_qwen_fast.vocoder_graphs import GraphedVocoder, _cudnn_benchmark, compile_unavailable_reason
+from pipecat_qwen_fast.vocoder_graphs import (
+    GraphedVocoder,
+    _cudnn_benchmark,
+    compile_unavailable_reason,
+)
 
 
 def test_graphed_wrapper_equals_plain_stream(tiny_checkpoint):
@@ -37,8 +41,9 @@ def test_graphed_wrapper_equals_plain_stream(tiny_checkpoint):
 
 @pytest.mark.gpu
 def test_compiled_graphs_match_plain_graphs_on_cuda(tiny_checkpoint):
-    """Captured from torch.compile'd code (the warm-up sizes) vs captured from the plain step: the
-    same audio up to fp32 rounding (TF32 convolutions off, so only the fusions differ)."""
+    """Captured from torch.compile'd code (1 and 4 compiled for their shape, 2, 3 and 5 from the
+    shape-generic step, 6 first seen after warm-up) vs captured from the plain step: the same audio
+    up to fp32 rounding (TF32 convolutions off, so only the fusions differ)."""
     if not torch.cuda.is_available():
         pytest.skip("CUDA not available: compiled vocoder graphs run on CUDA only")
     reason = compile_unavailable_reason(torch.device("cuda"))
@@ -50,17 +55,18 @@ def test_compiled_graphs_match_plain_graphs_on_cuda(tiny_checkpoint):
     tf32 = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
     try:
-        compiled = GraphedVocoder(voc, engine.device, engine.dtype, compile_sizes=(1, 4))
+        compiled = GraphedVocoder(voc, engine.device, engine.dtype, compile_sizes=(1, 4), compile_dynamic=True)
         plain = GraphedVocoder(voc, engine.device, engine.dtype, compile_sizes=())
-        compiled.capture([1, 4])
+        compiled.capture([2, 3, 1, 4, 5])  # the per-shape sizes are compiled first whatever the order
         plain.capture([1, 4])
-        assert compiled.compiled_sizes == {1, 4} and plain.compiled_sizes == set()
+        assert compiled.compiled_sizes == {1, 2, 3, 4, 5} and plain.compiled_sizes == set()
+        assert compiled._generic is not None
         g = torch.Generator().manual_seed(1)
-        codes = torch.randint(0, 2048, (1, 16, 25), generator=g).cuda()
+        codes = torch.randint(0, 2048, (1, 16, 40), generator=g).cuda()
         streams = [voc.new_stream(), voc.new_stream()]
         outs: list[list[torch.Tensor]] = [[], []]
         start = 0
-        for n in (1, 4, 4, 1, 4, 4, 4, 1, 1, 1):
+        for n in (1, 4, 4, 1, 2, 3, 4, 5, 1, 6, 1, 1, 6, 1):
             chunk = codes[..., start : start + n]
             for i, wrapper in enumerate((compiled, plain)):
                 outs[i].append(wrapper.decode_stream(chunk, streams[i]))
@@ -69,7 +75,8 @@ def test_compiled_graphs_match_plain_graphs_on_cuda(tiny_checkpoint):
         peak = float(b.abs().max())
         assert peak > 0
         assert float((a - b).abs().max()) <= 1e-4 * max(1.0, peak)
-        assert streams[0].frames == streams[1].frames == 25
+        assert streams[0].frames == streams[1].frames == 40
+        assert 6 in compiled.entries  # first seen after warm-up: from the generic step or plain, never a compile
     finally:
         torch.backends.cudnn.allow_tf32 = tf32
         engine.close()
@@ -91,8 +98,8 @@ def test_cudnn_benchmark_scope_restores_the_setting():
 
 
 def test_engine_warmup_compiles_the_default_schedule_on_cuda(tiny_checkpoint):
-    """Warm-up compiles every size a default stream sends before its tail (1, 4, 8, 16, 32) and
-    captures every tail, so no stream meets a compile or a capture."""
+    """Warm-up compiles every size a default stream sends (1, 4, 8, 16, 32) and every tail, so no
+    stream meets a compile or a capture."""
     if not torch.cuda.is_available():
         pytest.skip("CUDA not available: the engine captures vocoder graphs on CUDA only")
     reason = compile_unavailable_reason(torch.device("cuda"))
@@ -101,8 +108,8 @@ def test_engine_warmup_compiles_the_default_schedule_on_cuda(tiny_checkpoint):
     engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", zero_eos=True), device="cuda",
                                            backend="torch")  # EOS row zeroed: the stream runs to max_frames
     graphs = engine.vocoder_graphs
-    assert graphs.compiled_sizes == set(schedule_sizes(SynthesisRequest("x"))) == {1, 4, 8, 16, 32}
-    assert set(range(1, 33)) <= set(graphs.entries)
+    assert schedule_sizes(SynthesisRequest("x")) == (1, 4, 8, 16, 32)
+    assert graphs.compiled_sizes == set(graphs.entries) and set(range(1, 33)) <= graphs.compiled_sizes
     captured = set(graphs.entries)
     sizes = [c.num_frames for c in engine.stream("Hello there, a longer sentence.", voice="ryan", seed=0, max_frames=70)]
     assert sizes == [1, 4, 8, 16, 32, 9]
