@@ -220,9 +220,13 @@ class QwenTTSEngine:
             vocoder.use_channels_last()
             # The first two chunks (1 and 4 frames: time to first audio) get steps compiled for
             # their shape; every later size, tails included, one shape-generic compiled step.
+            # cuDNN times its algorithms for the sizes a default stream sends before its tail
+            # (its heuristic's pick for 32 frames took 4.3 ms a call instead of 2.4); a tail is one
+            # call per utterance, not worth ~0.7 s of load per size.
             first = SynthesisRequest("")
             self.vocoder_graphs = GraphedVocoder(vocoder, device, dtype, compile_dynamic=True,
-                                                 compile_sizes=(first.first_chunk_frames, first.chunk_frames))
+                                                 compile_sizes=(first.first_chunk_frames, first.chunk_frames),
+                                                 cudnn_benchmark=schedule_sizes(first))
 
     # ------------------------------------------------------------------ loading
 
