@@ -381,10 +381,12 @@ def measure_floor(engine: QwenTTSEngine, bandwidth_gbs: float | None, frames: in
 # ---------------------------------------------------------------------------------- concurrency
 
 
-async def _run_level(service, engine: QwenTTSEngine, n: int, frames: int, timeout: float) -> dict:
+async def _run_level(service, engine: QwenTTSEngine, n: int, frames: int, timeout: float,
+                     chunk_frames: int = 4) -> dict:
     t0 = time.monotonic()
     streams = [
-        service.open_stream(request(engine, texts.CONCURRENCY_TEXT, frames, seed=1000 + i)) for i in range(n)
+        service.open_stream(request(engine, texts.CONCURRENCY_TEXT, frames, seed=1000 + i, chunk=chunk_frames))
+        for i in range(n)
     ]
     arrivals: list[list[float]] = [[] for _ in range(n)]
     sizes: list[list[int]] = [[] for _ in range(n)]
