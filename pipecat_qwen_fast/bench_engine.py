@@ -83,7 +83,8 @@ def sync(engine: QwenTTSEngine) -> None:
 # ---------------------------------------------------------------------------------- single stream
 
 
-def request(engine: QwenTTSEngine, text: str, frames: int, seed: int, first: int = 1, chunk: int = 4,
+def request(engine: QwenTTSEngine, text: str, frames: int, seed: int, first: int = 1,
+            chunk: int = SynthesisRequest.chunk_frames,
             **kw) -> SynthesisRequest:
     return SynthesisRequest(
         text, voice=engine.default_voice, seed=seed, max_frames=frames, first_chunk_frames=first, chunk_frames=chunk,
@@ -382,7 +383,7 @@ def measure_floor(engine: QwenTTSEngine, bandwidth_gbs: float | None, frames: in
 
 
 async def _run_level(service, engine: QwenTTSEngine, n: int, frames: int, timeout: float,
-                     chunk_frames: int = 4) -> dict:
+                     chunk_frames: int = SynthesisRequest.chunk_frames) -> dict:
     t0 = time.monotonic()
     streams = [
         service.open_stream(request(engine, texts.CONCURRENCY_TEXT, frames, seed=1000 + i, chunk=chunk_frames))

@@ -63,7 +63,7 @@ MAX_SEGMENT_TOKENS = 200
 
 # From the third chunk on, a chunk holds at most this many times the frames already sent. A chunk
 # of n frames after S sent reaches the player in time while the decoder runs at >= ~(n / S + 1)x
-# real time: 5x for the second chunk (4 after 1), at most 3x for the later ones, so growth never
+# real time: 4x for the second chunk (3 after 1), at most 3x for the later ones, so growth never
 # asks more than the default second chunk already does. With 4x growth (1, 4, 16) the third chunk
 # asked 4.2x and 16 concurrent torch-backend streams (4.5x each) ran out of audio by 1 ms where
 # 1, 4, 4 did not (H200 full run at c332932).
@@ -73,7 +73,7 @@ CHUNK_GROWTH = 2
 def chunk_target(request: SynthesisRequest, frames_sent: int) -> int:
     """Frames in the chunk that starts after `frames_sent` frames of audio.
 
-    From the third chunk on, chunks double from `chunk_frames` (1, 4, 8, 16, 32, 32, ... by
+    From the third chunk on, chunks double from `chunk_frames` (1, 3, 6, 12, 32, 32, ... by
     default) as far as growth and `max_chunk_frames` allow, so a default stream uses a handful of
     sizes, each a compiled vocoder graph. A vocoder call costs nearly the same for 1 to 16 frames:
     a 32-frame chunk costs 0.076 ms a frame against 0.12 for 16 and 0.38 for 4 (bench/NOTES.md,
@@ -115,7 +115,10 @@ class SynthesisRequest:
     text_mode: str | None = None  # None: the official default of the variant
     voice_clone: VoiceClonePrompt | None = None
     first_chunk_frames: int = 1
-    chunk_frames: int = 4
+    # 3, not 4: a stream asks ~(n / S + 1)x real time for a chunk of n after S sent, and the second
+    # chunk asks the most. At 16 concurrent streams on an H200 (~5x real time each) 4 starved every
+    # stream by 0.5-4 ms and 3 none (bench/NOTES.md, "Second chunk of 3 frames").
+    chunk_frames: int = 3
     # From the third chunk on, chunks double up to this, each at most CHUNK_GROWTH x the frames
     # already sent (chunk_target); None (or <= chunk_frames): every later chunk is chunk_frames.
     max_chunk_frames: int | None = 32
@@ -218,7 +221,7 @@ class QwenTTSEngine:
         self.vocoder_graphs = None
         if device.type == "cuda":
             vocoder.use_channels_last()
-            # The first two chunks (1 and 4 frames: time to first audio) get steps compiled for
+            # The first two chunks (1 and 3 frames: time to first audio) get steps compiled for
             # their shape; every later size, tails included, one shape-generic compiled step.
             # cuDNN times its algorithms for the sizes a default stream sends before its tail
             # (its heuristic's pick for 32 frames took 4.3 ms a call instead of 2.4); a tail is one
@@ -297,7 +300,7 @@ class QwenTTSEngine:
             capture([defaults, defaults.greedy()])
         self.prepare_thread()
         if self.vocoder_graphs is not None:
-            # Every size a default stream can send (1, 4, 8, 16, 32 and the tails it may end on)
+            # Every size a default stream can send (1, 3, 6, 12, 32 and the tails it may end on)
             # and synthesize()'s 25: a size first seen mid-stream would be captured right then.
             self.vocoder_graphs.capture([*range(1, SynthesisRequest.max_chunk_frames + 1), 25])
         voice = self.voices[0] if self.voices else None
@@ -311,7 +314,7 @@ class QwenTTSEngine:
                 for greedy in (True, False):
                     req = SynthesisRequest(
                         "Hello there, this warms the engine up.", voice=voice, greedy=greedy, seed=0,
-                        voice_clone=vc, max_frames=6, first_chunk_frames=1, chunk_frames=4,
+                        voice_clone=vc, max_frames=6,
                     )
                     s = self.open_session(req)
                     try:

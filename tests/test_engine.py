@@ -53,10 +53,10 @@ def test_listings(engine):
 def test_stream_chunks_and_equals_whole(endless):
     kw = dict(voice="ryan", language="english", seed=7, max_frames=30)
     chunks = list(endless.stream("Hello there, how are you?", **kw))
-    # Default schedule: 1 frame, then 4, then doubling within twice the frames already sent (8, 16,
-    # 32: the cap, ...); the last chunk holds what is left.
-    assert [c.num_frames for c in chunks] == [1, 4, 8, 16, 1]
-    assert [c.frame_index for c in chunks] == [0, 1, 5, 13, 29]
+    # Default schedule: 1 frame, then 3, then doubling within twice the frames already sent (6, 12,
+    # then 32: the cap, ...); the last chunk holds what is left.
+    assert [c.num_frames for c in chunks] == [1, 3, 6, 12, 8]
+    assert [c.frame_index for c in chunks] == [0, 1, 4, 10, 22]
     for c in chunks:
         assert c.pcm.dtype == np.int16 and len(c.pcm) == 1920 * c.num_frames
     streamed = np.concatenate([c.pcm for c in chunks])
@@ -76,7 +76,8 @@ def test_fixed_chunks_without_growth(endless):
 @pytest.mark.parametrize(
     "first, chunk, most, sizes",
     [
-        (1, 4, 32, [1, 4, 8, 16, 32, 32]),  # the default
+        (1, 3, 32, [1, 3, 6, 12, 32, 32]),  # the default: 32 once it is within twice the 22 sent
+        (1, 4, 32, [1, 4, 8, 16, 32, 32]),
         (1, 4, 16, [1, 4, 8, 16, 16]),
         (1, 2, 16, [1, 2, 4, 8, 16]),  # 4: the most of the ladder 2, 4, 8, ... within twice the 3 sent
         (2, 4, 32, [2, 4, 8, 16, 32]),
@@ -97,7 +98,7 @@ def test_chunk_schedule(first, chunk, most, sizes):
 
 def test_default_schedule_sizes():
     # The engine compiles these vocoder graphs at warm-up (the sizes before a default stream's tail).
-    assert schedule_sizes(SynthesisRequest("x")) == (1, 4, 8, 16, 32)
+    assert schedule_sizes(SynthesisRequest("x")) == (1, 3, 6, 12, 32)
 
 
 def test_bad_max_chunk_frames(engine):

@@ -98,7 +98,7 @@ def test_cudnn_benchmark_scope_restores_the_setting():
 
 
 def test_engine_warmup_compiles_the_default_schedule_on_cuda(tiny_checkpoint):
-    """Warm-up compiles every size a default stream sends (1, 4, 8, 16, 32) and every tail, so no
+    """Warm-up compiles every size a default stream sends (1, 3, 6, 12, 32) and every tail, so no
     stream meets a compile or a capture."""
     if not torch.cuda.is_available():
         pytest.skip("CUDA not available: the engine captures vocoder graphs on CUDA only")
@@ -108,9 +108,9 @@ def test_engine_warmup_compiles_the_default_schedule_on_cuda(tiny_checkpoint):
     engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", zero_eos=True), device="cuda",
                                            backend="torch")  # EOS row zeroed: the stream runs to max_frames
     graphs = engine.vocoder_graphs
-    assert schedule_sizes(SynthesisRequest("x")) == (1, 4, 8, 16, 32)
+    assert schedule_sizes(SynthesisRequest("x")) == (1, 3, 6, 12, 32)
     assert graphs.compiled_sizes == set(graphs.entries) and set(range(1, 33)) <= graphs.compiled_sizes
     captured = set(graphs.entries)
     sizes = [c.num_frames for c in engine.stream("Hello there, a longer sentence.", voice="ryan", seed=0, max_frames=70)]
-    assert sizes == [1, 4, 8, 16, 32, 9]
+    assert sizes == [1, 3, 6, 12, 32, 16]
     assert set(graphs.entries) == captured
