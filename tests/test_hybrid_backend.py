@@ -78,13 +78,15 @@ def test_few_calls_on_fast_more_move_into_the_batch(engine):
 def test_moved_calls_continue_exactly(engine, run_ahead):
     # Greedy in fp32: both sides give the same codes, so a call moved mid-utterance (K/V rows,
     # next input, code-0 history) must give the codes it gives alone. With run_ahead (the default
-    # on a GPU) a call is moved with a frame already launched ahead on the per-call side.
+    # on a GPU) a call is moved with a frame already launched ahead on the per-call side: with 4-frame
+    # second chunks, the frame after the 4th round completes no chunk, so it is launched ahead.
     reqs = [SynthesisRequest(f"Moved call {i}, a little longer.", voice="aiden", greedy=True, max_frames=10,
-                             vocode=False) for i in range(3)]
+                             vocode=False, chunk_frames=4) for i in range(3)]
     solo = [engine.generate_codes(r.text, voice="aiden", greedy=True, max_frames=10).numpy() for r in reqs]
     engine.run_ahead = run_ahead
+    first: list = []
     try:
-        first = [engine.open_session(r) for r in reqs[:2]]
+        first += [engine.open_session(r) for r in reqs[:2]]
         for _ in range(4):
             if run_ahead:  # one call a round: a session alone in its round runs a frame ahead
                 for s in first:
@@ -94,10 +96,12 @@ def test_moved_calls_continue_exactly(engine, run_ahead):
         assert all(s.state.on_fast for s in first)
         assert all((s.ahead is not None) == run_ahead for s in first)
         moved = engine.backend.moved
-        third = engine.open_session(reqs[2])
-        results = _run(engine, first + [third])
+        first.append(engine.open_session(reqs[2]))
+        results = _run(engine, first)
     finally:
         engine.run_ahead = False
+        for s in first:  # a failed assertion must not leave calls live for the next test
+            engine.cancel(s)
     assert engine.backend.moved - moved == 2
     for codes, expected in zip(results, solo):
         assert np.array_equal(codes, expected)
