@@ -77,7 +77,7 @@ def chunk_target(request: SynthesisRequest, frames_sent: int) -> int:
     default) as far as growth and `max_chunk_frames` allow, so a default stream uses a handful of
     sizes, each a compiled vocoder graph. A vocoder call costs nearly the same for 1 to 16 frames:
     a 32-frame chunk costs 0.076 ms a frame against 0.12 for 16 and 0.38 for 4 (bench/NOTES.md,
-    "Chunk schedule").
+    "Chunk schedule 1, 4, 8, 16, 32").
     """
     if frames_sent == 0:
         return request.first_chunk_frames
@@ -216,8 +216,9 @@ class QwenTTSEngine:
         # step_many clears it for a round of several sessions: a session stepped on its own that
         # kept a frame ahead every round would never rejoin the batch.
         self._ahead_allowed = True
-        # On a GPU the streaming vocoder step replays one CUDA graph per chunk size; those of the
-        # default chunk sizes are captured from compiled code, with cuDNN's preferred weight layout.
+        # On a GPU the streaming vocoder step replays one CUDA graph per chunk size, captured from
+        # compiled code at warm-up for every size a default stream sends, with cuDNN's preferred
+        # weight layout.
         self.vocoder_graphs = None
         if device.type == "cuda":
             vocoder.use_channels_last()
