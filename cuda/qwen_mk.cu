@@ -204,7 +204,7 @@ __device__ __forceinline__ int ao_items(const qmk_stack& S) { return S.num_kv_he
 // streamed as that many 64-row tiles (one for the 0.6B, two for the 1.7B's 2048 rows), so the
 // items never outnumber an H200's blocks.
 #define QMK_TAO_GROUPS 16
-__device__ __forceinline__ int tao_items(const qmk_stack& S) { return S.num_kv_heads * QMK_TAO_GROUPS; }
+__host__ __device__ __forceinline__ int tao_items(const qmk_stack& S) { return S.num_kv_heads * QMK_TAO_GROUPS; }
 __device__ __forceinline__ int tao_subtiles(const qmk_stack& S) { return S.hidden / (QMK_TAO_GROUPS * QMK_AO_ROWS); }
 
 // Grouped q/k/v (qmk_stack.group_qkv, the predictor's with fuse_attn_o): block 16 g + r computes
@@ -1688,8 +1688,7 @@ static bool talker_fuses(const qmk_model& m, const qmk_frame& f, int blocks) {
 #ifdef QMK_NO_TALKER_FUSE
     return false;
 #else
-    const int o_items = m.talker.num_kv_heads * QMK_TAO_GROUPS;
-    return m.talker.fuse_attn_o && m.talker.split_down && f.run_talker && o_items <= blocks;
+    return m.talker.fuse_attn_o && m.talker.split_down && f.run_talker && tao_items(m.talker) <= blocks;
 #endif
 }
 
