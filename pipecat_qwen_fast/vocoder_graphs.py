@@ -170,9 +170,10 @@ class GraphedVocoder:
         """The entry's graph, from compiled code where asked and the compiler works."""
         step: Callable = self.vocoder.stream_step
         compiled = False
-        generic = not (warmup and n in self.compile_sizes)
-        if not generic or (self.compile_dynamic and n >= 2 and (warmup or self._generic is not None)):
-            # After warm-up a size may only reuse the generic step's code, never compile.
+        per_shape = warmup and n in self.compile_sizes
+        # After warm-up a size may only reuse the generic step's code, never compile.
+        generic = not per_shape and self.compile_dynamic and n >= 2 and (warmup or self._generic is not None)
+        if per_shape or generic:
             stance = contextlib.nullcontext() if warmup else torch.compiler.set_stance("fail_on_recompile")
             try:
                 t0 = time.perf_counter()
