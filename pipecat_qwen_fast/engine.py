@@ -209,10 +209,13 @@ class QwenTTSEngine:
         self.closed = False
         self._prepared_threads: set[int] = set()  # prepare_thread() done in these threads
         # On a GPU, `step` launches the next frame before it reads this one's codes, so the GPU
-        # never waits for the host's EOS check and bookkeeping between two frames (except before a
-        # frame that completes a chunk: its vocoder call must not queue behind the next frame).
-        # A frame launched ahead of an EOS is dropped with its state (the session or segment ends).
+        # never waits for the host's EOS check and bookkeeping between two frames. A frame that
+        # completes a chunk is the exception: its vocoder call must not queue behind the next
+        # frame, so that frame is launched once the vocoder's work is queued, before the host
+        # waits for the audio (`ahead_at_chunks`). A frame launched ahead of an EOS is dropped
+        # with its state (the session or segment ends).
         self.run_ahead = device.type == "cuda"
+        self.ahead_at_chunks = True
         # step_many clears it for a round of several sessions: a session stepped on its own that
         # kept a frame ahead every round would never rejoin the batch.
         self._ahead_allowed = True
@@ -539,6 +542,8 @@ class QwenTTSEngine:
             return False
         if s.request.max_frames is not None and s.frames_decoded + 1 >= s.request.max_frames:
             return False
+        if not s.request.vocode and self.ahead_at_chunks:
+            return True  # a chunk of codes alone queues nothing on the GPU
         return len(s.pending) + 1 < chunk_target(s.request, s.chunk_start)
 
     def step_many(self, sessions: list[Session]) -> list[list[AudioChunk] | Exception]:
@@ -609,7 +614,10 @@ class QwenTTSEngine:
         if s.segment_frames >= s.frame_cap:
             return self._end_segment(s, "frame_cap")
         if len(s.pending) >= chunk_target(s.request, s.chunk_start):
-            return self._flush(s)
+            # The session goes on, so its next frame is certain: launched between the vocoder's
+            # work and the host's wait for the audio, it runs while the host takes the chunk.
+            after = self.run_ahead and self.ahead_at_chunks and self._ahead_allowed and s.ahead is None
+            return self._flush(s, launch_next=after)
         return []
 
     def _end_segment(self, s: Session, reason: str) -> list[AudioChunk]:
@@ -625,7 +633,7 @@ class QwenTTSEngine:
         self.close_session(s)
         return chunks
 
-    def _flush(self, s: Session) -> list[AudioChunk]:
+    def _flush(self, s: Session, launch_next: bool = False) -> list[AudioChunk]:
         if not s.pending:
             return []
         n = len(s.pending)
@@ -635,14 +643,28 @@ class QwenTTSEngine:
         s.chunk_start += n
         host_codes = np.stack(s.codes[start : start + n])
         if not s.request.vocode:
+            if launch_next:
+                s.ahead = self._launch(s)
             return [AudioChunk(np.zeros(0, np.int16), start, n, host_codes)]
         with torch.no_grad():
             if self.vocoder_graphs is not None:
                 wav = self.vocoder_graphs.decode_stream(codes_dev.T[None], s.vocoder_state)[0, 0]
             else:
                 wav = self.vocoder.decode_stream(codes_dev.T[None], s.vocoder_state, check_values=False)[0, 0]
-        pcm = (wav.float().clamp(-1, 1) * 32767).round().to(torch.int16).cpu().numpy()
-        return [AudioChunk(pcm, start, n, host_codes)]
+            pcm_dev = (wav.float().clamp(-1, 1) * 32767).round().to(torch.int16)
+        if pcm_dev.device.type != "cuda":
+            if launch_next:
+                s.ahead = self._launch(s)
+            return [AudioChunk(pcm_dev.numpy(), start, n, host_codes)]
+        host = torch.empty(pcm_dev.shape, dtype=torch.int16, pin_memory=True)
+        host.copy_(pcm_dev, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        if launch_next:
+            s.ahead = self._launch(s)
+        copied.synchronize()
+        # A copy: the chunk outlives this call in the adapters' queues; pinned pages go back now.
+        return [AudioChunk(host.numpy().copy(), start, n, host_codes)]
 
     def cancel(self, s: Session) -> None:
         """Stop a session now and free its state; later `step` calls return nothing."""

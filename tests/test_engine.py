@@ -149,15 +149,18 @@ def test_eos_stops_generation(tiny_checkpoint):
     eng.close()
 
 
-def _run(eng, request, run_ahead, use_step_many=False):
-    """Chunks, stop reason and frame count of one request, and how many steps found a frame
-    launched ahead."""
+def _run(eng, request, run_ahead, use_step_many=False, at_chunks=True):
+    """Chunks, stop reason and frame count of one request, how many steps found a frame
+    launched ahead, and how many of those frames start a chunk (launched at the chunk boundary,
+    behind the vocoder's work)."""
     eng.run_ahead = run_ahead
+    eng.ahead_at_chunks = at_chunks
     s = eng.open_session(request)
-    chunks, aheads = [], 0
+    chunks, aheads, at_boundary = [], 0, 0
     try:
         while not s.done:
             aheads += s.ahead is not None
+            at_boundary += s.ahead is not None and not s.pending
             if use_step_many:
                 [out] = eng.step_many([s])
                 if isinstance(out, Exception):
@@ -167,14 +170,16 @@ def _run(eng, request, run_ahead, use_step_many=False):
                 chunks += eng.step(s)
     finally:
         eng.run_ahead = False
+        eng.ahead_at_chunks = True
     key = [(c.frame_index, c.num_frames, c.pcm.tobytes(), c.codes.tobytes()) for c in chunks]
-    return key, s.stop_reason, s.frames_decoded, aheads
+    return key, s.stop_reason, s.frames_decoded, aheads, at_boundary
 
 
 def test_run_ahead_changes_nothing(tiny_checkpoint, monkeypatch):
     """A frame launched before the previous one is read (run_ahead, the default on a GPU) gives
     the same chunks, codes and stop, whether the utterance ends by EOS, by a cap or by max_frames,
-    across segments, through step and step_many."""
+    across segments, through step and step_many, with the frame that starts a chunk launched at
+    the boundary (behind the vocoder's work) or only once the chunk is out."""
     import pipecat_qwen_fast.engine as engine_mod
 
     eng = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cpu", dtype="float32")
@@ -183,17 +188,20 @@ def test_run_ahead_changes_nothing(tiny_checkpoint, monkeypatch):
         eng.model.talker.codec_head.weight[eos] *= 1e3  # EOS within a few frames (test_eos_stops_generation)
     monkeypatch.setattr(engine_mod, "MAX_SEGMENT_TOKENS", 8)
     text = "One two three. Four five six seven. Eight nine ten."
-    reasons, used = set(), 0
+    reasons, used, at_boundary = set(), 0, [0, 0]
     for seed in range(3):
         for kw in ({}, {"max_frames": 7}, {"chunk_frames": 2, "max_chunk_frames": 3}):
             req = SynthesisRequest(text, voice="ryan", seed=seed, **kw)
             off = _run(eng, req, False)
             for many in (False, True):
-                on = _run(eng, req, True, use_step_many=many)
-                assert on[:3] == off[:3], (seed, kw, many)
-                used += on[3]
+                for at_chunks in (False, True):
+                    on = _run(eng, req, True, use_step_many=many, at_chunks=at_chunks)
+                    assert on[:3] == off[:3], (seed, kw, many, at_chunks)
+                    used += on[3]
+                    at_boundary[at_chunks] += on[4]
             reasons.add(off[1])
     assert used > 0, "no step ever found a frame launched ahead"
+    assert at_boundary[0] == 0 and at_boundary[1] > 0, at_boundary
     assert "eos" in reasons
     eng.close()
 
@@ -232,9 +240,9 @@ def test_cancel_with_a_frame_ahead(endless):
     endless.run_ahead = True
     try:
         s = endless.open_session(SynthesisRequest("Cancel me soon.", voice="ryan", seed=0))
-        endless.step(s)  # frame 0 completes the first chunk: nothing launched ahead
-        assert s.ahead is None
-        endless.step(s)  # frame 1 starts a 4-frame chunk: frame 2 is launched ahead
+        endless.step(s)  # frame 0 completes the first chunk: frame 1 launched behind its vocoder call
+        assert s.ahead is not None and not s.pending
+        endless.step(s)  # frame 1 starts a 3-frame chunk: frame 2 is launched ahead
         assert s.ahead is not None
         endless.cancel(s)
         assert s.done and s.ahead is None and s.state is None
