@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -37,3 +38,25 @@ class GraphCapturer:
         with torch.cuda.graph(graph, pool=self.pool):
             out = fn()
         return graph, out
+
+
+def compile_blocker(device: torch.device, env: str) -> str | None:
+    """Why `torch.compile` will not be used for a captured step here, or None; `env` set to 0
+    turns it off."""
+    if os.environ.get(env, "1") == "0":
+        return f"{env}=0"
+    if device.type != "cuda":
+        return "not on CUDA"
+    try:
+        import triton  # noqa: F401 - inductor's CUDA code generator
+    except ImportError as e:
+        return f"triton is not importable ({e})"
+    return None
+
+
+def recompile_limit(n: int):
+    """A scope in which dynamo compiles up to `n` variants of one function (one per vocoder chunk
+    size and per model in the process) instead of falling back to eager after its default 8."""
+    cfg = torch._dynamo.config
+    key = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    return cfg.patch(**{key: max(n, getattr(cfg, key))})

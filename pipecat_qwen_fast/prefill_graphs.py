@@ -5,23 +5,65 @@ prompt length (the benchmark measured ~40 ms more for a length not seen before).
 runs a right-padded prompt of the bucket's length: causal attention keeps the real positions
 independent of the padding, and the caller copies the K/V rows of the real positions into its own
 cache (the megakernel's per-session cache, the CUDA-graph backend's slot pool).
+
+On a GPU each layer runs one `torch.compile`d step (`prefill_layer`), compiled once for every
+layer and every bucket (the layers share its code, the length is symbolic): a captured prefill of
+the eager layers is ~37 kernels a layer, ~1050 in all, and took 3.5 ms of the ~8 ms to first audio
+on the H200 (bench/NOTES.md, "The prefill compiled"). `QWEN_FAST_COMPILE_PREFILL=0` turns it off.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from .cuda_graphs import GraphCapturer
-from .layers import KVCache
+from .cuda_graphs import GraphCapturer, compile_blocker, recompile_limit
+from .layers import DecoderLayer, apply_rotary, rotary_cos_sin
 from .talker import Talker
+
+logger = logging.getLogger(__name__)
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
+def prefill_layer(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_out: Tensor, v_out: Tensor) -> Tensor:
+    """`DecoderLayer.forward` over a whole prompt from position 0 (causal), its K/V rows written
+    into k_out / v_out [kv_heads, n, head_dim]. The same math without the cache object and the
+    layer index, so that one compiled copy serves every layer."""
+    attn = layer.self_attn
+    n = x.shape[0]
+    q, k, v = attn.project_qkv(layer.input_layernorm(x))
+    q = apply_rotary(attn.q_norm(q).transpose(0, 1), cos, sin)
+    k = apply_rotary(attn.k_norm(k).transpose(0, 1), cos, sin)
+    v = v.transpose(0, 1)
+    k_out.copy_(k)
+    v_out.copy_(v)
+    rep = attn.num_heads // attn.num_kv_heads
+    keys = k_out.to(q.dtype).repeat_interleave(rep, dim=0)
+    values = v_out.to(q.dtype).repeat_interleave(rep, dim=0)
+    out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True)[0]
+    x = x + attn.o_proj(out.transpose(0, 1).reshape(n, attn.num_heads * attn.head_dim))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def mark_length_dynamic(e: dict) -> None:
+    """The bucket's length symbolic in a compiled step's inputs: one compile for every bucket
+    (where dynamo keeps it so; it would recompile per bucket otherwise)."""
+    for t in (e["embeds"], *e["rope"]):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    for kv in e["layer_kv"]:
+        for t in kv:
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+
+
 class PrefillGraphs:
     def __init__(self, talker: Talker, device: torch.device, dtype: torch.dtype, buckets=PREFILL_BUCKETS,
-                 use_graphs: bool | None = None):
+                 use_graphs: bool | None = None, compile: bool | None = None):
         self.talker = talker
         self.device = device
         self.dtype = dtype
@@ -29,6 +71,13 @@ class PrefillGraphs:
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.entries: dict[int, dict] = {}
         self.capturer = GraphCapturer(device) if self.use_graphs else None
+        reason = compile_blocker(device, "QWEN_FAST_COMPILE_PREFILL") if self.use_graphs else "no CUDA graphs"
+        if compile is None:
+            compile = reason is None
+            if reason is not None and self.use_graphs:
+                logger.info("the prefill's layers are not compiled: %s", reason)
+        self.compile = compile
+        self._compiled: Callable | None = None
 
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if n <= b), None)
@@ -60,12 +109,15 @@ class PrefillGraphs:
         kv_shape = (stack.num_layers, stack.num_kv_heads, bucket, stack.head_dim)
         e = {
             "embeds": torch.zeros(bucket, self.talker.cfg.hidden_size, device=self.device, dtype=self.dtype),
+            "rope": rotary_cos_sin(torch.arange(bucket, device=self.device), stack.head_dim, stack.rope_theta, self.dtype),
             "last": torch.zeros(1, device=self.device, dtype=torch.long),
             "hidden": torch.zeros(self.talker.cfg.hidden_size, device=self.device, dtype=self.dtype),
             "k": torch.zeros(kv_shape, device=self.device, dtype=self.dtype),
             "v": torch.zeros(kv_shape, device=self.device, dtype=self.dtype),
             "graph": None,
         }
+        # Each layer's K/V rows as views made once: the compiled step's dynamic-size marks stay on them.
+        e["layer_kv"] = [(e["k"][i], e["v"][i]) for i in range(stack.num_layers)]
         self.entries[bucket] = e
         return e
 
@@ -75,12 +127,40 @@ class PrefillGraphs:
             if bucket not in self.entries:
                 self._capture(bucket)
 
-    def _body(self, e: dict) -> None:
-        hidden = self.talker.model(e["embeds"], KVCache.over(e["k"], e["v"]))
-        e["hidden"].copy_(hidden.index_select(0, e["last"])[0])
+    def _body(self, e: dict, step: Callable = prefill_layer) -> None:
+        stack = self.talker.model
+        x = e["embeds"]
+        cos, sin = e["rope"]
+        for layer, (k, v) in zip(stack.layers, e["layer_kv"]):
+            x = step(layer, x, cos, sin, k, v)
+        # The norm is per position: only the last real one is needed.
+        e["hidden"].copy_(stack.norm(x.index_select(0, e["last"]))[0])
+
+    def _compiled_layer(self, e: dict) -> Callable:
+        """The compiled layer step, compiled now (outside any capture) if it was not yet."""
+        if self._compiled is None:
+            self._compiled = torch.compile(prefill_layer, dynamic=None)
+        mark_length_dynamic(e)
+        with recompile_limit(64):
+            self._body(e, self._compiled)
+        return self._compiled
 
     def _capture(self, bucket: int) -> dict:
         e = self.prepare(bucket)
         if self.capturer is not None:
-            e["graph"], _ = self.capturer.capture(lambda: self._body(e))
+            step: Callable = prefill_layer
+            if self.compile:
+                try:
+                    t0 = time.perf_counter()
+                    step = self._compiled_layer(e)
+                    logger.info("prefill of %d positions from the compiled layer step (%.1f s)", bucket,
+                                time.perf_counter() - t0)
+                except Exception as e_:  # noqa: BLE001 - any compiler failure: the plain graphs still work
+                    logger.warning("compiling the prefill's layer step failed (%s: %s); using plain graphs",
+                                   type(e_).__name__, str(e_)[:300])
+                    self.compile = False
+                    step = prefill_layer
+            fn = step
+            with recompile_limit(64):
+                e["graph"], _ = self.capturer.capture(lambda: self._body(e, fn))
         return e

@@ -119,6 +119,21 @@ def _target_body(tok: TextTokenizer, cfg: ModelConfig, text: str) -> list[int]:
     return body
 
 
+def _memo(talker: Talker, key: tuple, modules: tuple[torch.nn.Module, ...], make) -> Tensor:
+    """`make()` for ids that are the same in every prompt (control codes, speakers, the role
+    prefix, tts bos/eos/pad), computed once for the weights as they are: a request's prompt is
+    built while the GPU waits for its prefill, and each of these is several small launches.
+    An in-place edit of a weight bumps its version, a move gives it new storage: either misses."""
+    memo = talker.__dict__.setdefault("_prompt_memo", {})
+    weights = tuple((p.data_ptr(), p._version, p.device, p.dtype) for m in modules for p in m.parameters())
+    hit = memo.get(key)
+    if hit is not None and hit[0] == weights:
+        return hit[1]
+    value = make()
+    memo[key] = (weights, value)
+    return value
+
+
 def build_prompt(
     talker: Talker,
     tok: TextTokenizer,
@@ -143,7 +158,16 @@ def build_prompt(
     def C(x: list[int]) -> Tensor:
         return talker.embed_codec(ids(x))
 
-    bos_vec, eos_vec, pad_vec = T([cfg.tts_bos_id, cfg.tts_eos_id, cfg.tts_pad_id])
+    text_weights = (talker.model.text_embedding, talker.text_projection)
+    codec_weights = (talker.model.codec_embedding,)
+
+    def T_const(x: list[int]) -> Tensor:
+        return _memo(talker, ("T", *x), text_weights, lambda: T(x))
+
+    def C_const(x: list[int]) -> Tensor:
+        return _memo(talker, ("C", *x), codec_weights, lambda: C(x))
+
+    bos_vec, eos_vec, pad_vec = T_const([cfg.tts_bos_id, cfg.tts_eos_id, cfg.tts_pad_id])
     body = _target_body(tok, cfg, text)
 
     # Codec control prefix: think/lang or nothink, then the speaker slot, then pad, bos.
@@ -154,23 +178,23 @@ def build_prompt(
         control = [tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id]
     else:
         control = [tc.codec_think_id, tc.codec_think_bos_id, lang_id, tc.codec_think_eos_id]
-    codec = [C(control)]
+    codec = [C_const(control)]
     if speaker is not None:
-        codec.append(C([tc.speaker_ids[speaker]]))
+        codec.append(C_const([tc.speaker_ids[speaker]]))
     elif voice_clone is not None:
         codec.append(voice_clone.x_vector.to(device, pad_vec.dtype)[None])
-    codec.append(C([tc.codec_pad_id, tc.codec_bos_id]))
+    codec.append(C_const([tc.codec_pad_id, tc.codec_bos_id]))
     codec_track = torch.cat(codec)  # [m + 2, D]; its last row (codec bos) pairs with the first text input
 
     parts: list[Tensor] = []
     if instruct:
         parts.append(T(tok.encode(f"<|im_start|>user\n{instruct}<|im_end|>\n")))
-    parts.append(T([cfg.im_start_id, cfg.assistant_id, tok.encode("\n")[0]]))
+    parts.append(T_const([cfg.im_start_id, cfg.assistant_id, tok.encode("\n")[0]]))
     n_ctl = codec_track.shape[0] - 1
     text_track = torch.cat([pad_vec.expand(n_ctl - 1, -1), bos_vec[None]])
     parts.append(text_track + codec_track[:-1])
     codec_bos = codec_track[-1]
-    codec_pad = C([tc.codec_pad_id])[0]
+    codec_pad = C_const([tc.codec_pad_id])[0]
 
     if voice_clone is not None and voice_clone.icl:
         ref_codes = voice_clone.ref_codes.to(device)

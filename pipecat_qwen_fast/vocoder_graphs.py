@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .cuda_graphs import GraphCapturer
+from .cuda_graphs import GraphCapturer, compile_blocker, recompile_limit
 from .vocoder import Vocoder, VocoderStream
 
 logger = logging.getLogger(__name__)
@@ -37,14 +36,17 @@ MAX_GRAPHS = 48  # chunk sizes captured at most; other sizes run eagerly
 
 
 def copy_stream(dst: VocoderStream, src: VocoderStream) -> None:
-    """dst <- src in one fused launch where torch offers it."""
-    dsts = [*dst.histories, dst.keys, dst.values, dst.position]
-    srcs = [*src.histories, src.keys, src.values, src.position]
+    """dst <- src: the floating-point state in one fused launch where torch offers it, the int64
+    position apart (a list of mixed dtypes takes torch's per-tensor path: ~26 copies, each a host
+    round of its own, on the way to the vocoder's graph)."""
+    dsts = [*dst.histories, dst.keys, dst.values]
+    srcs = [*src.histories, src.keys, src.values]
     if hasattr(torch, "_foreach_copy_"):
         torch._foreach_copy_(dsts, srcs)
     else:  # older torch
         for d, s in zip(dsts, srcs):
             d.copy_(s)
+    dst.position.copy_(src.position)
     dst.frames = src.frames
 
 
@@ -58,23 +60,7 @@ class _Entry:
 
 def compile_unavailable_reason(device: torch.device) -> str | None:
     """Why the vocoder step will not be compiled here, or None."""
-    if os.environ.get("QWEN_FAST_COMPILE_VOCODER", "1") == "0":
-        return "QWEN_FAST_COMPILE_VOCODER=0"
-    if device.type != "cuda":
-        return "not on CUDA"
-    try:
-        import triton  # noqa: F401 - inductor's CUDA code generator
-    except ImportError as e:
-        return f"triton is not importable ({e})"
-    return None
-
-
-def _recompile_limit_patch(n: int):
-    """A scope in which dynamo compiles up to `n` variants of one function (one per chunk size,
-    per vocoder in the process) instead of falling back to eager after its default 8."""
-    cfg = torch._dynamo.config
-    key = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    return cfg.patch(**{key: max(n, getattr(cfg, key))})
+    return compile_blocker(device, "QWEN_FAST_COMPILE_VOCODER")
 
 
 @contextlib.contextmanager
@@ -180,7 +166,7 @@ class GraphedVocoder:
                 fn = self._compiled_step(generic)
                 if generic:  # 1 would be specialised: dynamo treats sizes 0 and 1 as constants
                     torch._dynamo.mark_dynamic(entry.codes, 2)
-                with _recompile_limit_patch(64), stance:
+                with recompile_limit(64), stance:
                     fn(entry.codes, entry.stream)  # compiles now where needed, outside any capture
                 entry.stream.reset()
                 step, compiled = fn, True
@@ -195,7 +181,7 @@ class GraphedVocoder:
                     else:
                         self.compile_sizes.clear()
                 entry.stream.reset()
-        with _recompile_limit_patch(64):
+        with recompile_limit(64):
             entry.graph, entry.out = self.capturer.capture(lambda: step(entry.codes, entry.stream))
         if compiled:
             self.compiled_sizes.add(n)

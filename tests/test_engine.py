@@ -412,3 +412,34 @@ def test_inference_only_parameters(engine):
     # Parameters must not require grad: graph capture at warm-up runs outside the callers' no_grad.
     assert not any(p.requires_grad for p in engine.model.parameters())
     assert not any(p.requires_grad for p in engine.vocoder.parameters())
+
+
+def test_prompt_constants_computed_once_per_weights(tiny_checkpoint):
+    """The vectors every prompt shares are computed once and reused, bit for bit what a fresh
+    build gives, and recomputed after a weight is edited in place."""
+    from pipecat_qwen_fast.prompt import DUAL_TRACK, PREFILL, build_prompt
+
+    eng = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cpu", dtype="float32")
+    talker = eng.model.talker
+
+    def build(text_mode=DUAL_TRACK, speaker="ryan"):
+        with torch.no_grad():
+            return build_prompt(talker, eng.tokenizer, eng.config, text="Hello there.", speaker=speaker,
+                                language="english", instruct=None, text_mode=text_mode, voice_clone=None)
+
+    for kw in ({}, {"text_mode": PREFILL}, {"speaker": "vivian"}):
+        talker.__dict__.pop("_prompt_memo", None)
+        fresh = build(**kw)
+        again = build(**kw)  # from the memo
+        assert again.pad_vec.data_ptr() == fresh.pad_vec.data_ptr()  # the same storage, not a recomputation
+        assert torch.equal(again.embeds, fresh.embeds) and torch.equal(again.trailing, fresh.trailing)
+
+    pad = eng.config.tts_pad_id
+    before = build()
+    with torch.no_grad():
+        talker.model.text_embedding.weight[pad] += 1.0
+    edited = build()
+    talker.__dict__.pop("_prompt_memo", None)
+    assert not torch.equal(edited.pad_vec, before.pad_vec)
+    assert torch.equal(edited.pad_vec, build().pad_vec)
+    eng.close()

@@ -1,0 +1,121 @@
+"""The captured prefill from the compiled layer step against plain graphs, in one engine:
+`python bench/prefill_ab.py --out DIR [--commit C] [--rounds K]`.
+
+Random 0.6B CustomVoice checkpoint, the default backend. After the load (which captures the
+compiled prefill graphs and logs their compile time) it alternates the backends' prefill graphs,
+compiled then plain (`PrefillGraphs(compile=False)`, captured on the spot), K rounds: for each,
+the GPU time of one captured prefill per bucket (CUDA events, median of 50), the warm TTFC over
+`bench_texts.UTTERANCES` and one streamed sentence. Also the compiled K/V and hidden state against
+the plain graphs' (bf16 relative error). Writes DIR/prefill_ab.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from megakernel_check import build_random_checkpoint, git_commit, warm_ttfc
+
+from pipecat_qwen_fast import bench_engine
+from pipecat_qwen_fast import bench_texts as texts
+from pipecat_qwen_fast.engine import QwenTTSEngine
+from pipecat_qwen_fast.prefill_graphs import PrefillGraphs
+
+
+def holders(backend) -> list:
+    """The backend objects that hold prefill graphs (a hybrid backend's two share one)."""
+    out = [b for b in (backend, getattr(backend, "fast", None), getattr(backend, "bulk", None))
+           if b is not None and getattr(b, "prefills", None) is not None]
+    if not out:
+        raise RuntimeError(f"backend {type(backend).__name__} holds no prefill graphs")
+    return out
+
+
+def prefill_ms(graphs: PrefillGraphs, hidden: int) -> dict:
+    """GPU ms of one captured prefill per bucket (a prompt 3 short of the bucket)."""
+    out = {}
+    for b in graphs.buckets:
+        embeds = (torch.randn(b - 3, hidden, device=graphs.device) * 0.5).to(graphs.dtype)
+        times = []
+        for _ in range(55):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            graphs.run(embeds)
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+        out[str(b)] = statistics.median(times[5:])
+    return out
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    result: dict = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "commit": args.commit or git_commit(), "script": "bench/prefill_ab.py",
+                    "gpu": torch.cuda.get_device_name(), "rounds": []}
+    with tempfile.TemporaryDirectory(prefix="pf-ckpt-") as tmp:
+        build_random_checkpoint(Path(tmp))
+        t0 = time.perf_counter()
+        engine = QwenTTSEngine.from_pretrained(Path(tmp), device="cuda", progress=False)
+        bench_engine.sync(engine)
+        result["load_s"] = time.perf_counter() - t0
+        result["backend"] = engine.backend.name
+        try:
+            hold = holders(engine.backend)
+            compiled = hold[0].prefills
+            result["compiled_prefill"] = compiled.compile
+            t0 = time.perf_counter()
+            plain = PrefillGraphs(compiled.talker, compiled.device, compiled.dtype, compiled.buckets, compile=False)
+            plain.capture_all()
+            result["plain_capture_s"] = time.perf_counter() - t0
+            hidden = compiled.talker.cfg.hidden_size
+            g = torch.Generator(device="cuda").manual_seed(0)
+            errs = {}
+            for n in (12, 29, 100):
+                embeds = (torch.randn(n, hidden, generator=g, device="cuda") * 0.5).to(compiled.dtype)
+                a = [t.clone() for t in compiled.run(embeds)]
+                b = [t.clone() for t in plain.run(embeds)]
+                errs[str(n)] = {"k": rel(a[0][:, :, :n], b[0][:, :, :n]), "v": rel(a[1][:, :, :n], b[1][:, :, :n]),
+                                "hidden": rel(a[2], b[2])}
+            result["compiled_vs_plain_rel_err"] = errs
+            print("compiled vs plain prefill, relative error:", json.dumps(errs), flush=True)
+            for k in range(2 * args.rounds):
+                graphs = compiled if k % 2 == 0 else plain
+                for h in hold:
+                    h.prefills = graphs
+                row = {"compiled": graphs is compiled, "prefill_ms": prefill_ms(graphs, hidden),
+                       "ttfc_warm_ms": warm_ttfc(engine),
+                       "streaming": bench_engine.measure_stream(engine, texts.RTF_TEXT, texts.RTF_FRAMES, 200)}
+                result["rounds"].append(row)
+                t = row["ttfc_warm_ms"]
+                print(f"compiled={row['compiled']}: prefill ms by bucket {json.dumps(row['prefill_ms'])}; warm TTFC "
+                      f"p50 {t['p50']:.2f} ms, p95 {t['p95']:.2f}; streaming TTFC {row['streaming']['ttfc_ms']:.2f} ms, "
+                      f"RTF {row['streaming']['rtf']:.5f}", flush=True)
+            for h in hold:
+                h.prefills = compiled
+        finally:
+            engine.close()
+    (args.out / "prefill_ab.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
