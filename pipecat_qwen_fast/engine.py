@@ -70,6 +70,11 @@ MAX_SEGMENT_TOKENS = 200
 CHUNK_GROWTH = 2
 
 
+def to_pcm(wav: Tensor) -> Tensor:
+    """float waveform -> int16 PCM, on its device."""
+    return (wav.float().clamp(-1, 1) * 32767).round().to(torch.int16)
+
+
 def chunk_target(request: SynthesisRequest, frames_sent: int) -> int:
     """Frames in the chunk that starts after `frames_sent` frames of audio.
 
@@ -181,6 +186,19 @@ class Session:
     # The next frame, launched before this one was read (QwenTTSEngine.run_ahead): its device
     # codes, their host copy and the event that completes the copy. The state already holds it.
     ahead: tuple | None = None
+    # The vocoder's call for the chunk that the frame in flight completes, queued behind that
+    # frame before its codes were read (QwenTTSEngine.ahead_at_chunks); kept only if the chunk
+    # is flushed as it was guessed.
+    early: EarlyChunk | None = None
+
+
+@dataclass
+class EarlyChunk:
+    start: int  # the chunk's first frame
+    frames: int
+    entry: object  # the vocoder graph entry holding the state after the call
+    pcm: Tensor  # host int16 (pinned on a GPU), complete once `done` is
+    done: object | None  # torch.cuda.Event; None on the CPU
 
 
 class QwenTTSEngine:
@@ -210,10 +228,11 @@ class QwenTTSEngine:
         self._prepared_threads: set[int] = set()  # prepare_thread() done in these threads
         # On a GPU, `step` launches the next frame before it reads this one's codes, so the GPU
         # never waits for the host's EOS check and bookkeeping between two frames. A frame that
-        # completes a chunk is the exception: its vocoder call must not queue behind the next
-        # frame, so that frame is launched once the vocoder's work is queued, before the host
-        # waits for the audio (`ahead_at_chunks`). A frame launched ahead of an EOS is dropped
-        # with its state (the session or segment ends).
+        # completes a chunk gets the chunk's vocoder call queued behind it first (on the graph's
+        # copy of the vocoder state, dropped if the frame turns out to be EOS), then the next
+        # frame, so the GPU waits for the host neither before the vocoder nor after it
+        # (`ahead_at_chunks`; without it, that frame waits for the chunk). A frame launched ahead
+        # of an EOS is dropped with its state (the session or segment ends).
         self.run_ahead = device.type == "cuda"
         self.ahead_at_chunks = True
         # step_many clears it for a round of several sessions: a session stepped on its own that
@@ -479,6 +498,7 @@ class QwenTTSEngine:
             self.backend.release(s.state)
             s.state = None
         s.ahead = None  # a frame launched past the previous segment's EOS went with its state
+        s.early = None
         req = s.request
         with torch.no_grad():
             prompt: Prompt = build_prompt(
@@ -512,7 +532,11 @@ class QwenTTSEngine:
         try:
             codes, host, copied = s.ahead if s.ahead is not None else self._launch(s)
             s.ahead = None
-            if self.run_ahead and self._ahead_allowed and self._may_run_ahead(s):
+            if self.run_ahead and self._ahead_allowed and (
+                self._may_run_ahead(s)
+                # It completes a chunk: that chunk's vocoder call first, then the next frame.
+                or (self.ahead_at_chunks and self._next_is_certain(s) and self._vocode_early(s, codes))
+            ):
                 s.ahead = self._launch(s)
             if copied is not None:
                 copied.synchronize()  # the one host read per frame (EOS check); not the frame ahead
@@ -534,17 +558,45 @@ class QwenTTSEngine:
         copied.record()
         return codes, host, copied
 
-    def _may_run_ahead(self, s: Session) -> bool:
+    def _next_is_certain(self, s: Session) -> bool:
         """Whether the frame just launched is certain to be followed by another of this state,
-        unless it is EOS: it does not complete a chunk (whose vocoder call would queue behind the
-        frame ahead) and is not the segment's or the request's last allowed frame."""
+        unless it is EOS: it is not the segment's or the request's last allowed frame."""
         if s.segment_frames + 1 >= s.frame_cap:
             return False
-        if s.request.max_frames is not None and s.frames_decoded + 1 >= s.request.max_frames:
+        return s.request.max_frames is None or s.frames_decoded + 1 < s.request.max_frames
+
+    def _may_run_ahead(self, s: Session) -> bool:
+        """`_next_is_certain`, and the frame just launched does not complete a chunk (whose
+        vocoder call would queue behind the frame ahead)."""
+        if not self._next_is_certain(s):
             return False
         if not s.request.vocode and self.ahead_at_chunks:
             return True  # a chunk of codes alone queues nothing on the GPU
         return len(s.pending) + 1 < chunk_target(s.request, s.chunk_start)
+
+    def _vocode_early(self, s: Session, codes: Tensor) -> bool:
+        """Queue the vocoder call for the chunk that the frame in flight (`codes`) completes, and
+        the copy of its audio to the host, before the frame's codes are read; True if queued."""
+        if self.vocoder_graphs is None or not s.request.vocode:
+            return False
+        frames = [*s.pending, codes]
+        if len(frames) < chunk_target(s.request, s.chunk_start):
+            return False
+        with torch.no_grad():
+            launched = self.vocoder_graphs.launch(torch.stack(frames).T[None], s.vocoder_state)
+            if launched is None:
+                return False
+            entry, out = launched
+            pcm = to_pcm(out[0, 0])
+        done = None
+        if pcm.device.type == "cuda":
+            host = torch.empty(pcm.shape, dtype=torch.int16, pin_memory=True)
+            host.copy_(pcm, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            pcm = host
+        s.early = EarlyChunk(start=s.chunk_start, frames=len(frames), entry=entry, pcm=pcm, done=done)
+        return True
 
     def step_many(self, sessions: list[Session]) -> list[list[AudioChunk] | Exception]:
         """One frame for each session; batched on backends that can (one weight read per batch).
@@ -642,6 +694,15 @@ class QwenTTSEngine:
         start = s.chunk_start
         s.chunk_start += n
         host_codes = np.stack(s.codes[start : start + n])
+        early, s.early = s.early, None
+        if early is not None and (early.start, early.frames) == (start, n):
+            # Queued before the chunk's last frame was read, and that frame was kept.
+            self.vocoder_graphs.commit(early.entry, s.vocoder_state, n)
+            if launch_next:
+                s.ahead = self._launch(s)
+            if early.done is not None:
+                early.done.synchronize()
+            return [AudioChunk(early.pcm.numpy().copy(), start, n, host_codes)]
         if not s.request.vocode:
             if launch_next:
                 s.ahead = self._launch(s)
@@ -651,7 +712,7 @@ class QwenTTSEngine:
                 wav = self.vocoder_graphs.decode_stream(codes_dev.T[None], s.vocoder_state)[0, 0]
             else:
                 wav = self.vocoder.decode_stream(codes_dev.T[None], s.vocoder_state, check_values=False)[0, 0]
-            pcm_dev = (wav.float().clamp(-1, 1) * 32767).round().to(torch.int16)
+            pcm_dev = to_pcm(wav)
         if pcm_dev.device.type != "cuda":
             if launch_next:
                 s.ahead = self._launch(s)
@@ -676,6 +737,7 @@ class QwenTTSEngine:
         """Free the session's KV cache and vocoder state (idempotent)."""
         s.done = True
         s.ahead = None
+        s.early = None
         if s.state is not None:
             self.backend.release(s.state)
             s.state = None

@@ -455,6 +455,7 @@ class MegakernelBackend:
         self.pred_layers = self._layer_table(talker.code_predictor.model,
                                              grouped_kv_heads=self.pcfg.stack.num_kv_heads if self.fuse_attn_o else 0)
         self.pred_rope = rope_table(self.num_groups, self.pcfg.stack.rope_theta, device)
+        self._rope_shared: Tensor | None = None  # the talker's, grown on demand (_talker_rope)
         # Per-code layer-0 q/k/v of the predictor passes (qmk_model.qkv0): -15 phases a frame.
         self.input_tables = build_input_tables(talker, device) if input_tables else []
         # The captured prefill per prompt-length bucket: made at warm-up, or shared with another
@@ -500,6 +501,15 @@ class MegakernelBackend:
             k_cache=ptr(k), v_cache=ptr(v),
         )
 
+    def _talker_rope(self, positions: int) -> Tensor:
+        """The first `positions` rows of one shared table (a row does not depend on the table's
+        length): a request no longer computes its own, ~10 launches before its prefill."""
+        table = self._rope_shared
+        if table is None or table.shape[0] < positions:
+            table = rope_table(max(positions, 4096), self.tcfg.stack.rope_theta, self.device)
+            self._rope_shared = table
+        return table[:positions]
+
     def new_state(self, *, max_positions: int, params: SamplingParams, seed: int | None, trailing: Tensor,
                   pad_vec: Tensor) -> MegakernelState:
         dev, bf, f32 = self.device, torch.bfloat16, torch.float32
@@ -535,7 +545,7 @@ class MegakernelBackend:
             # Text vectors stay bf16: the ABI reads them at that width (the engine makes them in bf16).
             "trailing": trailing.to(dev, bf).contiguous(),
             "pad_vec": pad_vec.to(dev, bf).contiguous(),
-            "rope": rope_table(max_positions, ts.rope_theta, dev),
+            "rope": self._talker_rope(max_positions),
         }
         cp = self.talker.code_predictor
         proj = cp.small_to_mtp_projection

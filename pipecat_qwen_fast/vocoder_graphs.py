@@ -100,23 +100,38 @@ class GraphedVocoder:
 
     def decode_stream(self, codes: Tensor, stream: VocoderStream) -> Tensor:
         """Same result as `vocoder.decode_stream(codes, stream)` for batch-1 streams."""
+        launched = self.launch(codes, stream)
+        if launched is None:
+            return self.vocoder.decode_stream(codes, stream, check_values=False)
+        entry, out = launched
+        self.commit(entry, stream, codes.shape[-1])
+        return out.clone()
+
+    def launch(self, codes: Tensor, stream: VocoderStream) -> tuple[_Entry, Tensor] | None:
+        """The call's work queued on the graph's own copy of the state: `stream` is untouched until
+        `commit`, so a call queued before its last frame is known to be kept can be dropped. Returns
+        the entry and its output (rewritten by the entry's next call), or None past MAX_GRAPHS
+        sizes (the caller runs the eager step on its own state)."""
         n = codes.shape[-1]
         entry = self.entries.get(n)
         if entry is None:
             if len(self.entries) >= MAX_GRAPHS:
-                return self.vocoder.decode_stream(codes, stream, check_values=False)
+                return None
             entry = self._make(n)
         copy_stream(entry.stream, stream)
         entry.codes.copy_(codes)
         if entry.graph is not None:
             entry.graph.replay()
-            out = entry.out
-        else:
-            out = self.vocoder.decode_stream(entry.codes, entry.stream, check_values=False)
+            return entry, entry.out
+        return entry, self.vocoder.decode_stream(entry.codes, entry.stream, check_values=False)
+
+    @staticmethod
+    def commit(entry: _Entry, stream: VocoderStream, n: int) -> None:
+        """`stream` <- the state after the launched call of `n` frames; before any other call of
+        the entry's size."""
         frames = stream.frames
         copy_stream(stream, entry.stream)
         stream.frames = frames + n
-        return out.clone()
 
     def capture(self, sizes: list[int]) -> None:
         """Capture the graphs of these chunk sizes now (warm-up): those in `compile_sizes` from a

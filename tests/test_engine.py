@@ -22,6 +22,7 @@ from pipecat_qwen_fast import (
     VoiceClonePrompt,
 )
 from pipecat_qwen_fast.engine import MAX_SEGMENT_TOKENS, chunk_target, schedule_sizes, split_text
+from pipecat_qwen_fast.vocoder_graphs import GraphedVocoder
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +189,21 @@ def test_run_ahead_changes_nothing(tiny_checkpoint, monkeypatch):
         eng.model.talker.codec_head.weight[eos] *= 1e3  # EOS within a few frames (test_eos_stops_generation)
     monkeypatch.setattr(engine_mod, "MAX_SEGMENT_TOKENS", 8)
     text = "One two three. Four five six seven. Eight nine ten."
+    # The GPU's vocoder wrapper without graphs: the vocoder call queued ahead of its chunk's last
+    # frame runs on the wrapper's copy of the state, kept or dropped by that frame.
+    graphs = GraphedVocoder(eng.vocoder, eng.device, eng.dtype, use_graphs=False)
+    calls = {"launch": 0, "commit": 0}
+
+    def counted(name):
+        real = getattr(graphs, name)
+
+        def call(*a, **k):
+            calls[name] += 1
+            return real(*a, **k)
+        return call
+
+    for name in calls:
+        setattr(graphs, name, counted(name))
     reasons, used, at_boundary = set(), 0, [0, 0]
     for seed in range(3):
         for kw in ({}, {"max_frames": 7}, {"chunk_frames": 2, "max_chunk_frames": 3}):
@@ -195,13 +211,18 @@ def test_run_ahead_changes_nothing(tiny_checkpoint, monkeypatch):
             off = _run(eng, req, False)
             for many in (False, True):
                 for at_chunks in (False, True):
-                    on = _run(eng, req, True, use_step_many=many, at_chunks=at_chunks)
-                    assert on[:3] == off[:3], (seed, kw, many, at_chunks)
-                    used += on[3]
-                    at_boundary[at_chunks] += on[4]
+                    for wrapper in (None, graphs):
+                        eng.vocoder_graphs = wrapper
+                        on = _run(eng, req, True, use_step_many=many, at_chunks=at_chunks)
+                        eng.vocoder_graphs = None
+                        assert on[:3] == off[:3], (seed, kw, many, at_chunks, wrapper)
+                        used += on[3]
+                        at_boundary[at_chunks] += on[4]
             reasons.add(off[1])
     assert used > 0, "no step ever found a frame launched ahead"
     assert at_boundary[0] == 0 and at_boundary[1] > 0, at_boundary
+    # Early calls kept, and early calls dropped (their frame was EOS, or the chunk was cut).
+    assert 0 < calls["commit"] < calls["launch"], calls
     assert "eos" in reasons
     eng.close()
 
