@@ -3,7 +3,8 @@
 
 Random 0.6B CustomVoice checkpoint, the default backend and chunk schedule, one stream of
 `bench_texts.RTF_TEXT` at a time. For each setting of `QwenTTSEngine.ahead_at_chunks` (off, on,
-off, on, ...) it times the stream without a profiler (RTF, frames/s after the first chunk), then
+off, on, ...) it times the stream without a profiler (RTF, frames/s after the first chunk) and the
+warm TTFC over `bench_texts.UTTERANCES`, then
 runs it once more under torch.profiler and splits the GPU timeline at the frame kernels
 (`qmk_frame_kernel`): between two frames the GPU runs the codes' copy and, at a chunk's end,
 the vocoder's work; whatever is left of that window is the GPU waiting for the host. Writes
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from megakernel_check import build_random_checkpoint, git_commit
+from megakernel_check import build_random_checkpoint, git_commit, warm_ttfc
 
 from pipecat_qwen_fast import bench_engine
 from pipecat_qwen_fast import bench_texts as texts
@@ -148,10 +149,12 @@ def main() -> int:
                 run = bench_engine.measure_stream(engine, texts.RTF_TEXT, args.frames, 200)
                 row = {"ahead_at_chunks": engine.ahead_at_chunks, "rtf": run["rtf"], "ttfc_ms": run["ttfc_ms"],
                        "frames_per_s_after_first_chunk": run["frames_per_s_after_first_chunk"],
-                       "chunk_sizes": run["chunk_sizes"]}
+                       "chunk_sizes": run["chunk_sizes"], "ttfc_warm_ms": warm_ttfc(engine)}
                 result["runs"].append(row)
+                w = row["ttfc_warm_ms"]
                 print(f"ahead_at_chunks={row['ahead_at_chunks']}: RTF {row['rtf']:.5f}, TTFC {row['ttfc_ms']:.2f} ms, "
-                      f"{row['frames_per_s_after_first_chunk']:.1f} frames/s after the first chunk", flush=True)
+                      f"{row['frames_per_s_after_first_chunk']:.1f} frames/s after the first chunk; warm TTFC p50 "
+                      f"{w['p50']:.2f} ms, p95 {w['p95']:.2f} over {w['n']} utterances", flush=True)
             for at in (False, True):
                 engine.ahead_at_chunks = at
                 name = f"trace_ahead_at_chunks_{int(at)}.json.gz"
