@@ -535,7 +535,8 @@ class QwenTTSEngine:
             if self.run_ahead and self._ahead_allowed and (
                 self._may_run_ahead(s)
                 # It completes a chunk: that chunk's vocoder call first, then the next frame.
-                or (self.ahead_at_chunks and self._next_is_certain(s) and self._vocode_early(s, codes))
+                or (self.ahead_at_chunks and self._next_is_certain(s) and self._vocode_early(s, codes)
+                    and self._ahead_of_chunk(s))
             ):
                 s.ahead = self._launch(s)
             if copied is not None:
@@ -573,6 +574,14 @@ class QwenTTSEngine:
         if not s.request.vocode and self.ahead_at_chunks:
             return True  # a chunk of codes alone queues nothing on the GPU
         return len(s.pending) + 1 < chunk_target(s.request, s.chunk_start)
+
+    @staticmethod
+    def _ahead_of_chunk(s: Session) -> bool:
+        """Whether to launch the frame after a chunk before the host has the chunk: not after the
+        first, which a caller may well take and then cancel (a frame left running would delay
+        the next request's prefill by up to a frame), and which sets the time to first audio
+        whatever follows it."""
+        return s.chunk_start > 0
 
     def _vocode_early(self, s: Session, codes: Tensor) -> bool:
         """Queue the vocoder call for the chunk that the frame in flight (`codes`) completes, and
@@ -668,7 +677,8 @@ class QwenTTSEngine:
         if len(s.pending) >= chunk_target(s.request, s.chunk_start):
             # The session goes on, so its next frame is certain: launched between the vocoder's
             # work and the host's wait for the audio, it runs while the host takes the chunk.
-            after = self.run_ahead and self.ahead_at_chunks and self._ahead_allowed and s.ahead is None
+            after = (self.run_ahead and self.ahead_at_chunks and self._ahead_allowed and s.ahead is None
+                     and self._ahead_of_chunk(s))
             return self._flush(s, launch_next=after)
         return []
 

@@ -261,10 +261,13 @@ def test_cancel_with_a_frame_ahead(endless):
     endless.run_ahead = True
     try:
         s = endless.open_session(SynthesisRequest("Cancel me soon.", voice="ryan", seed=0))
-        endless.step(s)  # frame 0 completes the first chunk: frame 1 launched behind its vocoder call
-        assert s.ahead is not None and not s.pending
+        endless.step(s)  # frame 0 completes the first chunk: nothing launched behind it
+        assert s.ahead is None and not s.pending
         endless.step(s)  # frame 1 starts a 3-frame chunk: frame 2 is launched ahead
         assert s.ahead is not None
+        endless.step(s)
+        endless.step(s)  # frame 3 completes that chunk: frame 4 launched behind its vocoder call
+        assert s.ahead is not None and not s.pending
         endless.cancel(s)
         assert s.done and s.ahead is None and s.state is None
     finally:
