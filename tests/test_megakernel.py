@@ -356,8 +356,10 @@ def test_talker_fusion_matches_the_o_proj_phase(backends, prompt_len):
     b = backends
     frames = 8
     plain = mk.MegakernelBackend(b.talker, torch.device("cuda"), torch.bfloat16, warmup=False,
-                                 fuse_talker_attn_o=False)
+                                 fuse_talker_attn_o=False, prefills=b.mb.prefills)
     assert b.mb.fuse_talker_attn_o and not plain.fuse_talker_attn_o
+    # The same prefill graphs (compiled, up to 512 positions) for both; beyond them both run eagerly.
+    assert plain.prefills is not None
     runs = []
     for backend, fused in ((b.mb, True), (plain, False)):
         st = start(backend, b.talker, SamplingParams(), frames, seed=3, prompt_len=prompt_len)
