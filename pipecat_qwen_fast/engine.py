@@ -75,6 +75,18 @@ def to_pcm(wav: Tensor) -> Tensor:
     return (wav.float().clamp(-1, 1) * 32767).round().to(torch.int16)
 
 
+def to_host(t: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+    """A device tensor's copy into pinned host memory, queued, and the event after which it is
+    complete; a CPU tensor as it is, with no event."""
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
 def chunk_target(request: SynthesisRequest, frames_sent: int) -> int:
     """Frames in the chunk that starts after `frames_sent` frames of audio.
 
@@ -551,13 +563,7 @@ class QwenTTSEngine:
         """Launch the session's next frame; its codes on the device, their host copy, and (on a
         GPU) the event after which the copy is complete."""
         codes = self.backend.decode_frame(s.state)
-        if codes.device.type != "cuda":
-            return codes, codes.cpu(), None
-        host = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=True)
-        host.copy_(codes, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return codes, host, copied
+        return (codes, *to_host(codes))
 
     def _next_is_certain(self, s: Session) -> bool:
         """Whether the frame just launched is certain to be followed by another of this state,
@@ -596,14 +602,7 @@ class QwenTTSEngine:
             if launched is None:
                 return False
             entry, out = launched
-            pcm = to_pcm(out[0, 0])
-        done = None
-        if pcm.device.type == "cuda":
-            host = torch.empty(pcm.shape, dtype=torch.int16, pin_memory=True)
-            host.copy_(pcm, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            pcm = host
+            pcm, done = to_host(to_pcm(out[0, 0]))
         s.early = EarlyChunk(start=s.chunk_start, frames=len(frames), entry=entry, pcm=pcm, done=done)
         return True
 
@@ -699,8 +698,7 @@ class QwenTTSEngine:
         if not s.pending:
             return []
         n = len(s.pending)
-        codes_dev = torch.stack(s.pending)  # [n, 16]
-        s.pending = []
+        pending, s.pending = s.pending, []
         start = s.chunk_start
         s.chunk_start += n
         host_codes = np.stack(s.codes[start : start + n])
@@ -708,34 +706,23 @@ class QwenTTSEngine:
         if early is not None and (early.start, early.frames) == (start, n):
             # Queued before the chunk's last frame was read, and that frame was kept.
             self.vocoder_graphs.commit(early.entry, s.vocoder_state, n)
-            if launch_next:
-                s.ahead = self._launch(s)
-            if early.done is not None:
-                early.done.synchronize()
-            return [AudioChunk(early.pcm.numpy().copy(), start, n, host_codes)]
-        if not s.request.vocode:
-            if launch_next:
-                s.ahead = self._launch(s)
-            return [AudioChunk(np.zeros(0, np.int16), start, n, host_codes)]
-        with torch.no_grad():
-            if self.vocoder_graphs is not None:
-                wav = self.vocoder_graphs.decode_stream(codes_dev.T[None], s.vocoder_state)[0, 0]
-            else:
-                wav = self.vocoder.decode_stream(codes_dev.T[None], s.vocoder_state, check_values=False)[0, 0]
-            pcm_dev = to_pcm(wav)
-        if pcm_dev.device.type != "cuda":
-            if launch_next:
-                s.ahead = self._launch(s)
-            return [AudioChunk(pcm_dev.numpy(), start, n, host_codes)]
-        host = torch.empty(pcm_dev.shape, dtype=torch.int16, pin_memory=True)
-        host.copy_(pcm_dev, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
+            pcm, done = early.pcm, early.done
+        elif not s.request.vocode:
+            pcm, done = torch.zeros(0, dtype=torch.int16), None
+        else:
+            codes = torch.stack(pending).T[None]  # [1, 16, n]
+            with torch.no_grad():
+                if self.vocoder_graphs is not None:
+                    wav = self.vocoder_graphs.decode_stream(codes, s.vocoder_state)[0, 0]
+                else:
+                    wav = self.vocoder.decode_stream(codes, s.vocoder_state, check_values=False)[0, 0]
+                pcm, done = to_host(to_pcm(wav))
         if launch_next:
             s.ahead = self._launch(s)
-        copied.synchronize()
+        if done is not None:
+            done.synchronize()
         # A copy: the chunk outlives this call in the adapters' queues; pinned pages go back now.
-        return [AudioChunk(host.numpy().copy(), start, n, host_codes)]
+        return [AudioChunk(pcm.numpy().copy(), start, n, host_codes)]
 
     def cancel(self, s: Session) -> None:
         """Stop a session now and free its state; later `step` calls return nothing."""
