@@ -15,6 +15,7 @@ the H200).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib.util
 import json
@@ -221,6 +222,21 @@ def build_random_checkpoint(out_dir: Path) -> None:
     proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"build_checkpoint failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+@contextlib.contextmanager
+def random_engine(**kw):
+    """(engine, load seconds) on a fresh random 0.6B CustomVoice checkpoint (EOS row zeroed),
+    `QwenTTSEngine.from_pretrained(..., **kw)` on CUDA; closed on exit."""
+    with tempfile.TemporaryDirectory(prefix="mk-ckpt-") as tmp:
+        build_random_checkpoint(Path(tmp))
+        t0 = time.perf_counter()
+        engine = QwenTTSEngine.from_pretrained(Path(tmp), device="cuda", progress=False, **kw)
+        bench_engine.sync(engine)
+        try:
+            yield engine, time.perf_counter() - t0
+        finally:
+            engine.close()
 
 
 def warm_ttfc(engine) -> dict:

@@ -16,18 +16,17 @@ import json
 import logging
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from megakernel_check import build_random_checkpoint, git_commit, warm_ttfc
+from cuda_timing import event_times_ms
+from megakernel_check import git_commit, random_engine, warm_ttfc
 
 from pipecat_qwen_fast import bench_engine
 from pipecat_qwen_fast import bench_texts as texts
-from pipecat_qwen_fast.engine import QwenTTSEngine
 from pipecat_qwen_fast.layers import KVCache
 from pipecat_qwen_fast.prefill_graphs import PrefillGraphs
 
@@ -46,14 +45,7 @@ def prefill_ms(graphs: PrefillGraphs, hidden: int) -> dict:
     out = {}
     for b in graphs.buckets:
         embeds = (torch.randn(b - 3, hidden, device=graphs.device) * 0.5).to(graphs.dtype)
-        times = []
-        for _ in range(55):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            graphs.run(embeds)
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
+        times = event_times_ms(lambda e=embeds: graphs.run(e), 55, sync_each=True)
         out[str(b)] = statistics.median(times[5:])
     return out
 
@@ -73,63 +65,56 @@ def main() -> int:
     result: dict = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "commit": args.commit or git_commit(), "script": "bench/prefill_ab.py",
                     "gpu": torch.cuda.get_device_name(), "rounds": []}
-    with tempfile.TemporaryDirectory(prefix="pf-ckpt-") as tmp:
-        build_random_checkpoint(Path(tmp))
-        t0 = time.perf_counter()
-        engine = QwenTTSEngine.from_pretrained(Path(tmp), device="cuda", progress=False)
-        bench_engine.sync(engine)
-        result["load_s"] = time.perf_counter() - t0
+    with random_engine() as (engine, load_s):
+        result["load_s"] = load_s
         result["backend"] = engine.backend.name
-        try:
-            hold = holders(engine.backend)
-            compiled = hold[0].prefills
-            result["compiled_prefill"] = compiled.compile
-            t0 = time.perf_counter()
-            plain = PrefillGraphs(compiled.talker, compiled.device, compiled.dtype, compiled.buckets, compile=False)
-            plain.capture_all()
-            result["plain_capture_s"] = time.perf_counter() - t0
-            hidden = compiled.talker.cfg.hidden_size
-            # Both against the eager stack in fp32 (the reference path's precision), same inputs.
-            ref = copy.deepcopy(compiled.talker).float()
-            for m in ref.modules():  # the fused bf16 matrices are plain attributes: use the fp32 parameters
-                for name in ("qkv_weight", "gate_up_weight"):
-                    if getattr(m, name, None) is not None:
-                        setattr(m, name, None)
-            g = torch.Generator(device="cuda").manual_seed(0)
-            errs = {}
-            for n in (12, 29, 100):
-                embeds = (torch.randn(n, hidden, generator=g, device="cuda") * 0.5).to(compiled.dtype)
-                a = [t.clone() for t in compiled.run(embeds)]
-                b = [t.clone() for t in plain.run(embeds)]
-                cache = KVCache(ref.cfg.stack, n, embeds.device, torch.float32)
-                with torch.no_grad():
-                    h32 = ref.model(embeds.float(), cache)[-1]
-                want = (cache.k, cache.v, h32)
-                errs[str(n)] = {
-                    name: {"compiled_vs_plain": rel(a[i][..., :n, :] if i < 2 else a[i], b[i][..., :n, :] if i < 2 else b[i]),
-                           "compiled_vs_fp32": rel(a[i][..., :n, :] if i < 2 else a[i], want[i]),
-                           "plain_vs_fp32": rel(b[i][..., :n, :] if i < 2 else b[i], want[i])}
-                    for i, name in enumerate(("k", "v", "hidden"))
-                }
-            del ref
-            result["rel_err"] = errs
-            print("prefill relative errors:", json.dumps(errs), flush=True)
-            for k in range(2 * args.rounds):
-                graphs = compiled if k % 2 == 0 else plain
-                for h in hold:
-                    h.prefills = graphs
-                row = {"compiled": graphs is compiled, "prefill_ms": prefill_ms(graphs, hidden),
-                       "ttfc_warm_ms": warm_ttfc(engine),
-                       "streaming": bench_engine.measure_stream(engine, texts.RTF_TEXT, texts.RTF_FRAMES, 200)}
-                result["rounds"].append(row)
-                t = row["ttfc_warm_ms"]
-                print(f"compiled={row['compiled']}: prefill ms by bucket {json.dumps(row['prefill_ms'])}; warm TTFC "
-                      f"p50 {t['p50']:.2f} ms, p95 {t['p95']:.2f}; streaming TTFC {row['streaming']['ttfc_ms']:.2f} ms, "
-                      f"RTF {row['streaming']['rtf']:.5f}", flush=True)
+        hold = holders(engine.backend)
+        compiled = hold[0].prefills
+        result["compiled_prefill"] = compiled.compile
+        t0 = time.perf_counter()
+        plain = PrefillGraphs(compiled.talker, compiled.device, compiled.dtype, compiled.buckets, compile=False)
+        plain.capture_all()
+        result["plain_capture_s"] = time.perf_counter() - t0
+        hidden = compiled.talker.cfg.hidden_size
+        # Both against the eager stack in fp32 (the reference path's precision), same inputs.
+        ref = copy.deepcopy(compiled.talker).float()
+        for m in ref.modules():  # the fused bf16 matrices are plain attributes: use the fp32 parameters
+            for name in ("qkv_weight", "gate_up_weight"):
+                if getattr(m, name, None) is not None:
+                    setattr(m, name, None)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        errs = {}
+        for n in (12, 29, 100):
+            embeds = (torch.randn(n, hidden, generator=g, device="cuda") * 0.5).to(compiled.dtype)
+            a = [t.clone() for t in compiled.run(embeds)]
+            b = [t.clone() for t in plain.run(embeds)]
+            cache = KVCache(ref.cfg.stack, n, embeds.device, torch.float32)
+            with torch.no_grad():
+                h32 = ref.model(embeds.float(), cache)[-1]
+            want = (cache.k, cache.v, h32)
+            errs[str(n)] = {
+                name: {"compiled_vs_plain": rel(a[i][..., :n, :] if i < 2 else a[i], b[i][..., :n, :] if i < 2 else b[i]),
+                       "compiled_vs_fp32": rel(a[i][..., :n, :] if i < 2 else a[i], want[i]),
+                       "plain_vs_fp32": rel(b[i][..., :n, :] if i < 2 else b[i], want[i])}
+                for i, name in enumerate(("k", "v", "hidden"))
+            }
+        del ref
+        result["rel_err"] = errs
+        print("prefill relative errors:", json.dumps(errs), flush=True)
+        for k in range(2 * args.rounds):
+            graphs = compiled if k % 2 == 0 else plain
             for h in hold:
-                h.prefills = compiled
-        finally:
-            engine.close()
+                h.prefills = graphs
+            row = {"compiled": graphs is compiled, "prefill_ms": prefill_ms(graphs, hidden),
+                   "ttfc_warm_ms": warm_ttfc(engine),
+                   "streaming": bench_engine.measure_stream(engine, texts.RTF_TEXT, texts.RTF_FRAMES, 200)}
+            result["rounds"].append(row)
+            t = row["ttfc_warm_ms"]
+            print(f"compiled={row['compiled']}: prefill ms by bucket {json.dumps(row['prefill_ms'])}; warm TTFC "
+                  f"p50 {t['p50']:.2f} ms, p95 {t['p95']:.2f}; streaming TTFC {row['streaming']['ttfc_ms']:.2f} ms, "
+                  f"RTF {row['streaming']['rtf']:.5f}", flush=True)
+        for h in hold:
+            h.prefills = compiled
     (args.out / "prefill_ab.json").write_text(json.dumps(result, indent=2))
     return 0
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from megakernel_check import build_random_checkpoint, git_commit, warm_ttfc
+from megakernel_check import git_commit, random_engine, warm_ttfc
 
 from pipecat_qwen_fast import bench_engine
 from pipecat_qwen_fast import bench_texts as texts
@@ -135,42 +135,34 @@ def main() -> int:
     result: dict = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "commit": args.commit or git_commit(), "script": "bench/stream_timeline.py",
                     "gpu": torch.cuda.get_device_name(), "frames": args.frames, "runs": []}
-    with tempfile.TemporaryDirectory(prefix="tl-ckpt-") as tmp:
-        build_random_checkpoint(Path(tmp))
-        t0 = time.perf_counter()
-        engine = QwenTTSEngine.from_pretrained(Path(tmp), device="cuda", progress=False)
-        bench_engine.sync(engine)
-        result["load_s"] = time.perf_counter() - t0
+    with random_engine() as (engine, load_s):
+        result["load_s"] = load_s
         result["backend"] = engine.backend.name
-        try:
-            bench_engine.measure_stream(engine, texts.RTF_TEXT, args.frames, 200)  # warm
-            for k in range(2 * args.repeats):
-                engine.ahead_at_chunks = bool(k % 2)
-                run = bench_engine.measure_stream(engine, texts.RTF_TEXT, args.frames, 200)
-                row = {"ahead_at_chunks": engine.ahead_at_chunks, "rtf": run["rtf"], "ttfc_ms": run["ttfc_ms"],
-                       "frames_per_s_after_first_chunk": run["frames_per_s_after_first_chunk"],
-                       "chunk_sizes": run["chunk_sizes"], "ttfc_warm_ms": warm_ttfc(engine)}
-                result["runs"].append(row)
-                w = row["ttfc_warm_ms"]
-                print(f"ahead_at_chunks={row['ahead_at_chunks']}: RTF {row['rtf']:.5f}, TTFC {row['ttfc_ms']:.2f} ms, "
-                      f"{row['frames_per_s_after_first_chunk']:.1f} frames/s after the first chunk; warm TTFC p50 "
-                      f"{w['p50']:.2f} ms, p95 {w['p95']:.2f} over {w['n']} utterances", flush=True)
-            for at in (False, True):
-                engine.ahead_at_chunks = at
-                name = f"trace_ahead_at_chunks_{int(at)}.json.gz"
-                tl = profiled_stream(engine, args.frames, 200, args.out / name)
-                tl["trace"] = name
-                result[f"timeline_ahead_at_chunks_{int(at)}"] = tl
-                v, o = tl["vocoder_windows"], tl["other_windows"]
-                print(f"timeline ahead_at_chunks={at}: {tl['frame_kernels']} frames, frame kernel p50 "
-                      f"{tl['frame_kernel_us']['p50']:.1f} us; {v['n']} vocoder windows: work "
-                      f"{v['work_us']['sum'] / 1e3:.2f} ms, idle {v['idle_us']['sum'] / 1e3:.2f} ms (before the "
-                      f"work p50 {v['before_work_us']['p50']:.0f} us, after p50 {v['after_work_us']['p50']:.0f} us); "
-                      f"{o['n']} other windows idle {o['idle_us']['sum'] / 1e3:.2f} ms (p50 {o['idle_us']['p50']:.1f} "
-                      f"us, max {o['idle_us']['max']:.0f} us)", flush=True)
-        finally:
-            engine.ahead_at_chunks = True
-            engine.close()
+        bench_engine.measure_stream(engine, texts.RTF_TEXT, args.frames, 200)  # warm
+        for k in range(2 * args.repeats):
+            engine.ahead_at_chunks = bool(k % 2)
+            run = bench_engine.measure_stream(engine, texts.RTF_TEXT, args.frames, 200)
+            row = {"ahead_at_chunks": engine.ahead_at_chunks, "rtf": run["rtf"], "ttfc_ms": run["ttfc_ms"],
+                   "frames_per_s_after_first_chunk": run["frames_per_s_after_first_chunk"],
+                   "chunk_sizes": run["chunk_sizes"], "ttfc_warm_ms": warm_ttfc(engine)}
+            result["runs"].append(row)
+            w = row["ttfc_warm_ms"]
+            print(f"ahead_at_chunks={row['ahead_at_chunks']}: RTF {row['rtf']:.5f}, TTFC {row['ttfc_ms']:.2f} ms, "
+                  f"{row['frames_per_s_after_first_chunk']:.1f} frames/s after the first chunk; warm TTFC p50 "
+                  f"{w['p50']:.2f} ms, p95 {w['p95']:.2f} over {w['n']} utterances", flush=True)
+        for at in (False, True):
+            engine.ahead_at_chunks = at
+            name = f"trace_ahead_at_chunks_{int(at)}.json.gz"
+            tl = profiled_stream(engine, args.frames, 200, args.out / name)
+            tl["trace"] = name
+            result[f"timeline_ahead_at_chunks_{int(at)}"] = tl
+            v, o = tl["vocoder_windows"], tl["other_windows"]
+            print(f"timeline ahead_at_chunks={at}: {tl['frame_kernels']} frames, frame kernel p50 "
+                  f"{tl['frame_kernel_us']['p50']:.1f} us; {v['n']} vocoder windows: work "
+                  f"{v['work_us']['sum'] / 1e3:.2f} ms, idle {v['idle_us']['sum'] / 1e3:.2f} ms (before the "
+                  f"work p50 {v['before_work_us']['p50']:.0f} us, after p50 {v['after_work_us']['p50']:.0f} us); "
+                  f"{o['n']} other windows idle {o['idle_us']['sum'] / 1e3:.2f} ms (p50 {o['idle_us']['p50']:.1f} "
+                  f"us, max {o['idle_us']['max']:.0f} us)", flush=True)
     (args.out / "stream_timeline.json").write_text(json.dumps(result, indent=2))
     return 0
 
