@@ -7,9 +7,10 @@ independent of the padding, and the caller copies the K/V rows of the real posit
 cache (the megakernel's per-session cache, the CUDA-graph backend's slot pool).
 
 On a GPU each layer runs one `torch.compile`d step (`prefill_layer`), compiled once for every
-layer and every bucket (the layers share its code, the length is symbolic): a captured prefill of
-the eager layers is ~37 kernels a layer, ~1050 in all, and took 3.5 ms of the ~8 ms to first audio
-on the H200 (bench/NOTES.md, "The prefill compiled"). `QWEN_FAST_COMPILE_PREFILL=0` turns it off.
+layer and every bucket (the layers share its code, the length is symbolic; ~10 s at a cold load).
+A captured prefill of the eager layers is ~37 kernels a layer, ~1050 in all: 2.7-2.8 ms for a
+short prompt on the H200, of ~8 ms to first audio; from the compiled step 1.6 ms (bench/NOTES.md,
+"The prefill compiled"). `QWEN_FAST_COMPILE_PREFILL=0` keeps the eager layers.
 """
 
 from __future__ import annotations
