@@ -3,9 +3,10 @@
 An eager `decode_stream` call launches ~800 small kernels and costs ~13 ms on the H200 whatever the
 chunk size (bench/NOTES.md, "Vocoder"). A captured call replays them in one go. The graph works on
 a static stream state: the session's state is copied in before the replay and out after it (a few
-MB, two fused copies), so every session shares one graph per chunk size.
+MB, two fused copies), so every session shares one graph per chunk size. Between the two
+(`launch`, `commit`) the session's own state is untouched, so a call queued early can be dropped.
 
-The sizes in `compile_sizes` (the engine passes its first two chunk sizes, 1 and 4) are captured
+The sizes in `compile_sizes` (the engine passes its first two chunk sizes, 1 and 3) are captured
 at warm-up from `torch.compile`d code for their own shape: inductor fuses ~400 of a call's
 elementwise and copy kernels, which takes a bfloat16 1-frame call on the H200 from 2.5 to 1.7 ms
 and a 4-frame call from 2.9 to 1.8 ms (bench/NOTES.md, "Vocoder graphs"). With `compile_dynamic`
