@@ -71,6 +71,7 @@ def main() -> int:
         hold = holders(engine.backend)
         compiled = hold[0].prefills
         result["compiled_prefill"] = compiled.compile
+        result["prefill_compile_s"] = compiled.compile_s
         t0 = time.perf_counter()
         plain = PrefillGraphs(compiled.talker, compiled.device, compiled.dtype, compiled.buckets, compile=False)
         plain.capture_all()

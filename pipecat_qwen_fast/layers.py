@@ -101,30 +101,39 @@ class Attention(nn.Module):
         return (q.reshape(*lead, self.num_heads, self.head_dim), k.reshape(*lead, self.num_kv_heads, self.head_dim),
                 v.reshape(*lead, self.num_kv_heads, self.head_dim))
 
+    def heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x: [n, D] -> q [H, n, hd], k and v [KVH, n, hd]: QK-norm per head, before RoPE."""
+        q, k, v = self.project_qkv(x)
+        q = apply_rotary(self.q_norm(q).transpose(0, 1), cos, sin)
+        k = apply_rotary(self.k_norm(k).transpose(0, 1), cos, sin)
+        return q, k, v.transpose(0, 1)
+
+    def attend(self, q: Tensor, keys: Tensor, values: Tensor, attn_mask: Tensor | None = None,
+               is_causal: bool = False) -> Tensor:
+        """q [H, n, hd] over keys / values [KVH, m, hd] (each KV head serves H / KVH query heads),
+        then o_proj: [n, D]."""
+        n = q.shape[1]
+        rep = self.num_heads // self.num_kv_heads
+        keys = keys.repeat_interleave(rep, dim=0)
+        values = values.repeat_interleave(rep, dim=0)
+        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=attn_mask,
+                                             is_causal=is_causal)[0]
+        return self.o_proj(out.transpose(0, 1).reshape(n, self.num_heads * self.head_dim))
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, start: int) -> Tensor:
         """x: [n, D] new positions start..start+n-1; attends to cache[:start] and itself (causal)."""
         n = x.shape[0]
-        q, k, v = self.project_qkv(x)
-        # QK-norm per head, before RoPE.
-        q = apply_rotary(self.q_norm(q).transpose(0, 1), cos, sin)
-        k = apply_rotary(self.k_norm(k).transpose(0, 1), cos, sin)
+        q, k, v = self.heads(x, cos, sin)
         end = start + n
         cache.k[layer, :, start:end] = k
-        cache.v[layer, :, start:end] = v.transpose(0, 1)
+        cache.v[layer, :, start:end] = v
         # A cache wider than the compute (the megakernel's fp32 cache filled by a bf16 prefill) is
         # read back at the compute dtype; a no-op when they match.
         keys = cache.k[layer, :, :end].to(q.dtype)
         values = cache.v[layer, :, :end].to(q.dtype)
-        rep = self.num_heads // self.num_kv_heads
-        keys = keys.repeat_interleave(rep, dim=0)
-        values = values.repeat_interleave(rep, dim=0)
-        if n == 1:
-            out = F.scaled_dot_product_attention(q[None], keys[None], values[None])[0]
-        else:
-            # Causal over the new block, full view of everything cached before it.
-            mask = torch.ones(n, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
-            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)[0]
-        return self.o_proj(out.transpose(0, 1).reshape(n, self.num_heads * self.head_dim))
+        # Causal over the new block, full view of everything cached before it.
+        mask = None if n == 1 else torch.ones(n, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
+        return self.attend(q, keys, values, attn_mask=mask)
 
 
 class MLP(nn.Module):

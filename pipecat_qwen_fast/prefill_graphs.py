@@ -20,11 +20,10 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .cuda_graphs import GraphCapturer, compile_blocker, recompile_limit
-from .layers import DecoderLayer, apply_rotary, rotary_cos_sin
+from .layers import DecoderLayer, rotary_cos_sin
 from .talker import Talker
 
 logger = logging.getLogger(__name__)
@@ -37,18 +36,10 @@ def prefill_layer(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_ou
     into k_out / v_out [kv_heads, n, head_dim]. The same math without the cache object and the
     layer index, so that one compiled copy serves every layer."""
     attn = layer.self_attn
-    n = x.shape[0]
-    q, k, v = attn.project_qkv(layer.input_layernorm(x))
-    q = apply_rotary(attn.q_norm(q).transpose(0, 1), cos, sin)
-    k = apply_rotary(attn.k_norm(k).transpose(0, 1), cos, sin)
-    v = v.transpose(0, 1)
+    q, k, v = attn.heads(layer.input_layernorm(x), cos, sin)
     k_out.copy_(k)
     v_out.copy_(v)
-    rep = attn.num_heads // attn.num_kv_heads
-    keys = k_out.to(q.dtype).repeat_interleave(rep, dim=0)
-    values = v_out.to(q.dtype).repeat_interleave(rep, dim=0)
-    out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True)[0]
-    x = x + attn.o_proj(out.transpose(0, 1).reshape(n, attn.num_heads * attn.head_dim))
+    x = x + attn.attend(q, k, v, is_causal=True)  # the rows just written, at the same dtype
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
@@ -79,6 +70,7 @@ class PrefillGraphs:
                 logger.info("the prefill's layers are not compiled: %s", reason)
         self.compile = compile
         self._compiled: Callable | None = None
+        self.compile_s = 0.0  # seconds the compiled step took to compile and run, over all buckets
 
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if n <= b), None)
@@ -154,14 +146,14 @@ class PrefillGraphs:
                 try:
                     t0 = time.perf_counter()
                     step = self._compiled_layer(e)
-                    logger.info("prefill of %d positions from the compiled layer step (%.1f s)", bucket,
-                                time.perf_counter() - t0)
+                    seconds = time.perf_counter() - t0
+                    self.compile_s += seconds
+                    logger.info("prefill of %d positions from the compiled layer step (%.1f s)", bucket, seconds)
                 except Exception as e_:  # noqa: BLE001 - any compiler failure: the plain graphs still work
                     logger.warning("compiling the prefill's layer step failed (%s: %s); using plain graphs",
                                    type(e_).__name__, str(e_)[:300])
                     self.compile = False
                     step = prefill_layer
-            fn = step
             with recompile_limit(64):
-                e["graph"], _ = self.capturer.capture(lambda: self._body(e, fn))
+                e["graph"], _ = self.capturer.capture(lambda: self._body(e, step))
         return e
