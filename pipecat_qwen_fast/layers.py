@@ -65,8 +65,8 @@ class KVCache:
 
     @classmethod
     def over(cls, k: Tensor, v: Tensor) -> KVCache:
-        """A cache view over existing [layers, kv_heads, max_len, head_dim] tensors (a pool slot,
-        a captured prefill's static buffers), filled from position 0."""
+        """A cache view over existing [layers, kv_heads, max_len, head_dim] tensors (a pool slot),
+        filled from position 0."""
         cache = cls.__new__(cls)
         cache.k, cache.v = k, v
         cache.max_len, cache.length = k.shape[2], 0
