@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -371,6 +372,18 @@ def build_input_tables(talker, device: torch.device) -> list[Tensor]:
     return tables
 
 
+def carve(device: torch.device, dtype: torch.dtype, zero: bool, shapes: dict[str, tuple[int, ...]]) -> dict[str, Tensor]:
+    """Views of one new allocation (zeroed if `zero`), one per shape, each starting on a 512-byte
+    boundary of it."""
+    align = 512 // torch.empty((), dtype=dtype).element_size()
+    offsets, total = {}, 0
+    for name, shape in shapes.items():
+        offsets[name] = total
+        total += -(-math.prod(shape) // align) * align
+    arena = (torch.zeros if zero else torch.empty)(total, device=device, dtype=dtype)
+    return {name: arena[o:o + math.prod(shape)].view(shape) for (name, shape), o in zip(shapes.items(), offsets.values())}
+
+
 @dataclass
 class MegakernelState:
     model: QmkModel
@@ -458,11 +471,31 @@ class MegakernelBackend:
         self._rope_shared: Tensor | None = None  # the talker's, grown on demand (_talker_rope)
         # Per-code layer-0 q/k/v of the predictor passes (qmk_model.qkv0): -15 phases a frame.
         self.input_tables = build_input_tables(talker, device) if input_tables else []
+        # Every state's QmkModel points at the same weights: their addresses are taken once here,
+        # as the layer tables' are, not per request (~34 checks and conversions: ~0.25 ms of host
+        # time before the prefill, on the time to first audio; bench/NOTES.md, eighteenth session).
+        self._weight_ptrs = self._model_weight_ptrs()
         # The captured prefill per prompt-length bucket: made at warm-up, or shared with another
         # backend on the same weights (the auto backend's batch).
         self.prefills: PrefillGraphs | None = prefills
         if warmup:
             self.warmup()
+
+    def _model_weight_ptrs(self) -> dict:
+        cp = self.talker.code_predictor
+        proj = cp.small_to_mtp_projection
+        has_proj = isinstance(proj, torch.nn.Linear)
+        return {
+            "talker_norm": self._w(self.talker.model.norm.weight),
+            "pred_norm": self._w(cp.model.norm.weight),
+            "codec_head": self._w(self.talker.codec_head.weight),
+            "talker_emb": self._w(self.talker.model.codec_embedding.weight),
+            "proj_w": self._w(proj.weight) if has_proj else 0,
+            "proj_b": self._w(proj.bias) if has_proj else 0,
+            "pred_emb": [self._w(cp.model.codec_embedding[g].weight) for g in range(self.num_groups - 1)],
+            "lm_head": [self._w(cp.lm_head[g].weight) for g in range(self.num_groups - 1)],
+            "qkv0": [ptr(t) for t in self.input_tables] if self.input_tables else [0] * (self.num_groups - 1),
+        }
 
     def _w(self, t: Tensor) -> int:
         if t.device != self.device or t.dtype != torch.bfloat16 or not t.is_contiguous():
@@ -488,7 +521,7 @@ class MegakernelBackend:
             rows[-1].append(ptr(o_blk))
         return torch.tensor(rows, dtype=torch.int64).to(self.device)
 
-    def _stack(self, cfg, table: Tensor, final_norm: Tensor, rope: Tensor, k: Tensor, v: Tensor, max_pos: int,
+    def _stack(self, cfg, table: Tensor, final_norm: int, rope: Tensor, k: Tensor, v: Tensor, max_pos: int,
                predictor: bool = False) -> QmkStack:
         # group_qkv and merge_first are code-predictor options; the talker's stack never has them.
         fuse = self.fuse_attn_o if predictor else self.fuse_talker_attn_o
@@ -497,7 +530,7 @@ class MegakernelBackend:
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, max_pos=max_pos, eps=cfg.rms_norm_eps,
             split_down=int(self.split_down), fuse_attn_o=int(fuse),
             group_qkv=int(predictor and self.group_qkv), merge_first=int(predictor and self.merge_first),
-            layers=ptr(table), final_norm=self._w(final_norm), rope=ptr(rope),
+            layers=ptr(table), final_norm=final_norm, rope=ptr(rope),
             k_cache=ptr(k), v_cache=ptr(v),
         )
 
@@ -521,50 +554,50 @@ class MegakernelBackend:
         pv = torch.empty_like(pk)
         part = max(self.lib.qmk_attn_part_floats(max_positions, ts.num_kv_heads),
                    self.lib.qmk_attn_part_floats(G, ps.num_kv_heads))
-        buf = {
-            "pending": torch.zeros(Dt, device=dev, dtype=f32),
-            "hidden": torch.zeros(Dt, device=dev, dtype=f32),
-            "seen": torch.zeros(self.tcfg.vocab_size, device=dev, dtype=torch.uint8),
-            "resid": torch.empty(self.acc_floats[0], device=dev, dtype=f32),
-            "mid": torch.empty(max(Dt, Dp), device=dev, dtype=f32),
-            "pres": torch.empty(self.acc_floats[1], device=dev, dtype=f32),
+        # Three allocations, not twenty: each zeros() or empty() is a host round of its own (a
+        # fill launch for zeros) before the prefill can start. Views start 512 bytes apart, as
+        # separate allocations would.
+        buf = carve(dev, f32, zero=True, shapes={"pending": (Dt,), "hidden": (Dt,), "pred_hidden": (G, Dp)})
+        buf |= carve(dev, f32, zero=False, shapes={
+            "resid": (self.acc_floats[0],),
+            "mid": (max(Dt, Dp),),
+            "pres": (self.acc_floats[1],),
             # Two rows: the predictor's pass 1 has its own with merge_first.
-            "qkv": torch.empty(max(ts.num_heads + 2 * ts.num_kv_heads, 2 * (ps.num_heads + 2 * ps.num_kv_heads)) * HEAD_DIM,
-                               device=dev, dtype=f32),
-            "attn": torch.empty(max(ts.num_heads, ps.num_heads) * HEAD_DIM, device=dev, dtype=f32),
-            "act": torch.empty(max(ts.intermediate_size, ps.intermediate_size), device=dev, dtype=f32),
-            "proj_out": torch.empty(Dp, device=dev, dtype=f32),
-            "logits": torch.empty(self.tcfg.vocab_size, device=dev, dtype=f32),
-            "pred_logits": torch.empty((G - 1, self.pcfg.vocab_size), device=dev, dtype=f32),
-            "pred_hidden": torch.zeros((G, Dp), device=dev, dtype=f32),
-            "attn_part": torch.empty(part, device=dev, dtype=f32),
-            "attn_count": torch.zeros(max(ts.num_kv_heads, ps.num_kv_heads), device=dev, dtype=torch.int32),
+            "qkv": (max(ts.num_heads + 2 * ts.num_kv_heads, 2 * (ps.num_heads + 2 * ps.num_kv_heads)) * HEAD_DIM,),
+            "attn": (max(ts.num_heads, ps.num_heads) * HEAD_DIM,),
+            "act": (max(ts.intermediate_size, ps.intermediate_size),),
+            "proj_out": (Dp,),
+            "logits": (self.tcfg.vocab_size,),
+            "pred_logits": (G - 1, self.pcfg.vocab_size),
+            "attn_part": (part,),
+        })
+        flags = carve(dev, torch.uint8, zero=True, shapes={
+            "seen": (self.tcfg.vocab_size,),
+            "attn_count": (4 * max(ts.num_kv_heads, ps.num_kv_heads),),
             # The grid barrier counts arrivals from zero; one per state, so two sessions never share it.
-            "barrier": torch.zeros(1, device=dev, dtype=torch.int32),
-            "head_ready": torch.zeros(ps.num_kv_heads, device=dev, dtype=torch.int32),
-            # Text vectors stay bf16: the ABI reads them at that width (the engine makes them in bf16).
+            "barrier": (4,),
+            "head_ready": (4 * ps.num_kv_heads,),
+        })
+        buf["seen"] = flags.pop("seen")
+        buf |= {name: t.view(torch.int32) for name, t in flags.items()}
+        buf |= {
             "trailing": trailing.to(dev, bf).contiguous(),
             "pad_vec": pad_vec.to(dev, bf).contiguous(),
             "rope": self._talker_rope(max_positions),
         }
-        cp = self.talker.code_predictor
-        proj = cp.small_to_mtp_projection
-        has_proj = isinstance(proj, torch.nn.Linear)
+        w = self._weight_ptrs
         m = QmkModel(
-            talker=self._stack(ts, self.talker_layers, self.talker.model.norm.weight, buf["rope"],
+            talker=self._stack(ts, self.talker_layers, w["talker_norm"], buf["rope"],
                                talker_cache.k, talker_cache.v, max_positions),
-            pred=self._stack(ps, self.pred_layers, cp.model.norm.weight, self.pred_rope, pk, pv, G, predictor=True),
+            pred=self._stack(ps, self.pred_layers, w["pred_norm"], self.pred_rope, pk, pv, G, predictor=True),
             vocab=self.tcfg.vocab_size, pred_vocab=self.pcfg.vocab_size, eos_id=self.eos_id, num_groups=G,
             max_blocks=self.max_blocks, long_kernel=LONG_KERNEL[self.long_kernel],
-            codec_head=self._w(self.talker.codec_head.weight),
-            talker_emb=self._w(self.talker.model.codec_embedding.weight),
-            proj_w=self._w(proj.weight) if has_proj else 0,
-            proj_b=self._w(proj.bias) if has_proj else 0,
+            codec_head=w["codec_head"], talker_emb=w["talker_emb"], proj_w=w["proj_w"], proj_b=w["proj_b"],
         )
         for g in range(G - 1):
-            m.pred_emb[g] = self._w(cp.model.codec_embedding[g].weight)
-            m.lm_head[g] = self._w(cp.lm_head[g].weight)
-            m.qkv0[g] = ptr(self.input_tables[g]) if self.input_tables else 0
+            m.pred_emb[g] = w["pred_emb"][g]
+            m.lm_head[g] = w["lm_head"][g]
+            m.qkv0[g] = w["qkv0"][g]
         for name in ("pending", "hidden", "seen", "resid", "mid", "pres", "qkv", "attn", "act", "proj_out", "logits",
                      "pred_logits", "pred_hidden", "attn_part", "attn_count", "barrier", "head_ready"):
             setattr(m, name, ptr(buf[name]))

@@ -97,6 +97,27 @@ def test_hopper_builds_its_arch_specific_target():
 
 
 @torch.no_grad()
+def test_state_buffers_are_aligned_views_of_one_allocation():
+    """new_state carves a request's buffers from one allocation per kind (each alloc or fill is a
+    host round before the prefill): each view starts 512 bytes in, none overlaps the next, and the
+    zeroed kind is zero (the kernel reads the flags and accumulators from zero)."""
+    shapes = {"a": (3,), "b": (2, 130), "c": (1,), "d": (128,)}
+    for dtype, zero in ((torch.float32, False), (torch.float32, True), (torch.uint8, True)):
+        views = mk.carve(torch.device("cpu"), dtype, zero=zero, shapes=shapes)
+        assert {k: tuple(v.shape) for k, v in views.items()} == shapes
+        base = views["a"].untyped_storage().data_ptr()
+        ends = []
+        for name in shapes:
+            v = views[name]
+            assert v.untyped_storage().data_ptr() == base and v.is_contiguous() and v.dtype == dtype
+            start = v.data_ptr() - base
+            assert start % 512 == 0
+            assert not ends or start >= ends[-1]
+            ends.append(start + v.numel() * v.element_size())
+            if zero:
+                assert not v.any()
+
+
 def test_input_tables_are_the_first_layers_qkv(tiny_checkpoint):
     """The tables the kernel reads instead of a pass's projection and q/k/v phases (no GPU needed):
     each row equals the torch modules' own path for that code, on the tiny model (which has the
