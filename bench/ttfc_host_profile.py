@@ -43,35 +43,28 @@ STAGES = ("_new_session", "_begin_segment", "_prefill", "_start_vocoder", "step"
 MODULE_FUNCTIONS = ("build_prompt", "split_text", "normalize_text")
 
 
+def timed(fn, name: str, totals: dict[str, float]):
+    """`fn` that adds its host time to totals[name]."""
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            totals[name] += time.perf_counter() - t0
+    return wrapper
+
+
 def wrap_stages(engine, totals: dict[str, float]) -> None:
-    """Replace each stage by a wrapper that adds its host time to `totals` (instance attributes,
-    so the engine's own code calls the wrappers)."""
+    """Replace each stage by a wrapper that adds its host time to `totals` (instance attributes and
+    the engine module's globals, so the engine's own code calls the wrappers)."""
     for name in STAGES:
         owner = engine.backend if name.startswith("backend.") else engine
         attr = name.split(".")[-1]
         fn = getattr(owner, attr, None)
-        if fn is None:
-            continue
-
-        def timed(*a, _fn=fn, _name=name, **kw):
-            t0 = time.perf_counter()
-            try:
-                return _fn(*a, **kw)
-            finally:
-                totals[_name] += time.perf_counter() - t0
-
-        setattr(owner, attr, timed)
+        if fn is not None:
+            setattr(owner, attr, timed(fn, name, totals))
     for name in MODULE_FUNCTIONS:
-        fn = getattr(engine_module, name)
-
-        def timed_fn(*a, _fn=fn, _name=name, **kw):
-            t0 = time.perf_counter()
-            try:
-                return _fn(*a, **kw)
-            finally:
-                totals[_name] += time.perf_counter() - t0
-
-        setattr(engine_module, name, timed_fn)
+        setattr(engine_module, name, timed(getattr(engine_module, name), name, totals))
 
 
 def run_calls(engine, n: int, seed0: int) -> list[float]:
