@@ -225,18 +225,25 @@ def build_random_checkpoint(out_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def random_engine(**kw):
+def random_engine(timings: dict | None = None, **kw):
     """(engine, load seconds) on a fresh random 0.6B CustomVoice checkpoint (EOS row zeroed),
-    `QwenTTSEngine.from_pretrained(..., **kw)` on CUDA; closed on exit."""
+    `QwenTTSEngine.from_pretrained(..., **kw)` on CUDA; closed on exit, its cached GPU memory
+    returned. `timings` (if given) gets "checkpoint_build_s" and "load_s"."""
+    timings = {} if timings is None else timings
     with tempfile.TemporaryDirectory(prefix="mk-ckpt-") as tmp:
+        t0 = time.perf_counter()
         build_random_checkpoint(Path(tmp))
+        timings["checkpoint_build_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         engine = QwenTTSEngine.from_pretrained(Path(tmp), device="cuda", progress=False, **kw)
         bench_engine.sync(engine)
+        timings["load_s"] = time.perf_counter() - t0
         try:
-            yield engine, time.perf_counter() - t0
+            yield engine, timings["load_s"]
         finally:
             engine.close()
+            del engine
+            torch.cuda.empty_cache()
 
 
 def warm_ttfc(engine) -> dict:
@@ -252,40 +259,27 @@ def measure_engine(run_ahead: list[bool] | None = None) -> dict:
     `run_ahead`: after that, the warm TTFC and the streamed sentence again with
     QwenTTSEngine.run_ahead set to each value in turn (same engine), under out["run_ahead"]."""
     out: dict = {}
-    with tempfile.TemporaryDirectory(prefix="mk-ckpt-") as tmp:
-        ckpt = Path(tmp)
-        t0 = time.perf_counter()
-        build_random_checkpoint(ckpt)
-        out["checkpoint_build_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        engine = QwenTTSEngine.from_pretrained(ckpt, device="cuda", backend="megakernel", progress=False)
-        bench_engine.sync(engine)
-        out["load_s"] = time.perf_counter() - t0
+    with random_engine(timings=out, backend="megakernel") as (engine, _):
         out["backend_name"] = engine.backend.name
-        try:
-            first = texts.UTTERANCES[1]
-            out["first_request_ttfc_ms"] = 1e3 * bench_engine.measure_ttfc(engine, first, texts.frames_for(first), 1)
-            out["ttfc_warm_ms"] = warm_ttfc(engine)
-            out["streaming"] = bench_engine.measure_stream(engine, texts.RTF_TEXT, texts.RTF_FRAMES, 200)
-            out["run_ahead_default"] = engine.run_ahead
-            for k, value in enumerate(run_ahead or []):
-                engine.run_ahead = value
-                row = {"run_ahead": value, "ttfc_warm_ms": warm_ttfc(engine),
-                       "streaming": bench_engine.measure_stream(engine, texts.RTF_TEXT, texts.RTF_FRAMES, 200)}
-                # Greedy and seeded sampled codes of one utterance, compared across the settings.
-                row["codes"] = [engine.generate_codes(texts.RTF_TEXT, voice=engine.default_voice, max_frames=80,
-                                                      **kw).tolist() for kw in ({"greedy": True}, {"seed": 11})]
-                row["codes_identical_to_first"] = row["codes"] == out.get("run_ahead", [row])[0]["codes"]
-                out.setdefault("run_ahead", []).append(row)
-                st = row["streaming"]
-                print(f"run_ahead={value} (#{k}): warm TTFC p50 {row['ttfc_warm_ms']['p50']:.1f} ms, "
-                      f"p95 {row['ttfc_warm_ms']['p95']:.1f}; streaming RTF {st['rtf']:.4f}, "
-                      f"{st['frames_per_s_after_first_chunk']:.1f} frames/s after the first chunk; codes identical "
-                      f"to the first setting's: {row['codes_identical_to_first']}", flush=True)
-        finally:
-            engine.close()
-            del engine
-            torch.cuda.empty_cache()
+        first = texts.UTTERANCES[1]
+        out["first_request_ttfc_ms"] = 1e3 * bench_engine.measure_ttfc(engine, first, texts.frames_for(first), 1)
+        out["ttfc_warm_ms"] = warm_ttfc(engine)
+        out["streaming"] = bench_engine.measure_stream(engine, texts.RTF_TEXT, texts.RTF_FRAMES, 200)
+        out["run_ahead_default"] = engine.run_ahead
+        for k, value in enumerate(run_ahead or []):
+            engine.run_ahead = value
+            row = {"run_ahead": value, "ttfc_warm_ms": warm_ttfc(engine),
+                   "streaming": bench_engine.measure_stream(engine, texts.RTF_TEXT, texts.RTF_FRAMES, 200)}
+            # Greedy and seeded sampled codes of one utterance, compared across the settings.
+            row["codes"] = [engine.generate_codes(texts.RTF_TEXT, voice=engine.default_voice, max_frames=80,
+                                                  **kw).tolist() for kw in ({"greedy": True}, {"seed": 11})]
+            row["codes_identical_to_first"] = row["codes"] == out.get("run_ahead", [row])[0]["codes"]
+            out.setdefault("run_ahead", []).append(row)
+            st = row["streaming"]
+            print(f"run_ahead={value} (#{k}): warm TTFC p50 {row['ttfc_warm_ms']['p50']:.1f} ms, "
+                  f"p95 {row['ttfc_warm_ms']['p95']:.1f}; streaming RTF {st['rtf']:.4f}, "
+                  f"{st['frames_per_s_after_first_chunk']:.1f} frames/s after the first chunk; codes identical "
+                  f"to the first setting's: {row['codes_identical_to_first']}", flush=True)
     return out
 
 

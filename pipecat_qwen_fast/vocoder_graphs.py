@@ -36,21 +36,6 @@ logger = logging.getLogger(__name__)
 MAX_GRAPHS = 48  # chunk sizes captured at most; other sizes run eagerly
 
 
-def copy_stream(dst: VocoderStream, src: VocoderStream) -> None:
-    """dst <- src: the floating-point state in one fused launch where torch offers it, the int64
-    position apart (a list of mixed dtypes takes torch's per-tensor path: ~26 copies, each a host
-    round of its own, on the way to the vocoder's graph)."""
-    dsts = [*dst.histories, dst.keys, dst.values]
-    srcs = [*src.histories, src.keys, src.values]
-    if hasattr(torch, "_foreach_copy_"):
-        torch._foreach_copy_(dsts, srcs)
-    else:  # older torch
-        for d, s in zip(dsts, srcs):
-            d.copy_(s)
-    dst.position.copy_(src.position)
-    dst.frames = src.frames
-
-
 @dataclass
 class _Entry:
     codes: Tensor  # [1, Q, n]
@@ -119,7 +104,7 @@ class GraphedVocoder:
             if len(self.entries) >= MAX_GRAPHS:
                 return None
             entry = self._make(n)
-        copy_stream(entry.stream, stream)
+        entry.stream.copy_from(stream)
         entry.codes.copy_(codes)
         if entry.graph is not None:
             entry.graph.replay()
@@ -131,7 +116,7 @@ class GraphedVocoder:
         """`stream` <- the state after the launched call of `n` frames; before any other call of
         the entry's size."""
         frames = stream.frames
-        copy_stream(stream, entry.stream)
+        stream.copy_from(entry.stream)
         stream.frames = frames + n
 
     def capture(self, sizes: list[int]) -> None:
