@@ -554,7 +554,7 @@ class MegakernelBackend:
         pv = torch.empty_like(pk)
         part = max(self.lib.qmk_attn_part_floats(max_positions, ts.num_kv_heads),
                    self.lib.qmk_attn_part_floats(G, ps.num_kv_heads))
-        # Three allocations, not twenty: each zeros() or empty() is a host round of its own (a
+        # Three allocations, not seventeen: each zeros() or empty() is a host round of its own (a
         # fill launch for zeros) before the prefill can start. Views start 512 bytes apart, as
         # separate allocations would.
         buf = carve(dev, f32, zero=True, shapes={"pending": (Dt,), "hidden": (Dt,), "pred_hidden": (G, Dp)})
