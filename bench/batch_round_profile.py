@@ -1,0 +1,151 @@
+"""Where a batched round of the `torch` backend goes: `python bench/batch_round_profile.py --out DIR`.
+
+At 16 and 64 streams `auto` runs the batched CUDA graph (`GraphBackend`), ~10 ms a round plus
+~0.4 ms a call on the H200 (bench/NOTES.md, "Auto backend"); this script takes a round apart.
+A random 0.6B CustomVoice engine (`backend="torch"`, no warm-up), then `max(--batches)` sessions
+with random prompts of ~60 positions, advanced to talker position ~`--position`. Per batch size:
+
+* the graph's replay alone and `decode_frames` (host preparation included), CUDA-event medians;
+* the same frame run eagerly under torch.profiler: kernel count, summed kernel time, and the
+  kernels grouped by kind (matmul, K/V gather, attention, sampling, pointwise...), top 25 by time.
+
+Writes `batch_round_profile.json` under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cuda_timing import event_times_ms
+from megakernel_check import build_random_checkpoint
+
+from pipecat_qwen_fast import QwenTTSEngine
+from pipecat_qwen_fast.sampling import SamplingParams
+
+# Kernel kinds by substrings of the kernel's name, first match wins.
+KINDS = (
+    ("matmul", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk")),
+    ("attention", ("fmha", "flash", "attention", "efficient")),
+    ("gather/scatter", ("index", "gather", "scatter", "put_")),
+    ("sampling", ("topk", "sort", "radix", "exponential", "argmax", "softmax", "bitonic")),
+    ("norm", ("rms", "norm")),
+    ("copy", ("copy", "cat", "stack")),
+    ("reduce", ("reduce",)),
+    ("pointwise", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    return next((k for k, keys in KINDS if any(s in low for s in keys)), "other")
+
+
+def kernel_profile(fn, runs: int = 3) -> dict:
+    """Kernels of `fn` (median of `runs` profiled calls after one unprofiled)."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize()
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
+            slot = per_name[ev.name]
+            slot[0] += ev.device_time / runs
+            slot[1] += 1 / runs
+    by_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for name, (us, n) in per_name.items():
+        k = by_kind[kind_of(name)]
+        k[0] += us
+        k[1] += n
+    top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:25]
+    return {
+        "kernels": round(sum(n for _, n in per_name.values())),
+        "kernel_us": round(sum(us for us, _ in per_name.values()), 1),
+        "by_kind": {k: {"us": round(us, 1), "kernels": round(n)} for k, (us, n) in
+                    sorted(by_kind.items(), key=lambda kv: -kv[1][0])},
+        "top": [{"name": name[:160], "us": round(us, 1), "count": round(n)} for name, (us, n) in top],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--batches", default="1,4,16,32,64")
+    ap.add_argument("--position", type=int, default=150)
+    ap.add_argument("--iters", type=int, default=30)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit,
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "position": args.position}
+    with tempfile.TemporaryDirectory(prefix="round-ckpt-") as tmp:
+        t0 = time.perf_counter()
+        build_random_checkpoint(Path(tmp))
+        engine = QwenTTSEngine.from_pretrained(tmp, device="cuda", backend="torch", warmup=False, progress=False)
+        res["load_s"] = round(time.perf_counter() - t0, 1)
+    be = engine.backend
+    d = be.cfg.hidden_size
+    params = SamplingParams()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    states = []
+    for i in range(max(batches)):
+        trailing = 0.02 * torch.randn(400, d, device="cuda", generator=gen)
+        st = be.new_state(max_positions=be.capacity, params=params, seed=i, trailing=trailing, pad_vec=trailing[-1])
+        be.prefill(st, 0.02 * torch.randn(60 + i % 8, d, device="cuda", generator=gen))
+        states.append(st)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while states[0].position < args.position:
+        be.decode_frames(states)
+    torch.cuda.synchronize()
+    res["advance_s"] = round(time.perf_counter() - t0, 1)
+    res["positions"] = [min(s.position for s in states), max(s.position for s in states)]
+    res["rounds"] = {}
+    for bb in batches:
+        part = states[:bb]
+        be.decode_frames(part)  # captures this (bucket, attention bucket) if new
+        attn = be._attn_bucket(max(s.position for s in part) + 1)
+        graph = be.graphs[(bb, attn, params)]
+        replay = event_times_ms(graph.replay, args.iters)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            be.decode_frames(part)
+        torch.cuda.synchronize()
+        host_round = (time.perf_counter() - t0) / args.iters * 1e3
+        be.use_graphs = False
+        try:
+            eager = kernel_profile(lambda bb=bb, attn=attn: be._frame(bb, attn, params))
+        finally:
+            be.use_graphs = True
+        row = {"attn_bucket": attn, "replay_ms": round(statistics.median(replay), 3),
+               "decode_frames_ms": round(host_round, 3), "eager_kernels": eager}
+        res["rounds"][bb] = row
+        print(f"batch {bb}: replay {row['replay_ms']} ms, decode_frames {row['decode_frames_ms']} ms, "
+              f"{eager['kernels']} kernels {eager['kernel_us']} us: "
+              + ", ".join(f"{k} {v['us']}" for k, v in eager["by_kind"].items()), flush=True)
+    for s in states:
+        be.release(s)
+    engine.close()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "batch_round_profile.json").write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
