@@ -6,8 +6,12 @@ A random 0.6B CustomVoice engine (`backend="torch"`, no warm-up), then `max(--ba
 with random prompts of ~60 positions, advanced to talker position ~`--position`. Per batch size:
 
 * the graph's replay alone and `decode_frames` (host preparation included), CUDA-event medians;
-* the same frame run eagerly under torch.profiler: kernel count, summed kernel time, and the
-  kernels grouped by kind (matmul, K/V gather, attention, sampling, pointwise...), top 25 by time.
+* the same frame run outside a graph under torch.profiler (the compiled step's code where it
+  compiles): kernel count, summed kernel time, and the kernels grouped by kind (matmul, K/V
+  gather, attention, sampling, pointwise...), top 25 by time;
+
+for each layer step in --variants (`GraphBackend.layer_step`: "fused", compiled, or "plain"), from
+the same positions, with each variant's `capture_all` timed (the first fused one compiles).
 
 Writes `batch_round_profile.json` under --out.
 """
@@ -36,6 +40,7 @@ from pipecat_qwen_fast.sampling import SamplingParams
 
 # Kernel kinds by substrings of the kernel's name, first match wins.
 KINDS = (
+    ("triton (compiled, fused)", ("triton",)),
     ("matmul", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk")),
     ("attention", ("fmha", "flash", "attention", "efficient")),
     ("gather/scatter", ("index", "gather", "scatter", "put_")),
@@ -81,6 +86,44 @@ def kernel_profile(fn, runs: int = 3) -> dict:
     }
 
 
+def measure_variant(be, states, base, kind: str, batches: list[int], params: SamplingParams, iters: int) -> dict:
+    """One layer step ("fused" or "plain"): its captures timed (the first fused one compiles), then
+    each batch size's rounds from the same positions (the states are rewound before each)."""
+    be._choose_layer_step(kind)
+    t0 = time.perf_counter()
+    be.capture_all([params])
+    out = {"layer_step": be.layer_step, "compiled": be.compiled, "capture_all_s": round(time.perf_counter() - t0, 1),
+           "graphs": len(be.graphs), "rounds": {}}
+    for bb in batches:
+        part = states[:bb]
+        for s, (position, frame) in zip(part, base):
+            s.position, s.frame = position, frame  # the same positions for every variant
+        be.decode_frames(part)
+        attn = be._attn_bucket(max(s.position for s in part) + 1)
+        graph = be.graphs[(bb, attn, params)]
+        replay = event_times_ms(graph.replay, iters)
+        for s, (position, frame) in zip(part, base):
+            s.position, s.frame = position, frame
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            be.decode_frames(part)
+        torch.cuda.synchronize()
+        host_round = (time.perf_counter() - t0) / iters * 1e3
+        be.use_graphs = False
+        try:
+            eager = kernel_profile(lambda bb=bb, attn=attn: be._frame(bb, attn, params))
+        finally:
+            be.use_graphs = True
+        row = {"attn_bucket": attn, "replay_ms": round(statistics.median(replay), 3),
+               "decode_frames_ms": round(host_round, 3), "kernels": eager}
+        out["rounds"][bb] = row
+        print(f"{kind} batch {bb}: replay {row['replay_ms']} ms, decode_frames {row['decode_frames_ms']} ms, "
+              f"{eager['kernels']} kernels {eager['kernel_us']} us: "
+              + ", ".join(f"{k} {v['us']}" for k, v in eager["by_kind"].items()), flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -88,6 +131,7 @@ def main() -> int:
     ap.add_argument("--batches", default="1,4,16,32,64")
     ap.add_argument("--position", type=int, default=150)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--variants", default="fused,plain,fused", help="layer steps to measure, in this order")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit,
@@ -109,35 +153,16 @@ def main() -> int:
         states.append(st)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
+    be._choose_layer_step("plain")  # advancing compiles nothing
     while states[0].position < args.position:
         be.decode_frames(states)
     torch.cuda.synchronize()
     res["advance_s"] = round(time.perf_counter() - t0, 1)
     res["positions"] = [min(s.position for s in states), max(s.position for s in states)]
-    res["rounds"] = {}
-    for bb in batches:
-        part = states[:bb]
-        be.decode_frames(part)  # captures this (bucket, attention bucket) if new
-        attn = be._attn_bucket(max(s.position for s in part) + 1)
-        graph = be.graphs[(bb, attn, params)]
-        replay = event_times_ms(graph.replay, args.iters)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.iters):
-            be.decode_frames(part)
-        torch.cuda.synchronize()
-        host_round = (time.perf_counter() - t0) / args.iters * 1e3
-        be.use_graphs = False
-        try:
-            eager = kernel_profile(lambda bb=bb, attn=attn: be._frame(bb, attn, params))
-        finally:
-            be.use_graphs = True
-        row = {"attn_bucket": attn, "replay_ms": round(statistics.median(replay), 3),
-               "decode_frames_ms": round(host_round, 3), "eager_kernels": eager}
-        res["rounds"][bb] = row
-        print(f"batch {bb}: replay {row['replay_ms']} ms, decode_frames {row['decode_frames_ms']} ms, "
-              f"{eager['kernels']} kernels {eager['kernel_us']} us: "
-              + ", ".join(f"{k} {v['us']}" for k, v in eager["by_kind"].items()), flush=True)
+    base = [(s.position, s.frame) for s in states]
+    res["variants"] = []
+    for kind in args.variants.split(","):
+        res["variants"].append(measure_variant(be, states, base, kind, batches, params, args.iters))
     for s in states:
         be.release(s)
     engine.close()

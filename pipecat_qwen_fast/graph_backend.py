@@ -14,6 +14,15 @@ settings) serves every session; a batch of sessions reads the weights once.
   text vector of the step and the sampling noise (drawn from each session's own generator, so seeded
   sessions repeat exactly whatever else is batched with them) are copied into static buffers.
 * Attention reads a fixed bucket of positions with a mask, one graph per bucket length.
+* On a GPU each layer of the talker step and of every predictor pass is one `torch.compile`d
+  step (`decode_layer`), compiled for every layer, batch and bucket (~3 compiles at a cold load).
+  Its attention is written as products and sums over the pool rows picked by slot, which the
+  compiler fuses into its loads: the K/V rows are read in place where the plain graphs gather
+  each layer's bucket per row first (6.1 of 18.2 ms a round for 64 calls at 512 positions), and
+  the norms, RoPE and residual adds become a few fused kernels where the plain layer launches
+  ~30 (bench/NOTES.md, "The batched round compiled"). `QWEN_FAST_COMPILE_BATCH=0` keeps the
+  plain layers (`plain_decode_layer`, the gather and SDPA), which are also the fallback when the
+  compiler fails.
 
 On a CPU the same functions run eagerly (no capture): CI checks this backend against TorchBackend.
 """
@@ -21,6 +30,8 @@ On a CPU the same functions run eagerly (no capture): CI checks this backend aga
 from __future__ import annotations
 
 import logging
+import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -29,9 +40,9 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .backend import SessionSnapshot
-from .cuda_graphs import GraphCapturer
+from .cuda_graphs import GraphCapturer, compile_blocker, recompile_limit
 from .errors import NoFreeSlotError, QwenTTSError
-from .layers import KVCache, apply_rotary, fuse_projections, rotary_cos_sin
+from .layers import DecoderLayer, KVCache, apply_rotary, fuse_projections, rotary_cos_sin
 from .prefill_graphs import PREFILL_BUCKETS, PrefillGraphs
 from .sampling import SamplingParams, sample_code0, sample_residual, talker_suppress_mask
 from .talker import Talker
@@ -50,7 +61,81 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 ROW_SLOT, ROW_STEP_SLOT, ROW_POS, ROW_FRAME, ROW_FIRST = range(5)
 
 
-__all__ = ["GraphBackend", "GraphState", "NoFreeSlotError"]
+__all__ = ["GraphBackend", "GraphState", "NoFreeSlotError", "decode_layer", "plain_decode_layer"]
+
+
+def _offset_zeros(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Tensor:
+    """Zeros of `shape` starting two rows of its second dimension into a larger buffer: no layer's
+    view then starts at storage offset 0 or 1, which dynamo would specialise (a second compile of
+    the fused step for layer 0)."""
+    row = math.prod(shape[2:])
+    return torch.zeros(2 * row + math.prod(shape), device=device, dtype=dtype)[2 * row:].view(shape)
+
+
+def _heads(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """x [bb, D] -> q [bb, H, hd], k and v [bb, KVH, hd]: QK-norm per head, then RoPE (cos/sin
+    [bb, 1, hd], each row at its own position)."""
+    a = layer.self_attn
+    q, k, v = a.project_qkv(layer.input_layernorm(x))
+    return apply_rotary(a.q_norm(q), cos, sin), apply_rotary(a.k_norm(k), cos, sin), v
+
+
+def _mlp_residual(layer: DecoderLayer, x: Tensor, attn_out: Tensor) -> Tensor:
+    x = x + layer.self_attn.o_proj(attn_out)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def plain_decode_layer(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
+                       rows: Tensor, pos: Tensor, valid: Tensor, kv_heads: Tensor) -> Tensor:
+    """One decoder layer for one new position of each row: x [bb, D] at positions `pos` [bb] of
+    pool rows `rows` [bb] (k_pool / v_pool [rows, KVH, capacity, hd]; kv_heads = arange(KVH)); the
+    new K/V written there,
+    attention over the first `valid.shape[-1]` positions where `valid` [bb, 1, 1, attn] holds.
+    Each row's bucket of K/V is gathered, then SDPA: the reference for `decode_layer`."""
+    a = layer.self_attn
+    bb, attn = x.shape[0], valid.shape[-1]
+    q, k, v = _heads(layer, x, cos, sin)
+    idx = (rows[:, None], kv_heads[None], pos[:, None])
+    k_pool.index_put_(idx, k)
+    v_pool.index_put_(idx, v)
+    keys = k_pool[:, :, :attn].index_select(0, rows)  # [bb, KVH, attn, hd]
+    values = v_pool[:, :, :attn].index_select(0, rows)
+    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=valid, enable_gqa=True)
+    return _mlp_residual(layer, x, out.reshape(bb, a.num_heads * a.head_dim))
+
+
+def mark_batch_dynamic(x: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor,
+                       pos: Tensor, valid: Tensor) -> None:
+    """The batch, the bucket and the pool's shape symbolic in a compiled step's inputs: one
+    compile serves every batch of 2 or more rows, bucket and layer, the talker's and (same width)
+    the predictor's; dynamo would otherwise recompile at each new one until it guessed them."""
+    for t in (x, cos, sin, rows, pos, valid):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    torch._dynamo.maybe_mark_dynamic(valid, 3)
+    for t in (k_pool, v_pool):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(t, 2)
+
+
+def decode_layer(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
+                 rows: Tensor, pos: Tensor, valid: Tensor, kv_heads: Tensor) -> Tensor:
+    """`plain_decode_layer`'s math with the attention as fp32 products and sums over the rows'
+    K/V, indexed where they lie: compiled, the indexing becomes the reductions' loads and no
+    bucket is copied (eagerly it materialises, so it only pays compiled)."""
+    a = layer.self_attn
+    bb, attn, hd = x.shape[0], valid.shape[-1], a.head_dim
+    kvh = a.num_kv_heads
+    rep = a.num_heads // kvh
+    q, k, v = _heads(layer, x, cos, sin)
+    idx = (rows[:, None], kv_heads[None], pos[:, None])
+    k_pool.index_put_(idx, k)
+    v_pool.index_put_(idx, v)
+    keys = k_pool[rows, :, :attn].float()  # [bb, KVH, attn, hd]
+    values = v_pool[rows, :, :attn].float()
+    scores = (q.float().view(bb, kvh, rep, 1, hd) * keys[:, :, None]).sum(-1) * hd**-0.5  # [bb, KVH, rep, attn]
+    p = scores.masked_fill(~valid, float("-inf")).softmax(-1)
+    out = (p[..., None] * values[:, :, None]).sum(-2)  # [bb, KVH, rep, hd]
+    return _mlp_residual(layer, x, out.reshape(bb, a.num_heads * hd).to(x.dtype))
 
 
 @dataclass
@@ -77,7 +162,11 @@ class GraphBackend:
         max_sessions: int = 64,
         capacity: int = 2048,
         use_graphs: bool | None = None,
+        layer_step: str | None = None,
     ):
+        """`layer_step`: "fused" (`decode_layer`, compiled on a GPU where the compiler works) or
+        "plain" (`plain_decode_layer` and the predictor's multi-position pass); None picks "fused"
+        where it compiles, else "plain" (eagerly the fused step materialises what it indexes)."""
         self.talker = talker
         self.device = device
         self.dtype = dtype
@@ -94,8 +183,8 @@ class GraphBackend:
         slots = max_sessions + 1
         d, v = talker.cfg.hidden_size, talker.cfg.vocab_size
         shape = (stack.num_layers, slots, stack.num_kv_heads, capacity, stack.head_dim)
-        self.pool_k = torch.zeros(shape, device=device, dtype=dtype)
-        self.pool_v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pool_k = _offset_zeros(shape, device, dtype)
+        self.pool_v = _offset_zeros(shape, device, dtype)
         self.pool_pending = torch.zeros(slots, d, device=device, dtype=dtype)
         self.pool_hidden = torch.zeros(slots, d, device=device, dtype=dtype)
         self.pool_seen = torch.zeros(slots, v, device=device, dtype=torch.bool)
@@ -114,9 +203,9 @@ class GraphBackend:
         self.noise = torch.ones(b, self.num_groups - 1, pv, device=device, dtype=torch.float32)
         self.codes = torch.zeros(b, self.num_groups, device=device, dtype=torch.long)
         ps = pred.stack
-        self.pred_k = torch.zeros(ps.num_layers, b, ps.num_kv_heads, pred.num_code_groups, ps.head_dim,
-                                  device=device, dtype=dtype)
-        self.pred_v = torch.zeros_like(self.pred_k)
+        pred_shape = (ps.num_layers, b, ps.num_kv_heads, pred.num_code_groups, ps.head_dim)
+        self.pred_k = _offset_zeros(pred_shape, device, dtype)
+        self.pred_v = _offset_zeros(pred_shape, device, dtype)
 
         # Constants made before any capture: a capture may not copy host values to the device.
         self.suppress = talker_suppress_mask(v, self.eos_id, device)
@@ -130,12 +219,41 @@ class GraphBackend:
         )
         self.kv_heads = torch.arange(stack.num_kv_heads, device=device)
         self.positions = torch.arange(capacity, device=device)
+        # Per-layer views made once, and the predictor's per-position inputs for the fused step:
+        # a compiled step sees the same inputs every frame, so it never recompiles after warm-up.
+        self.talker_kv = [(self.pool_k[i], self.pool_v[i]) for i in range(stack.num_layers)]
+        self.pred_kv = [(self.pred_k[i], self.pred_v[i]) for i in range(ps.num_layers)]
+        self.pred_rows = torch.arange(b, device=device)
+        self.kv_heads_pred = torch.arange(ps.num_kv_heads, device=device)
+        groups = pred.num_code_groups
+        self.pred_pos = [torch.full((b,), g, device=device, dtype=torch.long) for g in range(groups)]
+        self.pred_valid = [(torch.arange(groups, device=device) <= g).expand(b, 1, 1, groups).contiguous()
+                           for g in range(groups)]
+        self.pred_rope = [tuple(t[g].expand(b, 1, ps.head_dim).contiguous() for t in (self.pred_cos, self.pred_sin))
+                          for g in range(groups)]
+        self.compile_s = 0.0  # seconds of the captures that compiled the fused step
 
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.capturer = GraphCapturer(device) if self.use_graphs else None
+        self._choose_layer_step(layer_step)
         # Captured prefill per prompt-length bucket; its K/V rows are copied into the session's slot.
         self.prefills = PrefillGraphs(talker, device, dtype, tuple(b for b in PREFILL_BUCKETS if b <= capacity),
                                       use_graphs=self.use_graphs)
+
+    def _choose_layer_step(self, kind: str | None) -> None:
+        if kind not in (None, "fused", "plain"):
+            raise ValueError(f"layer_step must be 'fused', 'plain' or None; got {kind!r}")
+        reason = compile_blocker(self.device, "QWEN_FAST_COMPILE_BATCH") if self.use_graphs else "no CUDA graphs"
+        if kind is None:
+            kind = "fused" if reason is None else "plain"
+            if reason is not None and self.use_graphs:
+                logger.info("the batched frame's layers are not compiled: %s", reason)
+        self.layer_step = kind
+        self.compiled = kind == "fused" and reason is None
+        self._step = plain_decode_layer
+        if kind == "fused":
+            self._step = torch.compile(decode_layer, dynamic=None) if self.compiled else decode_layer
+        self.graphs.clear()  # captured from the previous step's code
 
     @classmethod
     def for_device(cls, talker: Talker, device: torch.device, dtype: torch.dtype, capacity: int = 2048,
@@ -336,10 +454,25 @@ class GraphBackend:
     def _capture(self, bb: int, attn: int, params: SamplingParams) -> torch.cuda.CUDAGraph:
         # The capturer's warm-up really runs the frame on the current inputs: its K/V writes are
         # the rows the replay writes next, but the per-session pools it updates must be put back.
+        # That warm-up is also where the fused step compiles (never inside the capture: the
+        # capture runs the same shapes right after it).
         saved = [t.clone() for t in (self.pool_pending, self.pool_seen, self.codes)]
-        graph, _ = self.capturer.capture(lambda: self._frame(bb, attn, params))
-        for dst, src in zip((self.pool_pending, self.pool_seen, self.codes), saved):
-            dst.copy_(src)
+        t0 = time.perf_counter()
+        try:
+            with recompile_limit(64):
+                graph, _ = self.capturer.capture(lambda: self._frame(bb, attn, params))
+        except Exception as e:  # a compiler failure: the plain layers still work
+            if not self.compiled:
+                raise
+            logger.warning("compiling the batched frame's layer step failed (%s: %s); using plain graphs",
+                           type(e).__name__, str(e)[:300])
+            self._choose_layer_step("plain")
+            graph, _ = self.capturer.capture(lambda: self._frame(bb, attn, params))
+        finally:
+            for dst, src in zip((self.pool_pending, self.pool_seen, self.codes), saved):
+                dst.copy_(src)
+        if self.layer_step == "fused":
+            self.compile_s += time.perf_counter() - t0
         self.graphs[(bb, attn, params)] = graph
         return graph
 
@@ -381,41 +514,48 @@ class GraphBackend:
 
     def _talker_step(self, bb: int, attn: int) -> Tensor:
         model = self.talker.model
-        cfg = model.cfg
         slot = self.rows[ROW_STEP_SLOT, :bb]
         pos = self.rows[ROW_POS, :bb]
         x = self.pool_pending.index_select(0, self.rows[ROW_SLOT, :bb])
         cos = self.rope_cos.index_select(0, pos)[:, None]  # [bb, 1, hd]
         sin = self.rope_sin.index_select(0, pos)[:, None]
         valid = (self.positions[:attn][None] <= pos[:, None])[:, None, None]  # [bb, 1, 1, attn]
-        idx = (slot[:, None].expand(bb, cfg.num_kv_heads), self.kv_heads[None].expand(bb, -1),
-               pos[:, None].expand(bb, cfg.num_kv_heads))
-        for i, layer in enumerate(model.layers):
-            a = layer.self_attn
-            q, k, v = a.project_qkv(layer.input_layernorm(x))  # [bb, H|KVH, hd]
-            q = apply_rotary(a.q_norm(q), cos, sin)
-            k = apply_rotary(a.k_norm(k), cos, sin)
-            self.pool_k[i].index_put_(idx, k)
-            self.pool_v[i].index_put_(idx, v)
-            keys = self.pool_k[i, :, :, :attn].index_select(0, slot)  # [bb, KVH, attn, hd]
-            values = self.pool_v[i, :, :, :attn].index_select(0, slot)
-            out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=valid, enable_gqa=True)
-            x = x + a.o_proj(out.reshape(bb, cfg.num_heads * cfg.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        for layer, (k_pool, v_pool) in zip(model.layers, self.talker_kv):
+            if self.compiled:
+                mark_batch_dynamic(x, cos, sin, k_pool, v_pool, slot, pos, valid)
+            x = self._step(layer, x, cos, sin, k_pool, v_pool, slot, pos, valid, self.kv_heads)
         return model.norm(x)
 
     def _predict(self, h: Tensor, c0: Tensor, bb: int, params: SamplingParams) -> Tensor:
         cp = self.talker.code_predictor
         x = torch.stack([h, self.talker.embed_codec(c0)], dim=1)  # [bb, 2, D]
-        out = self._predictor_forward(cp.small_to_mtp_projection(x), 0, bb)
-        code = sample_residual(cp.lm_head[0](out[:, -1]), params, None, noise=self.noise[:bb, 0])
+        out = self._predictor_pass(cp.small_to_mtp_projection(x), 0, bb)
+        code = sample_residual(cp.lm_head[0](out), params, None, noise=self.noise[:bb, 0])
         codes = [c0, code]
         for g in range(2, self.num_groups):
             x = cp.model.codec_embedding[g - 2](code)[:, None]
-            out = self._predictor_forward(cp.small_to_mtp_projection(x), g, bb)
-            code = sample_residual(cp.lm_head[g - 1](out[:, -1]), params, None, noise=self.noise[:bb, g - 1])
+            out = self._predictor_pass(cp.small_to_mtp_projection(x), g, bb)
+            code = sample_residual(cp.lm_head[g - 1](out), params, None, noise=self.noise[:bb, g - 1])
             codes.append(code)
         return torch.stack(codes, dim=1).long()
+
+    def _predictor_pass(self, x: Tensor, start: int, bb: int) -> Tensor:
+        """Predictor positions start..start+n-1 for rows [0, bb): x [bb, n, Dp] -> the last
+        position's post-norm hidden [bb, Dp]. The fused step takes one position at a time (its
+        inputs never change shape between passes, so it compiles once for all of them)."""
+        if self.layer_step == "plain":
+            return self._predictor_forward(x, start, bb)[:, -1]
+        model = self.talker.code_predictor.model
+        for j in range(x.shape[1]):
+            g = start + j
+            h = x[:, j].contiguous()  # the same strides at every pass
+            cos, sin = self.pred_rope[g]
+            inputs = (cos[:bb], sin[:bb], self.pred_rows[:bb], self.pred_pos[g][:bb], self.pred_valid[g][:bb])
+            for layer, (k_pool, v_pool) in zip(model.layers, self.pred_kv):
+                if self.compiled:
+                    mark_batch_dynamic(h, inputs[0], inputs[1], k_pool, v_pool, *inputs[2:])
+                h = self._step(layer, h, inputs[0], inputs[1], k_pool, v_pool, *inputs[2:], self.kv_heads_pred)
+        return model.norm(h)
 
     def _predictor_forward(self, x: Tensor, start: int, bb: int) -> Tensor:
         """Predictor positions start..start+n-1 for rows [0, bb): x [bb, n, Dp] -> post-norm [bb, n, Dp]."""

@@ -27,6 +27,13 @@ def pair(tiny_checkpoint):
     return _engines(tiny_checkpoint("custom_voice", zero_eos=True))
 
 
+@pytest.fixture(scope="module")
+def fused_pair(tiny_checkpoint):
+    # The fused layer step (decode_layer: attention indexed in place) run eagerly: the math the
+    # GPU compiles, against the eager reference.
+    return _engines(tiny_checkpoint("custom_voice", zero_eos=True), layer_step="fused")
+
+
 @pytest.mark.parametrize("text_mode", ["prefill", "dual_track"])
 def test_greedy_codes_identical(pair, text_mode):
     ref, fast = pair
@@ -126,10 +133,12 @@ def test_bucketed_prefill_body_matches_eager(tiny_checkpoint):
         assert torch.equal(ref.generate_codes(text, **kw), fast.generate_codes(text, **kw))
 
 
-def test_batched_frames_equal_solo(tiny_checkpoint):
+@pytest.mark.parametrize("layer_step", ["plain", "fused"])
+def test_batched_frames_equal_solo(tiny_checkpoint, layer_step):
     # step_many batches sessions (same sampling settings) into one frame; each still equals its
     # solo run, including sessions that join mid-way (frame-0 rows mixed with talker-step rows).
-    _, fast = _engines(tiny_checkpoint("custom_voice", zero_eos=True), max_sessions=8)
+    _, fast = _engines(tiny_checkpoint("custom_voice", zero_eos=True), max_sessions=8, layer_step=layer_step)
+    assert fast.backend.layer_step == layer_step
     texts = [f"Batched session {i} says hello." for i in range(4)]
     solo_greedy = [fast.generate_codes(t, voice="ryan", greedy=True, max_frames=9) for t in texts]
     solo_sampled = [fast.generate_codes(t, voice="vivian", seed=i, max_frames=9) for i, t in enumerate(texts)]
@@ -246,3 +255,135 @@ async def test_service_opens_a_burst_with_one_prefill(pair):
     finally:
         fast.backend.batched_prefill_min = 8
         await service.aclose()
+
+
+def test_fused_step_codes_equal_reference(fused_pair):
+    ref, fast = fused_pair
+    assert fast.backend.layer_step == "fused" and not fast.backend.compiled
+    greedy = {"voice": "ryan", "greedy": True, "max_frames": 20}
+    text = "word " * 110  # crosses from the 128 into the 256 bucket
+    for t in ("Hello there, this is a test.", text):
+        assert torch.equal(ref.generate_codes(t, **greedy), fast.generate_codes(t, **greedy))
+    sampled = {"voice": "serena", "seed": 5, "max_frames": 15}
+    assert torch.equal(ref.generate_codes("Sampling run.", **sampled), fast.generate_codes("Sampling run.", **sampled))
+
+
+def test_fused_layer_equals_plain_layer(tiny_checkpoint):
+    """decode_layer against plain_decode_layer on one layer of the talker and one of the
+    predictor: rows in scattered pool slots at different positions, the pool's other rows and
+    positions untouched."""
+    from pipecat_qwen_fast.graph_backend import decode_layer, plain_decode_layer
+    from pipecat_qwen_fast.layers import rotary_cos_sin
+
+    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cpu", dtype="float32")
+    talker = engine.model.talker
+    g = torch.Generator().manual_seed(0)
+    for layer, stack in ((talker.model.layers[1], talker.cfg.stack),
+                         (talker.code_predictor.model.layers[0], talker.code_predictor.cfg.stack)):
+        kvh, hd = stack.num_kv_heads, stack.head_dim
+        k_pool = torch.randn(6, kvh, 40, hd, generator=g)
+        v_pool = torch.randn(6, kvh, 40, hd, generator=g)
+        rows, pos = torch.tensor([4, 0, 2]), torch.tensor([17, 3, 31])
+        x = torch.randn(3, stack.hidden_size, generator=g)
+        cos, sin = (t[:, None] for t in rotary_cos_sin(pos, hd, stack.rope_theta, torch.float32))
+        valid = (torch.arange(32)[None] <= pos[:, None])[:, None, None]
+        heads = torch.arange(kvh)
+        outs = []
+        for step in (plain_decode_layer, decode_layer):
+            k, v = k_pool.clone(), v_pool.clone()
+            with torch.no_grad():
+                outs.append((step(layer, x, cos, sin, k, v, rows, pos, valid, heads), k, v))
+        (want, k_want, v_want), (got, k_got, v_got) = outs
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k_got, k_want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(v_got, v_want, rtol=1e-6, atol=1e-6)
+        untouched = torch.ones(6, 40, dtype=torch.bool)
+        untouched[rows, pos] = False
+        assert torch.equal(k_got.transpose(1, 2)[untouched], k_pool.transpose(1, 2)[untouched])
+    engine.close()
+
+
+def test_fused_step_compiles_a_few_times_for_every_batch_bucket_and_layer(tiny_checkpoint):
+    """The GPU compiles `decode_layer` once per width and batch kind (one row, several), not per
+    layer, predictor pass, batch bucket or attention bucket: traced here by dynamo with its eager
+    backend over rounds of 1-6 sessions crossing from the 128 into the 256 bucket. The tiny
+    talker and predictor differ in width (two families), the 0.6B's do not."""
+    from torch._dynamo.testing import CompileCounter
+
+    from pipecat_qwen_fast.cuda_graphs import recompile_limit
+    from pipecat_qwen_fast.graph_backend import decode_layer
+
+    ref, fast = _engines(tiny_checkpoint("custom_voice", zero_eos=True), max_sessions=8, layer_step="fused")
+    gb = fast.backend
+    counter = CompileCounter()
+    gb._step, gb.compiled = torch.compile(decode_layer, backend=counter, dynamic=None), True
+    texts = [f"Session number {i} talks for a while here." for i in range(6)]
+    reqs = [SynthesisRequest(t, voice="ryan", greedy=True, max_frames=150, vocode=False) for t in texts]
+    torch._dynamo.reset()
+    try:
+        with recompile_limit(64):
+            sessions = [fast.open_session(r) for r in reqs]
+            for r in range(140):
+                fast.step_many([s for s in sessions if not s.done][: 1 + r % 6])
+        assert max(s.state.position for s in sessions if s.state is not None) > 128
+        assert counter.frame_count <= 4, counter.frame_count
+        # The dynamo-traced step computes what the eager one does.
+        done = fast.generate_codes(texts[0], voice="ryan", greedy=True, max_frames=12)
+        assert torch.equal(done, ref.generate_codes(texts[0], voice="ryan", greedy=True, max_frames=12))
+    finally:
+        for s in sessions:
+            fast.cancel(s)
+        torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: the compiled, captured batched frame is GPU-only")
+@pytest.mark.gpu
+def test_compiled_batched_frame_matches_plain_on_gpu(tiny_checkpoint):
+    """Graphs captured from the compiled fused step against graphs of the plain step, in bf16 on
+    the same weights, each round from the same pool contents: the talker step's new K/V rows, and
+    the codes of 40 batched greedy rounds (bf16 roundings differ, so most, not all)."""
+    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", zero_eos=True), device="cpu", dtype="float32")
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    talker = engine.model.talker.to(device, dtype)
+    fused = GraphBackend(talker, device, dtype, max_sessions=8, capacity=512, layer_step="fused")
+    plain = GraphBackend(talker, device, dtype, max_sessions=8, capacity=512, layer_step="plain")
+    assert fused.compiled and not plain.compiled
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    d = talker.cfg.hidden_size
+    states = {}
+    for be in (fused, plain):
+        states[be] = [be.new_state(max_positions=400, params=be_params(), seed=i,
+                                   trailing=torch.zeros(1, d, device=device), pad_vec=torch.zeros(d, device=device))
+                      for i in range(5)]
+    for i in range(5):
+        embeds = (torch.randn(20 + 7 * i, d, generator=g, device="cuda") * 0.5).to(dtype)
+        for be in (fused, plain):
+            be.prefill(states[be][i], embeds)
+    agree = []
+    for r in range(40):
+        n = 5 if r % 3 else 3  # batch buckets 8 and 4
+        out = [be.decode_frames(states[be][:n]) for be in (fused, plain)]
+        agree.append((out[0] == out[1]).float().mean().item())
+        for s_f, s_p in zip(states[fused][:n], states[plain][:n]):
+            assert s_f.position == s_p.position
+            if r > 0:  # the talker step's newest K/V row (frame 0 has no talker step)
+                last = s_f.position - 1
+                assert rel(fused.pool_k[:, s_f.slot, :, last], plain.pool_k[:, s_p.slot, :, last]) < 3e-2
+                assert rel(fused.pool_v[:, s_f.slot, :, last], plain.pool_v[:, s_p.slot, :, last]) < 3e-2
+        # Both go on from the plain backend's state: each round compares one step, not two
+        # trajectories that drift apart after one differing code.
+        for name in ("pool_k", "pool_v", "pool_pending", "pool_seen"):
+            getattr(fused, name).copy_(getattr(plain, name))
+    assert len(fused.graphs) >= 2 and all(k[0] in (4, 8) for k in fused.graphs)
+    assert sum(agree) / len(agree) > 0.9, agree
+    engine.close()
+
+
+def be_params():
+    from pipecat_qwen_fast.sampling import SamplingParams
+
+    return SamplingParams().greedy()
