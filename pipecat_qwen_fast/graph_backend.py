@@ -253,7 +253,9 @@ class GraphBackend:
         self._step = plain_decode_layer
         if kind == "fused":
             self._step = torch.compile(decode_layer, dynamic=None) if self.compiled else decode_layer
-        self.graphs.clear()  # captured from the previous step's code
+        if self.graphs:  # captured from the previous step's code: dropped, and their memory pool
+            self.graphs.clear()  # with them (a pool whose graphs are all gone cannot take a capture)
+            self.capturer = GraphCapturer(self.device)
 
     @classmethod
     def for_device(cls, talker: Talker, device: torch.device, dtype: torch.dtype, capacity: int = 2048,
