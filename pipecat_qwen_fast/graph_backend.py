@@ -223,14 +223,24 @@ class GraphBackend:
         # a compiled step sees the same inputs every frame, so it never recompiles after warm-up.
         self.talker_kv = [(self.pool_k[i], self.pool_v[i]) for i in range(stack.num_layers)]
         self.pred_kv = [(self.pred_k[i], self.pred_v[i]) for i in range(ps.num_layers)]
-        self.pred_rows = torch.arange(b, device=device)
-        self.kv_heads_pred = torch.arange(ps.num_kv_heads, device=device)
+        # The predictor's inputs to the fused step per (batch bucket, position), made once as
+        # tensors of their own: slices or views of one table would differ in their bases' shapes
+        # from the talker's inputs, and dynamo would compile a variant for each (bench/NOTES.md).
+        self.pred_inputs: dict[tuple[int, int], tuple[Tensor, ...]] = {}
         groups = pred.num_code_groups
-        self.pred_pos = [torch.full((b,), g, device=device, dtype=torch.long) for g in range(groups)]
-        self.pred_valid = [(torch.arange(groups, device=device) <= g).expand(b, 1, 1, groups).contiguous()
-                           for g in range(groups)]
-        self.pred_rope = [tuple(t[g].expand(b, 1, ps.head_dim).contiguous() for t in (self.pred_cos, self.pred_sin))
-                          for g in range(groups)]
+        rows = torch.arange(b, device=device)
+        for bb in BATCH_BUCKETS:
+            if bb > b:
+                break
+            for g in range(groups):
+                self.pred_inputs[bb, g] = (
+                    self.pred_cos[g].expand(bb, 1, ps.head_dim).clone(),
+                    self.pred_sin[g].expand(bb, 1, ps.head_dim).clone(),
+                    rows[:bb].clone(),
+                    torch.full((bb,), g, device=device, dtype=torch.long),
+                    (torch.arange(groups, device=device) <= g).expand(bb, 1, 1, groups).clone(),
+                )
+        self.kv_heads_pred = torch.arange(ps.num_kv_heads, device=device)
         self.compile_s = 0.0  # seconds of the captures that compiled the fused step
 
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -519,9 +529,10 @@ class GraphBackend:
         slot = self.rows[ROW_STEP_SLOT, :bb]
         pos = self.rows[ROW_POS, :bb]
         x = self.pool_pending.index_select(0, self.rows[ROW_SLOT, :bb])
-        cos = self.rope_cos.index_select(0, pos)[:, None]  # [bb, 1, hd]
-        sin = self.rope_sin.index_select(0, pos)[:, None]
-        valid = (self.positions[:attn][None] <= pos[:, None])[:, None, None]  # [bb, 1, 1, attn]
+        # Tensors of their own, not views (see pred_inputs): [bb, 1, hd] and [bb, 1, 1, attn].
+        cos = self.rope_cos[:, None].index_select(0, pos)
+        sin = self.rope_sin[:, None].index_select(0, pos)
+        valid = self.positions[:attn][None, None, None] <= pos[:, None, None, None]
         for layer, (k_pool, v_pool) in zip(model.layers, self.talker_kv):
             if self.compiled:
                 mark_batch_dynamic(x, cos, sin, k_pool, v_pool, slot, pos, valid)
@@ -530,34 +541,35 @@ class GraphBackend:
 
     def _predict(self, h: Tensor, c0: Tensor, bb: int, params: SamplingParams) -> Tensor:
         cp = self.talker.code_predictor
-        x = torch.stack([h, self.talker.embed_codec(c0)], dim=1)  # [bb, 2, D]
-        out = self._predictor_pass(cp.small_to_mtp_projection(x), 0, bb)
+        proj = cp.small_to_mtp_projection
+        if self.layer_step == "plain":
+            x = torch.stack([h, self.talker.embed_codec(c0)], dim=1)  # [bb, 2, D]
+            out = self._predictor_forward(proj(x), 0, bb)[:, -1]
+        else:  # the fused step takes one position at a time
+            self._predictor_position(proj(h), 0, bb)
+            out = self._predictor_position(proj(self.talker.embed_codec(c0)), 1, bb)
         code = sample_residual(cp.lm_head[0](out), params, None, noise=self.noise[:bb, 0])
         codes = [c0, code]
         for g in range(2, self.num_groups):
-            x = cp.model.codec_embedding[g - 2](code)[:, None]
-            out = self._predictor_pass(cp.small_to_mtp_projection(x), g, bb)
+            e = cp.model.codec_embedding[g - 2](code)
+            if self.layer_step == "plain":
+                out = self._predictor_forward(proj(e[:, None]), g, bb)[:, -1]
+            else:
+                out = self._predictor_position(proj(e), g, bb)
             code = sample_residual(cp.lm_head[g - 1](out), params, None, noise=self.noise[:bb, g - 1])
             codes.append(code)
         return torch.stack(codes, dim=1).long()
 
-    def _predictor_pass(self, x: Tensor, start: int, bb: int) -> Tensor:
-        """Predictor positions start..start+n-1 for rows [0, bb): x [bb, n, Dp] -> the last
-        position's post-norm hidden [bb, Dp]. The fused step takes one position at a time (its
-        inputs never change shape between passes, so it compiles once for all of them)."""
-        if self.layer_step == "plain":
-            return self._predictor_forward(x, start, bb)[:, -1]
+    def _predictor_position(self, x: Tensor, g: int, bb: int) -> Tensor:
+        """Predictor position g for rows [0, bb) through the fused step: x [bb, Dp] -> post-norm
+        [bb, Dp]. Its inputs have the same shapes at every position, so it compiles once for all."""
         model = self.talker.code_predictor.model
-        for j in range(x.shape[1]):
-            g = start + j
-            h = x[:, j].contiguous()  # the same strides at every pass
-            cos, sin = self.pred_rope[g]
-            inputs = (cos[:bb], sin[:bb], self.pred_rows[:bb], self.pred_pos[g][:bb], self.pred_valid[g][:bb])
-            for layer, (k_pool, v_pool) in zip(model.layers, self.pred_kv):
-                if self.compiled:
-                    mark_batch_dynamic(h, inputs[0], inputs[1], k_pool, v_pool, *inputs[2:])
-                h = self._step(layer, h, inputs[0], inputs[1], k_pool, v_pool, *inputs[2:], self.kv_heads_pred)
-        return model.norm(h)
+        cos, sin, rows, pos, valid = self.pred_inputs[bb, g]
+        for layer, (k_pool, v_pool) in zip(model.layers, self.pred_kv):
+            if self.compiled:
+                mark_batch_dynamic(x, cos, sin, k_pool, v_pool, rows, pos, valid)
+            x = self._step(layer, x, cos, sin, k_pool, v_pool, rows, pos, valid, self.kv_heads_pred)
+        return model.norm(x)
 
     def _predictor_forward(self, x: Tensor, start: int, bb: int) -> Tensor:
         """Predictor positions start..start+n-1 for rows [0, bb): x [bb, n, Dp] -> post-norm [bb, n, Dp]."""
