@@ -282,7 +282,7 @@ class QwenTTSEngine:
         """Load a checkpoint from a local folder (Hugging Face layout) or a hub id.
 
         device "auto" picks CUDA when available; dtype "auto" is bfloat16 on CUDA, float32 on CPU;
-        backend "auto", where the megakernel is supported, runs up to 4 concurrent calls on it and
+        backend "auto", where the megakernel is supported, runs up to 3 concurrent calls on it and
         more as one batch on the torch backend's CUDA graphs, moving live calls into the batch
         (hybrid_backend.py); elsewhere it logs why and uses "torch"; "megakernel" runs every call on the megakernel;
         "torch" is the PyTorch path (one batched CUDA graph per frame on a GPU); "eager" is the

@@ -2,9 +2,9 @@
 backend beyond.
 
 The two scale differently (README, "Concurrent streams"). The megakernel runs one session per
-launch, ~2.9 ms an engine frame on the H200: the fastest first audio, but ~350 frames/s whatever
-the number of calls. The graph backend replays one batch of every ready session, ~10 ms plus ~0.4 ms
-a session: slower alone, 1700+ frames/s at 64 calls. A round that runs both pays both (the batch's
+launch, ~2.1 ms a frame on the H200: the fastest first audio, but ~440 frames/s whatever the number
+of calls. The graph backend replays one batch of every ready session (compiled layers: 6.7 ms for
+one call, 7.7 for 16, 11.2 for 64): slower alone, 2000+ frames/s at 64 calls. A round that runs both pays both (the batch's
 fixed cost plus a launch per megakernel call), so rounds are kept pure:
 
 * a new call goes to the megakernel while no call is in the batch and it makes at most
@@ -36,9 +36,11 @@ from .sampling import SamplingParams
 
 logger = logging.getLogger("pipecat_qwen_fast")
 
-# Up to this many concurrent calls the megakernel's round is no longer than the batch's on the H200
-# (2.9 ms a call against ~10 ms + 0.4 ms a call; bench/NOTES.md, "Auto backend").
-FAST_SESSIONS = 4
+# Up to this many concurrent calls the megakernel's round is no longer than the batch's on the H200:
+# 3 calls give the same frames/s on either side, 4 calls 11 % more in the batch since its layers are
+# compiled (bench/results/fast_sessions_ab_h200_2026-11-24_d96dcbf.json; bench/NOTES.md, "Auto
+# backend" and "The batched round compiled").
+FAST_SESSIONS = 3
 
 
 @dataclass(eq=False)
