@@ -89,10 +89,7 @@ def kernel_profile(fn, runs: int = 3) -> dict:
 def measure_variant(be, states, base, kind: str, batches: list[int], params: SamplingParams, iters: int) -> dict:
     """One layer step ("fused" or "plain"): its captures timed (the first fused one compiles), then
     each batch size's rounds from the same positions (the states are rewound before each)."""
-    import pipecat_qwen_fast.graph_backend as gbm
-
-    gbm.EXP_ATTN_MATMUL = kind == "fused_mm"
-    be._choose_layer_step("fused" if kind == "fused_mm" else kind)
+    be._choose_layer_step(kind)
     t0 = time.perf_counter()
     be.capture_all([params])
     out = {"layer_step": be.layer_step, "compiled": be.compiled, "capture_all_s": round(time.perf_counter() - t0, 1),

@@ -59,7 +59,6 @@ BATCHED_PREFILL_MIN = 8
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 ROW_SLOT, ROW_STEP_SLOT, ROW_POS, ROW_FRAME, ROW_FIRST = range(5)
-EXP_ATTN_MATMUL = False  # experiment (not committed): attention by matmuls over the gathered rows
 
 
 __all__ = ["GraphBackend", "GraphState", "NoFreeSlotError", "decode_layer", "plain_decode_layer"]
@@ -133,14 +132,9 @@ def decode_layer(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_poo
     v_pool.index_put_(idx, v)
     keys = k_pool[rows, :, :attn].float()  # [bb, KVH, attn, hd]
     values = v_pool[rows, :, :attn].float()
-    if EXP_ATTN_MATMUL:
-        scores = torch.matmul(q.float().view(bb, kvh, rep, hd), keys.transpose(-1, -2)) * hd**-0.5
-        p = scores.masked_fill(~valid, float("-inf")).softmax(-1)
-        out = torch.matmul(p, values)
-    else:
-        scores = (q.float().view(bb, kvh, rep, 1, hd) * keys[:, :, None]).sum(-1) * hd**-0.5  # [bb, KVH, rep, attn]
-        p = scores.masked_fill(~valid, float("-inf")).softmax(-1)
-        out = (p[..., None] * values[:, :, None]).sum(-2)  # [bb, KVH, rep, hd]
+    scores = (q.float().view(bb, kvh, rep, 1, hd) * keys[:, :, None]).sum(-1) * hd**-0.5  # [bb, KVH, rep, attn]
+    p = scores.masked_fill(~valid, float("-inf")).softmax(-1)
+    out = (p[..., None] * values[:, :, None]).sum(-2)  # [bb, KVH, rep, hd]
     return _mlp_residual(layer, x, out.reshape(bb, a.num_heads * hd).to(x.dtype))
 
 
