@@ -1,0 +1,113 @@
+"""Where a round of many concurrent streams goes: `python bench/round_split.py --out DIR`.
+
+A random 0.6B CustomVoice engine (`backend="auto"`) behind one EngineService, as the benchmark's
+concurrency levels run it (`bench_engine._run_level`: every stream opened at once). The engine
+thread's methods are wrapped (host wall time, no sync added), so per level:
+
+* `_step_round`: the whole round;
+* `backend.decode_frames`: the batched frame's launch (host only; the GPU work is waited for in
+  the round's one read of the codes, which lies in the round but outside every other stage);
+* `_after_frame`, and within it `_flush`: a chunk's vocoder call, its launch and the wait for its
+  audio (each session's call is batch 1 and waited for before the next session's);
+* `open_sessions`: prompts and prefills.
+
+Writes `round_split.json` (and a cProfile of the largest level, `round_split_cprofile.txt`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import megakernel_check as mc
+from ttfc_host_profile import timed
+
+from pipecat_qwen_fast.bench_engine import _run_level
+from pipecat_qwen_fast.service import EngineService
+
+STAGES = ("_step_round", "_after_frame", "_flush", "open_sessions", "backend.decode_frames")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--streams", default="16,64")
+    ap.add_argument("--frames", type=int, default=50)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    result: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": args.commit,
+                    "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "frames": args.frames,
+                    "levels": {}}
+    levels = [int(n) for n in args.streams.split(",")]
+    with mc.random_engine(backend="auto") as (engine, load_s):
+        result["load_s"] = load_s
+        totals: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        for name in STAGES:
+            owner = engine.backend if name.startswith("backend.") else engine
+            attr = name.split(".")[-1]
+            inner = timed(getattr(owner, attr), name, totals)
+
+            def counted(*a, _inner=inner, _name=name, **kw):
+                counts[_name] += 1
+                return _inner(*a, **kw)
+
+            setattr(owner, attr, counted)
+        service = EngineService.for_engine(engine)
+        try:
+            service.wait_ready_blocking(timeout=60)
+            asyncio.run(_run_level(service, engine, 1, 4, timeout=30))  # the service thread's first CUDA work
+            for n in levels:
+                asyncio.run(_run_level(service, engine, n, args.frames, timeout=120))  # warm this level's shapes
+                totals.clear()
+                counts.clear()
+                pr = cProfile.Profile() if n == max(levels) else None
+                if pr:
+                    pr.enable()
+                t0 = time.perf_counter()
+                r = asyncio.run(_run_level(service, engine, n, args.frames, timeout=120))
+                wall = time.perf_counter() - t0
+                if pr:
+                    pr.disable()
+                    s = io.StringIO()
+                    st = pstats.Stats(pr, stream=s)
+                    st.sort_stats("tottime").print_stats(40)
+                    (args.out / "round_split_cprofile.txt").write_text(s.getvalue())
+                ms = {k: round(1e3 * v, 1) for k, v in totals.items()}
+                rounds = counts["_step_round"]
+                split = {
+                    "rounds": rounds,
+                    "level_wall_ms": round(1e3 * wall, 1),
+                    "stage_ms": ms,
+                    "calls": dict(counts),
+                    "per_round_ms": {k: round(v / max(rounds, 1), 2) for k, v in ms.items()},
+                    "round_outside_after_frame_and_launch_ms": round(
+                        (ms.get("_step_round", 0) - ms.get("_after_frame", 0) - ms.get("backend.decode_frames", 0))
+                        / max(rounds, 1), 2),
+                    "aggregate_frames_per_s": r["aggregate_frames_per_s"],
+                    "ttfc_p50_ms": r["ttfc_ms"]["p50"],
+                    "starved_streams": r["starved_streams"],
+                }
+                result["levels"][n] = split
+                print(f"{n} streams: {json.dumps(split)}", flush=True)
+        finally:
+            service.close()
+    (args.out / "round_split.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
