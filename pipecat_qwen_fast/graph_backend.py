@@ -10,9 +10,12 @@ settings) serves every session; a batch of sessions reads the weights once.
   capacity, head_dim]`, the pending talker input, the prefill's last hidden state and the set of
   code-0 ids seen (repetition penalty). The graph gathers and scatters rows by slot. Slot
   `max_sessions` is a scratch row for padding.
-* Per-row scalars (slot, position, frame, first-frame flag) arrive in one host-to-device copy; the
-  text vector of the step and the sampling noise (drawn from each session's own generator, so seeded
-  sessions repeat exactly whatever else is batched with them) are copied into static buffers.
+* Per-row scalars (slot, position, frame, first-frame flag) arrive in one host-to-device copy, the
+  text vector of the step into a static buffer. The sampling noise is drawn from each session's
+  own generator (so seeded sessions repeat exactly whatever else is batched with them) into a pool
+  by slot, one frame ahead: a frame's draws are queued right after the frame before it, so they
+  run behind the GPU's work instead of ahead of it (at 64 calls they were 128 launches, ~1.5 ms of
+  the round's host time with the GPU idle), and the graph gathers them.
 * Attention reads a fixed bucket of positions with a mask, one graph per bucket length.
 * On a GPU each layer of the talker step and of every predictor pass is one `torch.compile`d
   step (`decode_layer`), compiled for every layer, batch and bucket (~3 compiles at a cold load).
@@ -199,8 +202,8 @@ class GraphBackend:
         self.rows = torch.zeros(5, b, device=device, dtype=torch.long)
         self.rows_host = torch.zeros(5, b, dtype=torch.long, pin_memory=device.type == "cuda")
         self.text_vec = torch.zeros(b, d, device=device, dtype=dtype)
-        self.noise0 = torch.ones(b, v, device=device, dtype=torch.float32)
-        self.noise = torch.ones(b, self.num_groups - 1, pv, device=device, dtype=torch.float32)
+        self.pool_noise0 = torch.ones(slots, v, device=device, dtype=torch.float32)
+        self.pool_noise = torch.ones(slots, self.num_groups - 1, pv, device=device, dtype=torch.float32)
         self.codes = torch.zeros(b, self.num_groups, device=device, dtype=torch.long)
         ps = pred.stack
         pred_shape = (ps.num_layers, b, ps.num_kv_heads, pred.num_code_groups, ps.head_dim)
@@ -297,10 +300,19 @@ class GraphBackend:
             generator.manual_seed(seed if seed is not None else torch.seed())
         slot = self.free_slots.pop()
         self.pool_seen[slot].zero_()
-        return GraphState(
+        state = GraphState(
             slot=slot, params=params, generator=generator,
             trailing=trailing.to(self.device, self.dtype), pad_vec=pad_vec.to(self.device, self.dtype),
         )
+        self._draw_noise(state)  # its first frame's
+        return state
+
+    def _draw_noise(self, s: GraphState) -> None:
+        """The noise of the session's next frame, in its generator's order (code 0, then codes 1-15)."""
+        if s.params.do_sample:
+            self.pool_noise0[s.slot].exponential_(1, generator=s.generator)
+        if s.params.subtalker_do_sample:
+            self.pool_noise[s.slot].exponential_(1, generator=s.generator)
 
     @torch.no_grad()
     def prefill(self, state: GraphState, embeds: Tensor) -> None:
@@ -428,10 +440,6 @@ class GraphBackend:
             if not first:
                 longest = max(longest, s.position + 1)
             text.append(s.trailing[s.frame] if s.frame < s.trailing.shape[0] else s.pad_vec)
-            if params.do_sample:
-                self.noise0[r].exponential_(1, generator=s.generator)
-            if params.subtalker_do_sample:
-                self.noise[r].exponential_(1, generator=s.generator)
         self.rows[:, :bb].copy_(rows[:, :bb], non_blocking=True)
         self.text_vec[:n].copy_(torch.stack(text))
         attn = 0 if longest == 0 else self._attn_bucket(longest)
@@ -440,7 +448,10 @@ class GraphBackend:
             if s.frame > 0:
                 s.position += 1
             s.frame += 1
-        return self.codes[:n].clone()
+        codes = self.codes[:n].clone()
+        for s in states:  # queued behind this frame, which has read the slots' noise
+            self._draw_noise(s)
+        return codes
 
     def release(self, state: GraphState) -> None:
         if state.released:
@@ -517,10 +528,12 @@ class GraphBackend:
         hidden = self.pool_hidden.index_select(0, slot)
         h = hidden if attn == 0 else torch.where(first, hidden, self._talker_step(bb, attn))
         seen = self.pool_seen.index_select(0, slot)
+        noise0 = self.pool_noise0.index_select(0, slot) if params.do_sample else None
         c0 = sample_code0(talker.codec_head(h), seen, self.suppress, self.rows[ROW_FRAME, :bb], self.eos_id,
-                          params, None, noise=self.noise0[:bb])
+                          params, None, noise=noise0)
         self.pool_seen.index_copy_(0, slot, seen.scatter(1, c0[:, None], True))
-        codes = self._predict(h, c0, bb, params)
+        noise = self.pool_noise.index_select(0, slot) if params.subtalker_do_sample else None
+        codes = self._predict(h, c0, bb, params, noise)
         self.codes[:bb].copy_(torch.where((c0 == self.eos_id)[:, None], self.eos_frame, codes))
         self.pool_pending.index_copy_(0, slot, talker.embed_frames(codes) + self.text_vec[:bb])
 
@@ -539,7 +552,8 @@ class GraphBackend:
             x = self._step(layer, x, cos, sin, k_pool, v_pool, slot, pos, valid, self.kv_heads)
         return model.norm(x)
 
-    def _predict(self, h: Tensor, c0: Tensor, bb: int, params: SamplingParams) -> Tensor:
+    def _predict(self, h: Tensor, c0: Tensor, bb: int, params: SamplingParams, noise: Tensor | None) -> Tensor:
+        """Codes 1-15 for rows [0, bb); `noise` [bb, 15, vocab] (sampling) or None (argmax)."""
         cp = self.talker.code_predictor
         proj = cp.small_to_mtp_projection
         if self.layer_step == "plain":
@@ -548,7 +562,7 @@ class GraphBackend:
         else:  # the fused step takes one position at a time
             self._predictor_position(proj(h), 0, bb)
             out = self._predictor_position(proj(self.talker.embed_codec(c0)), 1, bb)
-        code = sample_residual(cp.lm_head[0](out), params, None, noise=self.noise[:bb, 0])
+        code = sample_residual(cp.lm_head[0](out), params, None, noise=None if noise is None else noise[:, 0])
         codes = [c0, code]
         for g in range(2, self.num_groups):
             e = cp.model.codec_embedding[g - 2](code)
@@ -556,7 +570,7 @@ class GraphBackend:
                 out = self._predictor_forward(proj(e[:, None]), g, bb)[:, -1]
             else:
                 out = self._predictor_position(proj(e), g, bb)
-            code = sample_residual(cp.lm_head[g - 1](out), params, None, noise=self.noise[:bb, g - 1])
+            code = sample_residual(cp.lm_head[g - 1](out), params, None, noise=None if noise is None else noise[:, g - 1])
             codes.append(code)
         return torch.stack(codes, dim=1).long()
 
