@@ -18,7 +18,8 @@ settings) serves every session; a batch of sessions reads the weights once.
   the round's host time with the GPU idle), and the graph gathers them.
 * Attention reads a fixed bucket of positions with a mask, one graph per bucket length.
 * On a GPU each layer of the talker step and of every predictor pass is one `torch.compile`d
-  step (`decode_layer`), compiled for every layer, batch and bucket (~3 compiles at a cold load).
+  step (`decode_layer`), compiled for every layer, batch and bucket (a few compiles at a cold load,
+  ~25-30 s on the H200).
   Its attention is written as products and sums over the pool rows picked by slot, which the
   compiler fuses into its loads: the K/V rows are read in place where the plain graphs gather
   each layer's bucket per row first (6.1 of 18.2 ms a round for 64 calls at 512 positions), and
@@ -91,10 +92,10 @@ def _mlp_residual(layer: DecoderLayer, x: Tensor, attn_out: Tensor) -> Tensor:
 def plain_decode_layer(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
                        rows: Tensor, pos: Tensor, valid: Tensor, kv_heads: Tensor) -> Tensor:
     """One decoder layer for one new position of each row: x [bb, D] at positions `pos` [bb] of
-    pool rows `rows` [bb] (k_pool / v_pool [rows, KVH, capacity, hd]; kv_heads = arange(KVH)); the
-    new K/V written there,
-    attention over the first `valid.shape[-1]` positions where `valid` [bb, 1, 1, attn] holds.
-    Each row's bucket of K/V is gathered, then SDPA: the reference for `decode_layer`."""
+    pool rows `rows` [bb] (k_pool / v_pool [rows, KVH, capacity, hd]; kv_heads = arange(KVH)). The
+    new K/V are written there, then each row attends over the first `valid.shape[-1]` positions
+    where `valid` [bb, 1, 1, attn] holds. Each row's bucket of K/V is gathered, then SDPA: the
+    reference for `decode_layer`."""
     a = layer.self_attn
     bb, attn = x.shape[0], valid.shape[-1]
     q, k, v = _heads(layer, x, cos, sin)
