@@ -11,6 +11,7 @@ import torch
 from pipecat_qwen_fast import QwenTTSEngine, SynthesisRequest, VoiceClonePrompt
 from pipecat_qwen_fast.backend import TorchBackend
 from pipecat_qwen_fast.graph_backend import GraphBackend, NoFreeSlotError
+from pipecat_qwen_fast.sampling import SamplingParams
 
 
 def _engines(path, **graph_kw):
@@ -320,9 +321,10 @@ def test_fused_step_compiles_a_few_times_for_every_batch_bucket_and_layer(tiny_c
     texts = [f"Session number {i} talks for a while here." for i in range(6)]
     reqs = [SynthesisRequest(t, voice="ryan", greedy=True, max_frames=150, vocode=False) for t in texts]
     torch._dynamo.reset()
+    sessions = []
     try:
         with recompile_limit(64):
-            sessions = [fast.open_session(r) for r in reqs]
+            sessions += [fast.open_session(r) for r in reqs]
             for r in range(140):
                 fast.step_many([s for s in sessions if not s.done][: 1 + r % 6])
         assert max(s.state.position for s in sessions if s.state is not None) > 128
@@ -356,7 +358,7 @@ def test_compiled_batched_frame_matches_plain_on_gpu(tiny_checkpoint):
     d = talker.cfg.hidden_size
     states = {}
     for be in (fused, plain):
-        states[be] = [be.new_state(max_positions=400, params=be_params(), seed=i,
+        states[be] = [be.new_state(max_positions=400, params=SamplingParams().greedy(), seed=i,
                                    trailing=torch.zeros(1, d, device=device), pad_vec=torch.zeros(d, device=device))
                       for i in range(5)]
     for i in range(5):
@@ -381,9 +383,3 @@ def test_compiled_batched_frame_matches_plain_on_gpu(tiny_checkpoint):
     assert len(fused.graphs) >= 2 and all(k[0] in (4, 8) for k in fused.graphs)
     assert sum(agree) / len(agree) > 0.9, agree
     engine.close()
-
-
-def be_params():
-    from pipecat_qwen_fast.sampling import SamplingParams
-
-    return SamplingParams().greedy()
