@@ -213,6 +213,17 @@ class EarlyChunk:
     done: object | None  # torch.cuda.Event; None on the CPU
 
 
+@dataclass
+class _VocoderJob:
+    """A chunk flushed inside a batched round, its audio made at the round's end together with the
+    other sessions' chunks of its size (`QwenTTSEngine._vocode_round`)."""
+
+    stream: object  # the session's VocoderStream (still the session's after it closes)
+    codes: Tensor  # [16, n] on the device
+    start: int
+    host_codes: np.ndarray
+
+
 class QwenTTSEngine:
     def __init__(
         self,
@@ -250,6 +261,9 @@ class QwenTTSEngine:
         # step_many clears it for a round of several sessions: a session stepped on its own that
         # kept a frame ahead every round would never rejoin the batch.
         self._ahead_allowed = True
+        # Set inside a batched round: chunks flushed there are collected here and vocoded at the
+        # round's end, one batched call per chunk size, instead of one call each, each waited for.
+        self._round_jobs: list[_VocoderJob] | None = None
         # On a GPU the streaming vocoder step replays one CUDA graph per chunk size, captured from
         # compiled code at warm-up for every size a default stream sends, with cuDNN's preferred
         # weight layout.
@@ -338,6 +352,11 @@ class QwenTTSEngine:
             # Every size a default stream can send (1, 3, 6, 12, 32 and the tails it may end on)
             # and synthesize()'s 25: a size first seen mid-stream would be captured right then.
             self.vocoder_graphs.capture([*range(1, SynthesisRequest.max_chunk_frames + 1), 25])
+            rows = getattr(self.backend, "max_batch", 1)
+            if getattr(self.backend, "decode_frames", None) is not None and rows > 1:
+                # Sessions decoded in one batch finish chunks in the same rounds: their calls
+                # share batched graphs for the sizes a default stream sends.
+                self.vocoder_graphs.capture_batched(list(schedule_sizes(SynthesisRequest(""))), rows)
         voice = self.voices[0] if self.voices else None
         vc = None
         if self.config.model_type == "base":
@@ -624,6 +643,7 @@ class QwenTTSEngine:
         batched = getattr(self.backend, "decode_frames", None)
         limit = getattr(self.backend, "max_batch", 1)
         groups: dict[SamplingParams, list[int]] = {}
+        jobs: list[tuple[int, _VocoderJob]] = []
         for i, s in enumerate(sessions):
             if s.done:
                 continue
@@ -653,14 +673,53 @@ class QwenTTSEngine:
                         self.close_session(sessions[i])
                         results[i] = e
                     continue
-                for j, i in enumerate(part):
-                    try:
-                        results[i] = self._after_frame(sessions[i], codes[j], host[j])
-                    except Exception as e:  # noqa: BLE001
-                        sessions[i].stop_reason = "error"
-                        self.close_session(sessions[i])
-                        results[i] = e
+                self._round_jobs = []  # the chunks these frames complete: vocoded together below
+                try:
+                    for j, i in enumerate(part):
+                        try:
+                            results[i] = self._after_frame(sessions[i], codes[j], host[j])
+                        except Exception as e:  # noqa: BLE001
+                            sessions[i].stop_reason = "error"
+                            self.close_session(sessions[i])
+                            results[i] = e
+                finally:
+                    self._round_jobs = None
+                jobs += [(i, c) for i in part if isinstance(results[i], list)
+                         for c in results[i] if isinstance(c, _VocoderJob)]
+        if jobs:
+            self._vocode_round(sessions, results, jobs)
         return results
+
+    def _vocode_round(self, sessions: list[Session], results: list, jobs: list[tuple[int, _VocoderJob]]) -> None:
+        """The round's flushed chunks: one vocoder call per chunk size for all the sessions that
+        flushed one of that size (batched graphs on a GPU), their audio copied to the host
+        behind it, one wait for all. Each job in `results` is replaced by its AudioChunk; a failed
+        call ends its sessions with the error."""
+        by_size: dict[int, list[tuple[int, _VocoderJob]]] = {}
+        for i, job in jobs:
+            by_size.setdefault(job.codes.shape[1], []).append((i, job))
+        made = []
+        for n, group in by_size.items():
+            try:
+                codes = torch.stack([job.codes for _, job in group])  # [k, 16, n]
+                streams = [job.stream for _, job in group]
+                with torch.no_grad():
+                    if self.vocoder_graphs is not None:
+                        wav = self.vocoder_graphs.decode_many(codes, streams)
+                    else:
+                        wav = self.vocoder.decode_streams(codes, streams, check_values=False)
+                    made.append((n, group, *to_host(to_pcm(wav[:, 0]))))
+            except Exception as e:  # noqa: BLE001 - reported to those sessions' callers
+                for i, _ in group:
+                    sessions[i].stop_reason = "error"
+                    self.close_session(sessions[i])
+                    results[i] = e
+        for n, group, pcm, done in made:
+            if done is not None:
+                done.synchronize()
+            for j, (i, job) in enumerate(group):
+                chunk = AudioChunk(pcm[j].numpy().copy(), job.start, n, job.host_codes)
+                results[i] = [chunk if c is job else c for c in results[i]]
 
     def _after_frame(self, s: Session, codes: Tensor, host: np.ndarray) -> list[AudioChunk]:
         if int(host[0]) == self.config.talker.codec_eos_id:
@@ -709,6 +768,10 @@ class QwenTTSEngine:
             pcm, done = early.pcm, early.done
         elif not s.request.vocode:
             pcm, done = torch.zeros(0, dtype=torch.int16), None
+        elif self._round_jobs is not None and not launch_next:
+            job = _VocoderJob(s.vocoder_state, torch.stack(pending).T, start, host_codes)
+            self._round_jobs.append(job)
+            return [job]  # replaced by its AudioChunk at the round's end
         else:
             codes = torch.stack(pending).T[None]  # [1, 16, n]
             with torch.no_grad():

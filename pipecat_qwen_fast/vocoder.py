@@ -46,8 +46,10 @@ class VocoderStream:
     histories: list[Tensor]  # per stateful conv: [B, C_in, context] last input columns
     keys: Tensor  # [layers, B, kv_heads, window - 1, head_dim], rotated at absolute positions
     values: Tensor  # [layers, B, kv_heads, window - 1, head_dim]
-    position: Tensor  # 0-dim int64 on the device: frames consumed so far
-    frames: int = 0  # host copy of ``position``
+    # [B] int64 on the device: frames each row has consumed, so rows of one batch may be at
+    # different points of their utterances (several sessions decoded in one call).
+    position: Tensor
+    frames: int = 0  # host copy of ``position`` (of every row: the streams the engine advances are batch 1)
 
     @property
     def batch(self) -> int:
@@ -70,21 +72,22 @@ class VocoderStream:
         self.position.zero_()
         self.frames = 0
 
+    def row(self, i: int) -> VocoderStream:
+        """Row ``i`` as a batch-1 stream of views: copying into it writes this stream's row."""
+        if not 0 <= i < self.batch:
+            raise InvalidInputError(f"row {i} is out of range for a stream of batch {self.batch}")
+        return VocoderStream(
+            histories=[h[i : i + 1] for h in self.histories],
+            keys=self.keys[:, i : i + 1],
+            values=self.values[:, i : i + 1],
+            position=self.position[i : i + 1],
+            frames=self.frames,
+        )
+
     def copy_from(self, other: VocoderStream) -> None:
         """In-place copy of another stream of the same shape (e.g. a primed voice prefix, or a
-        session's state in and out of a vocoder graph's): the floating-point state in one fused
-        launch where torch offers it, the int64 position apart (a list of mixed dtypes takes
-        torch's per-tensor path: ~26 copies, each a host round of its own)."""
-        if len(other.histories) != len(self.histories) or other.keys.shape != self.keys.shape:
-            raise InvalidInputError("copy_from: the two vocoder streams have different shapes")
-        dsts = [*self.histories, self.keys, self.values]
-        srcs = [*other.histories, other.keys, other.values]
-        if hasattr(torch, "_foreach_copy_"):
-            torch._foreach_copy_(dsts, srcs)
-        else:  # older torch
-            for d, s in zip(dsts, srcs):
-                d.copy_(s)
-        self.position.copy_(other.position)
+        session's state in and out of a vocoder graph's)."""
+        copy_streams([self], [other])
         self.frames = other.frames
 
     def clone(self) -> VocoderStream:
@@ -95,6 +98,38 @@ class VocoderStream:
             position=self.position.clone(),
             frames=self.frames,
         )
+
+
+def copy_streams(dsts: list[VocoderStream], srcs: list[VocoderStream]) -> None:
+    """``dsts[i] <- srcs[i]`` for every i (device tensors only; ``frames`` is the caller's): the
+    floating-point state of all of them in one fused launch where torch offers it, the int64
+    positions in another (a list of mixed dtypes takes torch's per-tensor path: ~26 copies a
+    stream, each a host round of its own)."""
+    floats_d, floats_s, pos_d, pos_s = [], [], [], []
+    for d, s in zip(dsts, srcs, strict=True):
+        if len(d.histories) != len(s.histories) or d.keys.shape != s.keys.shape:
+            raise InvalidInputError("copy_from: the two vocoder streams have different shapes")
+        floats_d += [*d.histories, d.keys, d.values]
+        floats_s += [*s.histories, s.keys, s.values]
+        pos_d.append(d.position)
+        pos_s.append(s.position)
+    for dl, sl in ((floats_d, floats_s), (pos_d, pos_s)):
+        if hasattr(torch, "_foreach_copy_"):
+            torch._foreach_copy_(dl, sl)
+        else:  # older torch
+            for d, s in zip(dl, sl):
+                d.copy_(s)
+
+
+def stack_streams(streams: list[VocoderStream]) -> VocoderStream:
+    """One stream whose rows are copies of ``streams``' rows, in order."""
+    first = streams[0]
+    return VocoderStream(
+        histories=[torch.cat([st.histories[j] for st in streams]) for j in range(len(first.histories))],
+        keys=torch.cat([st.keys for st in streams], dim=1),
+        values=torch.cat([st.values for st in streams], dim=1),
+        position=torch.cat([st.position for st in streams]),
+    )
 
 
 def _refresh_after_load(module: Vocoder, incompatible) -> None:
@@ -331,7 +366,7 @@ class Vocoder(nn.Module):
                        for c, n in self._history_specs],
             keys=torch.zeros(kv_shape, device=device, dtype=dtype),
             values=torch.zeros(kv_shape, device=device, dtype=dtype),
-            position=torch.zeros((), device=device, dtype=torch.long),
+            position=torch.zeros(batch, device=device, dtype=torch.long),
         )
 
     def _check_stream(self, codes: Tensor, stream: VocoderStream) -> None:
@@ -355,6 +390,25 @@ class Vocoder(nn.Module):
         self._check_stream(codes, stream)
         wav = self.stream_step(codes, stream)
         stream.frames += codes.shape[-1]
+        return wav
+
+    @torch.no_grad()
+    def decode_streams(self, codes: Tensor, streams: list[VocoderStream], check_values: bool = True) -> Tensor:
+        """Row i of ``codes [k, Q, n]`` through the batch-1 stream ``streams[i]``, all k in one
+        batched call whatever point each stream is at: ``[k, 1, n * 1920]``, equal to k
+        ``decode_stream`` calls. The reference for the graphed batched calls (vocoder_graphs.py)."""
+        codes = self._check_codes(codes, check_values)
+        if len(streams) != codes.shape[0] or any(st.batch != 1 for st in streams):
+            raise InvalidInputError(
+                f"decode_streams takes one batch-1 stream per row of codes; got {codes.shape[0]} rows and "
+                f"streams of batches {[st.batch for st in streams]}"
+            )
+        batch = stack_streams(streams)
+        self._check_stream(codes, batch)
+        wav = self.stream_step(codes, batch)
+        copy_streams(streams, [batch.row(i) for i in range(len(streams))])
+        for st in streams:
+            st.frames += codes.shape[-1]
         return wav
 
     def stream_step(self, codes: Tensor, stream: VocoderStream) -> Tensor:

@@ -15,6 +15,14 @@ symbolic: 0.0-0.2 ms slower a call than a step compiled for its size, but compil
 them (bench/NOTES.md, "Chunk schedule 1, 4, 8, 16, 32"). Compiling costs 30-55 s per step on a
 cold inductor cache; it is skipped, with the reason logged, where it cannot run (no triton, no
 compiler), and `QWEN_FAST_COMPILE_VOCODER=0` turns it off.
+
+Many sessions that each finish a chunk of the same size in the same round (the batched decode's
+rounds) share one call: `decode_many` copies their states into the rows of a batched entry's
+stream (each row at its own position), replays it once and copies them back. A batch-1 call is
+~1.5 ms of mostly fixed cost on the H200 whatever its size (bench/NOTES.md, "Chunk schedule"),
+so 64 sessions' first chunks cost 64 of them one by one. Batched entries exist for the sizes and
+row buckets that `capture_batched` captured at warm-up, up to `MAX_BATCH_FRAMES` rows x frames a
+call (a graph's activations grow with both); other groups run batch-1.
 """
 
 from __future__ import annotations
@@ -29,19 +37,29 @@ import torch
 from torch import Tensor
 
 from .cuda_graphs import GraphCapturer, compile_blocker, recompile_limit
-from .vocoder import Vocoder, VocoderStream
+from .vocoder import Vocoder, VocoderStream, copy_streams
 
 logger = logging.getLogger(__name__)
 
 MAX_GRAPHS = 48  # chunk sizes captured at most; other sizes run eagerly
+BATCH_BUCKETS = (2, 4, 8, 16, 32, 64)  # rows of a batched entry; a group is padded up to one
+MAX_BATCH_FRAMES = 64  # rows x frames of one batched call: 64 first chunks, or two 32-frame chunks
 
 
 @dataclass
 class _Entry:
-    codes: Tensor  # [1, Q, n]
+    codes: Tensor  # [rows, Q, n]
     stream: VocoderStream
     out: Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
+    rows: list[VocoderStream] | None = None  # batched entries: each row of `stream` as a batch-1 view
+
+    def run(self, vocoder: Vocoder) -> Tensor:
+        """The call on the entry's own state: its graph's replay, or the eager step."""
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out
+        return vocoder.stream_step(self.codes, self.stream)
 
 
 def compile_unavailable_reason(device: torch.device) -> str | None:
@@ -65,7 +83,7 @@ def _cudnn_benchmark(on: bool):
 class GraphedVocoder:
     def __init__(self, vocoder: Vocoder, device: torch.device, dtype: torch.dtype, use_graphs: bool | None = None,
                  compile_sizes: tuple[int, ...] = (), cudnn_benchmark: bool | tuple[int, ...] = True,
-                 compile_dynamic: bool = False):
+                 compile_dynamic: bool = False, compile_batched: bool = False):
         self.vocoder = vocoder
         # True: every size's capture times cuDNN's algorithms; a tuple: only those sizes (each
         # timing costs ~0.7 s of load per size on the H200).
@@ -74,6 +92,7 @@ class GraphedVocoder:
         self.dtype = dtype
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.entries: dict[int, _Entry] = {}
+        self.batched: dict[tuple[int, int], _Entry] = {}  # (frames, rows) -> entry (capture_batched)
         self.capturer = GraphCapturer(device) if self.use_graphs else None
         reason = compile_unavailable_reason(device) if self.use_graphs else "no CUDA graphs"
         self.compile_sizes = set(compile_sizes) if reason is None else set()
@@ -82,6 +101,8 @@ class GraphedVocoder:
             logger.info("vocoder step not compiled: %s", reason)
         self._compiled: Callable | None = None  # compiled per shape (compile_sizes)
         self._generic: Callable | None = None  # one compiled step for the other sizes (compile_dynamic)
+        self.compile_batched = compile_batched and reason is None
+        self._batched: Callable | None = None  # batched entries' compiled step (compile_batched)
         self.compiled_sizes: set[int] = set()  # sizes whose graph holds compiled code
 
     def decode_stream(self, codes: Tensor, stream: VocoderStream) -> Tensor:
@@ -106,10 +127,7 @@ class GraphedVocoder:
             entry = self._make(n)
         entry.stream.copy_from(stream)
         entry.codes.copy_(codes)
-        if entry.graph is not None:
-            entry.graph.replay()
-            return entry, entry.out
-        return entry, self.vocoder.decode_stream(entry.codes, entry.stream, check_values=False)
+        return entry, entry.run(self.vocoder)
 
     @staticmethod
     def commit(entry: _Entry, stream: VocoderStream, n: int) -> None:
@@ -118,6 +136,89 @@ class GraphedVocoder:
         frames = stream.frames
         stream.copy_from(entry.stream)
         stream.frames = frames + n
+
+    def decode_many(self, codes: Tensor, streams: list[VocoderStream]) -> Tensor:
+        """Row i of `codes [k, Q, n]` through the batch-1 stream `streams[i]`: `[k, 1, n * 1920]`,
+        the same as k `decode_stream` calls. Batched where `capture_batched` made entries for n
+        frames (the smallest bucket that takes the rows left, else the largest, repeatedly);
+        batch-1 calls otherwise."""
+        k, n = len(streams), codes.shape[-1]
+        if codes.shape[0] != k:
+            raise ValueError(f"decode_many: {codes.shape[0]} rows of codes for {k} streams")
+        buckets = sorted(b for m, b in self.batched if m == n)
+        outs: list[Tensor] = []
+        i = 0
+        while i < k:
+            left = k - i
+            b = next((b for b in buckets if b >= left), buckets[-1] if buckets else 1)
+            if left == 1 or b == 1:
+                outs.append(self.decode_stream(codes[i : i + 1], streams[i]))
+                i += 1
+                continue
+            take = min(b, left)
+            entry = self.batched[(n, b)]
+            part = streams[i : i + take]
+            rows = entry.rows[:take]
+            copy_streams(rows, part)
+            entry.codes[:take].copy_(codes[i : i + take])
+            out = entry.run(self.vocoder)
+            copy_streams(part, rows)
+            for st in part:
+                st.frames += n
+            outs.append(out[:take].clone())  # the next call of this entry rewrites `out`
+            i += take
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def capture_batched(self, sizes: list[int], max_rows: int) -> None:
+        """Batched entries (warm-up) for these chunk sizes: every bucket up to `max_rows` rows
+        and `MAX_BATCH_FRAMES` rows x frames."""
+        for n in sizes:
+            for b in BATCH_BUCKETS:
+                if b <= max_rows and b * n <= MAX_BATCH_FRAMES and (n, b) not in self.batched:
+                    self.batched[(n, b)] = self._make_batched(n, b)
+
+    @torch.no_grad()
+    def _make_batched(self, n: int, rows: int) -> _Entry:
+        voc = self.vocoder
+        entry = _Entry(
+            codes=torch.zeros(rows, voc.cfg.num_quantizers, n, dtype=torch.long, device=self.device),
+            stream=voc.new_stream(batch=rows, device=self.device, dtype=self.dtype),
+        )
+        entry.rows = [entry.stream.row(j) for j in range(rows)]
+        if self.capturer is not None:
+            timed = self.cudnn_benchmark if isinstance(self.cudnn_benchmark, bool) else n in self.cudnn_benchmark
+            with _cudnn_benchmark(timed), recompile_limit(64):
+                step = self._batched_step(entry, n)
+                entry.graph, entry.out = self.capturer.capture(lambda: step(entry.codes, entry.stream))
+        return entry
+
+    def _batched_step(self, entry: _Entry, n: int) -> Callable:
+        """The step a batched entry's graph is captured from: one compiled step whose rows (and
+        frames, from 2) are symbolic where `compile_batched`, else the plain step."""
+        if not self.compile_batched:
+            return self.vocoder.stream_step
+        try:
+            t0 = time.perf_counter()
+            if self._batched is None:
+                self._batched = torch.compile(self.vocoder.stream_step, dynamic=None)
+            st = entry.stream
+            for t in (entry.codes, *st.histories, st.position):
+                torch._dynamo.mark_dynamic(t, 0)
+            for t in (st.keys, st.values):
+                torch._dynamo.mark_dynamic(t, 1)
+            if n >= 2:
+                torch._dynamo.mark_dynamic(entry.codes, 2)
+            self._batched(entry.codes, st)  # compiles now where needed, outside any capture
+            st.reset()
+            logger.info("batched vocoder step for %d x %d frames compiled in %.1f s", entry.codes.shape[0], n,
+                        time.perf_counter() - t0)
+            return self._batched
+        except Exception as e:  # noqa: BLE001 - any compiler failure: plain batched graphs still work
+            logger.warning("compiling the batched vocoder step failed (%s: %s); using plain graphs",
+                           type(e).__name__, str(e)[:300])
+            self.compile_batched = False
+            entry.stream.reset()
+            return self.vocoder.stream_step
 
     def capture(self, sizes: list[int]) -> None:
         """Capture the graphs of these chunk sizes now (warm-up): those in `compile_sizes` from a

@@ -258,8 +258,8 @@ class Mlp(nn.Module):
 
 
 def rotary_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos/sin tables ``[n, head_dim]`` for absolute ``positions``, computed in fp32."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    """cos/sin tables ``[..., n, head_dim]`` for absolute ``positions [..., n]``, computed in fp32."""
+    freqs = positions.float()[..., None] * inv_freq
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -275,9 +275,10 @@ def window_attention(
 ) -> Tensor:
     """Causal sliding-window attention, ``window`` keys including the query's own position.
 
-    ``q [B,H,n,D]`` sits at ``q_pos [n]``; ``k, v [B,H,m,D]`` at ``k_pos [m]``, where query i and
-    key ``i + key_offset`` share a position (``key_offset`` is static so no host sync is needed to
-    slice). Keys at negative positions are empty history slots and are masked out.
+    ``q [B,H,n,D]`` sits at ``q_pos [n]`` or, one row each, ``[B, n]``; ``k, v [B,H,m,D]`` at
+    ``k_pos [m]`` or ``[B, m]``, where query i and key ``i + key_offset`` share a position
+    (``key_offset`` is static so no host sync is needed to slice). Keys at negative positions are
+    empty history slots and are masked out.
     """
     n = q.shape[2]
     if n <= ATTENTION_QUERY_BLOCK:  # one block: no loop over n, so a compiled step can keep n symbolic
@@ -293,9 +294,11 @@ def _window_block(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor,
     """window_attention for queries a .. b - 1."""
     ka = max(0, a + key_offset - (window - 1))
     kb = b + key_offset
-    kp = k_pos[ka:kb]
-    rel = q_pos[a:b, None] - kp[None, :]
-    mask = (rel >= 0) & (rel < window) & (kp >= 0)[None, :]
+    kp = k_pos[..., ka:kb]
+    rel = q_pos[..., a:b, None] - kp[..., None, :]
+    mask = (rel >= 0) & (rel < window) & (kp >= 0)[..., None, :]
+    if mask.dim() == 3:  # positions per row: [B, n, m] -> [B, 1, n, m], shared by the heads
+        mask = mask[:, None]
     return F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, ka:kb], v[:, :, ka:kb], attn_mask=mask)
 
 
@@ -379,9 +382,10 @@ class Transformer(nn.Module):
         n = h.shape[1]
         past = self.window - 1
         offsets = torch.arange(past + n, device=h.device)
-        k_pos = stream.position - past + offsets
-        q_pos = k_pos[past:]
+        k_pos = stream.position[:, None] - past + offsets  # [B, past + n]: each row at its own position
+        q_pos = k_pos[:, past:]
         cos, sin = rotary_cos_sin(self.inv_freq, q_pos, h.dtype)
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, n, D], shared by the heads
         for i, layer in enumerate(self.layers):
             q, k, v = layer.self_attn.project(layer.input_layernorm(h), cos, sin)
             k_all = torch.cat((stream.keys[i], k), dim=2)

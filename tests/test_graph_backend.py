@@ -12,6 +12,7 @@ from pipecat_qwen_fast import QwenTTSEngine, SynthesisRequest, VoiceClonePrompt
 from pipecat_qwen_fast.backend import TorchBackend
 from pipecat_qwen_fast.graph_backend import GraphBackend, NoFreeSlotError
 from pipecat_qwen_fast.sampling import SamplingParams
+from pipecat_qwen_fast.vocoder_graphs import GraphedVocoder
 
 
 def _engines(path, **graph_kw):
@@ -158,6 +159,57 @@ def test_batched_frames_equal_solo(tiny_checkpoint, layer_step):
     expected = solo_greedy[:2] + solo_sampled[:2] + [solo_greedy[2]]
     for s, e in zip(sessions, expected):
         assert torch.equal(torch.from_numpy(np.stack(s.codes)), e)
+
+
+@pytest.mark.parametrize("wrapper", [False, True])
+def test_batched_rounds_vocode_chunks_together(tiny_checkpoint, wrapper, monkeypatch):
+    """Chunks completed in the same round are vocoded in one call per chunk size; each session's
+    chunks (sizes, codes, audio) are still those of its solo run. Sessions join at different
+    rounds, so some rounds hold chunks of several sizes and sessions at different positions.
+    `wrapper`: the GPU's graph wrapper with batched entries (run eagerly here) instead of the CPU's
+    batched reference call; one bucket (2) is too small for the rows, one size (12) has none."""
+    _, fast = _engines(tiny_checkpoint("custom_voice", zero_eos=True), max_sessions=8)
+    calls: list[tuple[int, int]] = []
+    if wrapper:
+        graphs = GraphedVocoder(fast.vocoder, fast.device, fast.dtype, use_graphs=False)
+        graphs.capture_batched([1, 3, 6], max_rows=2)
+        assert sorted(graphs.batched) == [(1, 2), (3, 2), (6, 2)]
+        real = graphs.decode_many
+        monkeypatch.setattr(graphs, "decode_many", lambda c, st: calls.append(tuple(c.shape[::2])) or real(c, st))
+        monkeypatch.setattr(fast, "vocoder_graphs", graphs)
+    else:
+        real = fast.vocoder.decode_streams
+        monkeypatch.setattr(fast.vocoder, "decode_streams",
+                            lambda c, st, **kw: calls.append(tuple(c.shape[::2])) or real(c, st, **kw))
+    texts = [f"Session {i} speaks a few words." for i in range(5)]
+    # Sampled with a seed each: the tiny model's greedy codes hardly depend on the text, and
+    # sessions with equal codes would hide a mix-up of their vocoder states.
+    frames = [24, 24, 24, 14, 15]
+    reqs = [SynthesisRequest(t, voice="ryan", seed=i, max_frames=f) for i, (t, f) in enumerate(zip(texts, frames))]
+    solo = [list(fast.stream(r.text, voice="ryan", seed=r.seed, max_frames=r.max_frames)) for r in reqs]
+    assert len({c[1].codes.tobytes() for c in solo}) == 5
+    calls.clear()
+    sessions, chunks = [], {}
+    for rnd in range(40):
+        if rnd in (0, 2, 3):  # three at once, one two rounds later, one a round after that
+            for r in reqs[: 3] if rnd == 0 else [reqs[rnd + 1]]:
+                sessions.append(fast.open_session(r))
+        live = [s for s in sessions if not s.done]
+        if not live:
+            break
+        for s, out in zip(live, fast.step_many(live)):
+            assert not isinstance(out, Exception), out
+            chunks.setdefault(id(s), []).extend(out)
+    assert len(sessions) == 5 and all(s.done for s in sessions)
+    for s, expected in zip(sessions, solo):
+        got = chunks[id(s)]
+        assert [(c.frame_index, c.num_frames) for c in got] == [(c.frame_index, c.num_frames) for c in expected]
+        for a, b in zip(got, expected):
+            assert np.array_equal(a.codes, b.codes)
+            # fp32 convolutions over a batch round differently from batch 1: at most an LSB of PCM
+            assert np.abs(a.pcm.astype(np.int32) - b.pcm.astype(np.int32)).max() <= 1
+    assert any(k > 2 for k, _ in calls), calls  # some calls took more sessions' chunks than a bucket holds
+    assert any(n == 12 for _, n in calls), calls  # and some a size without batched entries
 
 
 async def test_service_batches_and_queues_when_slots_run_out(tiny_checkpoint):

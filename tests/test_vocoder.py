@@ -126,7 +126,7 @@ def stream_decode(voc: Vocoder, codes: torch.Tensor, sizes) -> torch.Tensor:
         n = sizes[i % len(sizes)]
         out.append(voc.decode_stream(codes[..., t:t + n], st))
         t, i = t + n, i + 1
-    assert st.frames == codes.shape[-1] and int(st.position) == codes.shape[-1]
+    assert st.frames == codes.shape[-1] and st.position.tolist() == [codes.shape[-1]] * codes.shape[0]
     return torch.cat(out, dim=-1)
 
 
@@ -268,6 +268,32 @@ def test_stream_batch_rows_are_independent(voc):
     wav = stream_decode(voc, codes, [4])
     for b in range(2):
         assert (wav[b] - voc.decode(codes[b : b + 1])[0]).abs().max() <= EXACT
+
+
+def test_streams_at_different_points_decode_together(voc):
+    """Sessions at different points of their utterances (one fresh, one inside the 72-frame
+    window, one past it) decoded in one batched call per chunk: each equals its whole decode."""
+    codes = [random_codes(140, seed=s) for s in (11, 12, 13)]
+    starts = [0, 9, 100]  # frames each stream has consumed before the batched calls
+    streams = [voc.new_stream() for _ in codes]
+    outs: list[list[torch.Tensor]] = [[] for _ in codes]
+    for i, t in enumerate(starts):
+        if t:
+            outs[i].append(voc.decode_stream(codes[i][..., :t], streams[i]))
+    t = 0
+    for n in (1, 3, 1, 6, 2, 12, 1):
+        chunk = torch.cat([c[..., a + t : a + t + n] for c, a in zip(codes, starts)])
+        wav = voc.decode_streams(chunk, streams)
+        assert wav.shape == (3, 1, n * SPF)
+        for i in range(3):
+            outs[i].append(wav[i : i + 1])
+        t += n
+    for i, a in enumerate(starts):
+        assert streams[i].frames == a + t and streams[i].position.tolist() == [a + t]
+        whole = voc.decode(codes[i][..., : a + t])
+        assert (torch.cat(outs[i], -1) - whole).abs().max() <= EXACT
+    with pytest.raises(InvalidInputError, match="one batch-1 stream per row"):
+        voc.decode_streams(codes[0][..., :2], streams)
 
 
 def test_prime_stream_continues_the_reference(voc, long_codes, long_wav):

@@ -8,6 +8,8 @@ import torch
 from pipecat_qwen_fast import QwenTTSEngine
 from pipecat_qwen_fast.engine import SynthesisRequest, schedule_sizes
 from pipecat_qwen_fast.vocoder_graphs import (
+    BATCH_BUCKETS,
+    MAX_BATCH_FRAMES,
     GraphedVocoder,
     _cudnn_benchmark,
     compile_unavailable_reason,
@@ -82,6 +84,54 @@ def test_compiled_graphs_match_plain_graphs_on_cuda(tiny_checkpoint):
         engine.close()
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_batched_graphs_match_batch1_graphs_on_cuda(tiny_checkpoint, compiled):
+    """Batched entries (plain graphs, or captured from the compiled step with symbolic rows and
+    frames) over streams at different positions, groups split across buckets and padded: the
+    audio and states of batch-1 plain graphs, up to fp32 rounding (TF32 off)."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA not available: batched vocoder graphs run on CUDA only")
+    if compiled and (reason := compile_unavailable_reason(torch.device("cuda"))) is not None:
+        pytest.skip(f"vocoder step not compiled here: {reason}")
+    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cuda", dtype="float32",
+                                           warmup=False)
+    voc = engine.vocoder
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        batched = GraphedVocoder(voc, engine.device, engine.dtype, compile_batched=compiled)
+        one = GraphedVocoder(voc, engine.device, engine.dtype)
+        batched.capture_batched([1, 3], max_rows=4)
+        assert sorted(batched.batched) == [(1, 2), (1, 4), (3, 2), (3, 4)]
+        assert all(e.graph is not None for e in batched.batched.values())
+        assert batched.compile_batched is compiled
+        g = torch.Generator().manual_seed(3)
+        codes = torch.randint(0, 2048, (5, 16, 60), generator=g).cuda()
+        a = [voc.new_stream() for _ in range(5)]
+        b = [voc.new_stream() for _ in range(5)]
+        for i in range(5):  # different positions: 0, 7, 14, 21, 28 frames in
+            for streams in (a, b):
+                if i:
+                    one.decode_stream(codes[i : i + 1, :, : 7 * i], streams[i])
+        starts = [7 * i for i in range(5)]
+        peak = worst = 0.0
+        for rows, n in (([0, 1, 2, 3, 4], 1), ([1, 3], 3), ([0, 2, 4], 3), ([4], 1), ([0, 1, 2], 1)):
+            c = torch.cat([codes[i : i + 1, :, starts[i] : starts[i] + n] for i in rows])
+            got = batched.decode_many(c, [a[i] for i in rows])
+            want = torch.cat([one.decode_stream(c[j : j + 1], b[i]) for j, i in enumerate(rows)])
+            worst = max(worst, float((got - want).abs().max()))
+            peak = max(peak, float(want.abs().max()))
+            for i in rows:
+                starts[i] += n
+        assert peak > 0 and worst <= 1e-4 * max(1.0, peak)
+        for x, y in zip(a, b):
+            assert x.frames == y.frames and torch.equal(x.position, y.position)
+            assert float((x.keys - y.keys).abs().max()) <= 1e-4 * max(1.0, float(y.keys.abs().max()))
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+        engine.close()
+
+
 def test_cudnn_benchmark_scope_restores_the_setting():
     before = torch.backends.cudnn.benchmark
     try:
@@ -111,6 +161,10 @@ def test_engine_warmup_compiles_the_default_schedule_on_cuda(tiny_checkpoint):
     assert schedule_sizes(SynthesisRequest("x")) == (1, 3, 6, 12, 32)
     assert graphs.compiled_sizes == set(graphs.entries) and set(range(1, 33)) <= graphs.compiled_sizes
     captured = set(graphs.entries)
+    # The batched backend's warm-up also captured the batched calls of the default schedule.
+    rows = engine.backend.max_batch
+    assert set(graphs.batched) == {(n, b) for n in (1, 3, 6, 12, 32) for b in BATCH_BUCKETS
+                                   if b <= rows and b * n <= MAX_BATCH_FRAMES}
     sizes = [c.num_frames for c in engine.stream("Hello there, a longer sentence.", voice="ryan", seed=0, max_frames=70)]
     assert sizes == [1, 3, 6, 12, 32, 16]
     assert set(graphs.entries) == captured
