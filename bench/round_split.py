@@ -1,14 +1,16 @@
 """Where a round of many concurrent streams goes: `python bench/round_split.py --out DIR`.
 
 A random 0.6B CustomVoice engine (`backend="auto"`) behind one EngineService, as the benchmark's
-concurrency levels run it (`bench_engine._run_level`: every stream opened at once). The engine
-thread's methods are wrapped (host wall time, no sync added), so per level:
+concurrency levels run it (`bench_engine._run_level`: every stream opened at once, or one every
+`--stagger-ms`). The engine thread's methods are wrapped (host wall time, no sync added), so per
+level:
 
 * `_step_round`: the whole round;
 * `backend.decode_frames`: the batched frame's launch (host only; the GPU work is waited for in
   the round's one read of the codes, which lies in the round but outside every other stage);
-* `_after_frame`, and within it `_flush`: a chunk's vocoder call, its launch and the wait for its
-  audio (each session's call is batch 1 and waited for before the next session's);
+* `_after_frame`, and within it `_flush`: a chunk's bookkeeping (and, before 2026-11-24's batched
+  vocoder calls, the chunk's vocoder call, its launch and the wait for its audio);
+* `_vocode_round`: the round's flushed chunks, one vocoder call per chunk size and one wait;
 * `open_sessions`: prompts and prefills.
 
 Writes `round_split.json` (and a cProfile of the largest level, `round_split_cprofile.txt`).
@@ -37,7 +39,7 @@ from ttfc_host_profile import timed
 from pipecat_qwen_fast.bench_engine import _run_level
 from pipecat_qwen_fast.service import EngineService
 
-STAGES = ("_step_round", "_after_frame", "_flush", "open_sessions", "backend.decode_frames")
+STAGES = ("_step_round", "_after_frame", "_flush", "_vocode_round", "open_sessions", "backend.decode_frames")
 
 
 def main() -> int:
@@ -46,12 +48,16 @@ def main() -> int:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--streams", default="16,64")
     ap.add_argument("--frames", type=int, default=50)
+    ap.add_argument("--stagger-ms", type=float, default=0.0,
+                    help="open the streams one every this many ms instead of all at once")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": args.commit,
                     "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "frames": args.frames,
                     "levels": {}}
     levels = [int(n) for n in args.streams.split(",")]
+    stagger = {"stagger_s": args.stagger_ms / 1e3} if args.stagger_ms else {}
+    result["stagger_ms"] = args.stagger_ms
     with mc.random_engine(backend="auto") as (engine, load_s):
         result["load_s"] = load_s
         totals: dict[str, float] = defaultdict(float)
@@ -59,6 +65,8 @@ def main() -> int:
         for name in STAGES:
             owner = engine.backend if name.startswith("backend.") else engine
             attr = name.split(".")[-1]
+            if not hasattr(owner, attr):  # an older tree (A/B runs)
+                continue
             inner = timed(getattr(owner, attr), name, totals)
 
             def counted(*a, _inner=inner, _name=name, **kw):
@@ -71,14 +79,14 @@ def main() -> int:
             service.wait_ready_blocking(timeout=60)
             asyncio.run(_run_level(service, engine, 1, 4, timeout=30))  # the service thread's first CUDA work
             for n in levels:
-                asyncio.run(_run_level(service, engine, n, args.frames, timeout=120))  # warm this level's shapes
+                asyncio.run(_run_level(service, engine, n, args.frames, timeout=120, **stagger))  # warm this level's shapes
                 totals.clear()
                 counts.clear()
                 pr = cProfile.Profile() if n == max(levels) else None
                 if pr:
                     pr.enable()
                 t0 = time.perf_counter()
-                r = asyncio.run(_run_level(service, engine, n, args.frames, timeout=120))
+                r = asyncio.run(_run_level(service, engine, n, args.frames, timeout=120, **stagger))
                 wall = time.perf_counter() - t0
                 if pr:
                     pr.disable()

@@ -383,21 +383,26 @@ def measure_floor(engine: QwenTTSEngine, bandwidth_gbs: float | None, frames: in
 
 
 async def _run_level(service, engine: QwenTTSEngine, n: int, frames: int, timeout: float,
-                     chunk_frames: int = SynthesisRequest.chunk_frames) -> dict:
-    t0 = time.monotonic()
-    streams = [
-        service.open_stream(request(engine, texts.CONCURRENCY_TEXT, frames, seed=1000 + i, chunk=chunk_frames))
-        for i in range(n)
-    ]
+                     chunk_frames: int = SynthesisRequest.chunk_frames, stagger_s: float = 0.0) -> dict:
+    """`n` streams of `frames` frames, opened at once, or one every `stagger_s` seconds (calls that
+    do not arrive together); each stream's times count from its own opening."""
     arrivals: list[list[float]] = [[] for _ in range(n)]
     sizes: list[list[int]] = [[] for _ in range(n)]
 
     async def consume(i: int) -> None:
         async for chunk in streams[i]:
-            arrivals[i].append(time.monotonic() - t0)
+            arrivals[i].append(time.monotonic() - t0 - opened[i])
             sizes[i].append(chunk.num_frames)
 
-    tasks = [asyncio.create_task(consume(i)) for i in range(n)]
+    t0 = time.monotonic()
+    streams, opened, tasks = [], [], []
+    for i in range(n):
+        if stagger_s and i:
+            await asyncio.sleep(stagger_s)
+        opened.append(time.monotonic() - t0)
+        streams.append(service.open_stream(request(engine, texts.CONCURRENCY_TEXT, frames, seed=1000 + i,
+                                                   chunk=chunk_frames)))
+        tasks.append(asyncio.create_task(consume(i)))
     done, pending = await asyncio.wait(tasks, timeout=timeout)
     cut = time.monotonic() - t0
     for s in streams:
@@ -413,11 +418,11 @@ async def _run_level(service, engine: QwenTTSEngine, n: int, frames: int, timeou
         a, z = arrivals[i], sizes[i]
         audio = sum(z) / texts.FRAME_RATE_HZ
         complete = sum(z) >= frames
-        end = a[-1] if complete else cut
+        end = a[-1] if complete else cut - opened[i]
         underrun = max_underrun(a, [k / texts.FRAME_RATE_HZ for k in z]) if a else None
         if a and not complete:
             # Cut by the time budget: the player has been waiting since its last chunk too.
-            underrun = max(underrun, (cut - a[0]) - audio)
+            underrun = max(underrun, (cut - opened[i] - a[0]) - audio)
         per_stream.append({
             "ttfc_s": a[0] if a else None,
             "frames": sum(z),

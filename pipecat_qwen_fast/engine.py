@@ -276,9 +276,12 @@ class QwenTTSEngine:
             # (its heuristic's pick for 32 frames took 4.3 ms a call instead of 2.4); a tail is one
             # call per utterance, not worth ~0.7 s of load per size.
             first = SynthesisRequest("")
+            # Batched calls (several sessions' chunks of one size in one round) come from one more
+            # compiled step, rows symbolic: 1.7-4.6x faster than plain batched graphs at 2-64
+            # rows (bench/NOTES.md, "Vocoder calls batched over a round").
             self.vocoder_graphs = GraphedVocoder(vocoder, device, dtype, compile_dynamic=True,
                                                  compile_sizes=(first.first_chunk_frames, first.chunk_frames),
-                                                 cudnn_benchmark=schedule_sizes(first))
+                                                 cudnn_benchmark=schedule_sizes(first), compile_batched=True)
 
     # ------------------------------------------------------------------ loading
 
