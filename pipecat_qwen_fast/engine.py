@@ -42,7 +42,7 @@ from .prompt import (
 )
 from .sampling import SamplingParams
 from .talker import Qwen3TTSModel
-from .vocoder import Vocoder
+from .vocoder import Vocoder, VocoderStream
 from .vocoder_graphs import GraphedVocoder
 
 logger = logging.getLogger("pipecat_qwen_fast")
@@ -218,7 +218,7 @@ class _VocoderJob:
     """A chunk flushed inside a batched round, its audio made at the round's end together with the
     other sessions' chunks of its size (`QwenTTSEngine._vocode_round`)."""
 
-    stream: object  # the session's VocoderStream (still the session's after it closes)
+    stream: VocoderStream  # the session's (still held here after the session closes)
     codes: Tensor  # [16, n] on the device
     start: int
     host_codes: np.ndarray
@@ -277,8 +277,8 @@ class QwenTTSEngine:
             # call per utterance, not worth ~0.7 s of load per size.
             first = SynthesisRequest("")
             # Batched calls (several sessions' chunks of one size in one round) come from one more
-            # compiled step, rows symbolic: 1.7-4.6x faster than plain batched graphs at 2-64
-            # rows (bench/NOTES.md, "Vocoder calls batched over a round").
+            # compiled step, rows symbolic: 1.1-1.7x faster than plain batched graphs at 2-64 rows,
+            # which lose to batch-1 calls at 32 x 2 (bench/NOTES.md, "Vocoder calls batched over a round").
             self.vocoder_graphs = GraphedVocoder(vocoder, device, dtype, compile_dynamic=True,
                                                  compile_sizes=(first.first_chunk_frames, first.chunk_frames),
                                                  cudnn_benchmark=schedule_sizes(first), compile_batched=True)

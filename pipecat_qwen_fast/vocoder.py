@@ -108,7 +108,7 @@ def copy_streams(dsts: list[VocoderStream], srcs: list[VocoderStream]) -> None:
     floats_d, floats_s, pos_d, pos_s = [], [], [], []
     for d, s in zip(dsts, srcs, strict=True):
         if len(d.histories) != len(s.histories) or d.keys.shape != s.keys.shape:
-            raise InvalidInputError("copy_from: the two vocoder streams have different shapes")
+            raise InvalidInputError("copy_streams: the two vocoder streams have different shapes")
         floats_d += [*d.histories, d.keys, d.values]
         floats_s += [*s.histories, s.keys, s.values]
         pos_d.append(d.position)

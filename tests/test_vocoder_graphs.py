@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -14,6 +16,21 @@ from pipecat_qwen_fast.vocoder_graphs import (
     _cudnn_benchmark,
     compile_unavailable_reason,
 )
+
+
+@contextlib.contextmanager
+def _fp32_cuda_engine(tiny_checkpoint):
+    """A tiny float32 engine on CUDA (no warm-up) with TF32 convolutions off, so graphs compared
+    with each other differ only by their fusions and batch shapes; closed and restored after."""
+    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cuda", dtype="float32",
+                                           warmup=False)
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield engine
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+        engine.close()
 
 
 def test_graphed_wrapper_equals_plain_stream(tiny_checkpoint):
@@ -51,12 +68,8 @@ def test_compiled_graphs_match_plain_graphs_on_cuda(tiny_checkpoint):
     reason = compile_unavailable_reason(torch.device("cuda"))
     if reason is not None:
         pytest.skip(f"vocoder step not compiled here: {reason}")
-    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cuda", dtype="float32",
-                                           warmup=False)
-    voc = engine.vocoder
-    tf32 = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    try:
+    with _fp32_cuda_engine(tiny_checkpoint) as engine:
+        voc = engine.vocoder
         compiled = GraphedVocoder(voc, engine.device, engine.dtype, compile_sizes=(1, 4), compile_dynamic=True)
         plain = GraphedVocoder(voc, engine.device, engine.dtype, compile_sizes=())
         compiled.capture([2, 3, 1, 4, 5])  # the per-shape sizes are compiled first whatever the order
@@ -79,9 +92,6 @@ def test_compiled_graphs_match_plain_graphs_on_cuda(tiny_checkpoint):
         assert float((a - b).abs().max()) <= 1e-4 * max(1.0, peak)
         assert streams[0].frames == streams[1].frames == 40
         assert 6 in compiled.entries  # first seen after warm-up: from the generic step or plain, never a compile
-    finally:
-        torch.backends.cudnn.allow_tf32 = tf32
-        engine.close()
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -93,12 +103,8 @@ def test_batched_graphs_match_batch1_graphs_on_cuda(tiny_checkpoint, compiled):
         pytest.skip("CUDA not available: batched vocoder graphs run on CUDA only")
     if compiled and (reason := compile_unavailable_reason(torch.device("cuda"))) is not None:
         pytest.skip(f"vocoder step not compiled here: {reason}")
-    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cuda", dtype="float32",
-                                           warmup=False)
-    voc = engine.vocoder
-    tf32 = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    try:
+    with _fp32_cuda_engine(tiny_checkpoint) as engine:
+        voc = engine.vocoder
         batched = GraphedVocoder(voc, engine.device, engine.dtype, compile_batched=compiled)
         one = GraphedVocoder(voc, engine.device, engine.dtype)
         batched.capture_batched([1, 3], max_rows=4)
@@ -127,9 +133,6 @@ def test_batched_graphs_match_batch1_graphs_on_cuda(tiny_checkpoint, compiled):
         for x, y in zip(a, b):
             assert x.frames == y.frames and torch.equal(x.position, y.position)
             assert float((x.keys - y.keys).abs().max()) <= 1e-4 * max(1.0, float(y.keys.abs().max()))
-    finally:
-        torch.backends.cudnn.allow_tf32 = tf32
-        engine.close()
 
 
 def test_cudnn_benchmark_scope_restores_the_setting():
