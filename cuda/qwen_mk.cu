@@ -441,10 +441,11 @@ __device__ __noinline__ void produce(const Params* P, int ptid) {
         // Every producer thread walks the same tiles; thread 0 alone decides whether tile i is
         // issued, so a stop seen by some threads only cannot leave a full barrier short of
         // arrivals. go[i & 1] is rewritten only after the next tile's barrier, which every
-        // thread passes after reading it.
+        // thread passes after reading it. Named barrier 15: 1 is the consumers', 2-9 the
+        // attention pairs'.
         volatile uint32_t* go = ring_state().go;
         if (ptid == 0) go[i & 1] = wait_slot_free(i, nslot) ? 1u : 0u;
-        asm volatile("bar.sync 2, %0;" ::"n"(QMK_PRODUCER_THREADS) : "memory");
+        asm volatile("bar.sync 15, %0;" ::"n"(QMK_PRODUCER_THREADS) : "memory");
         if (!go[i & 1]) break;
         const Phase& ph = cur.ph;
         const Tile t = phase_tile(F, ph, cur.tile++);
