@@ -16,6 +16,10 @@
 //   ldgsts4 the same over 4 warps
 //   ldg    4 warps: ld.global.nc.v4 into registers (16 each), then stored to shared memory
 //
+// Found on the H200 (bench/results/2026-11-24-h200-ldgsts-ring/, bench/NOTES.md): another warp's
+// LDGSTS hold a release fence far less than bulk copies do (two slots in flight: 1035 cycles against
+// 2374), but a ring built on them streamed the MLP tiles too slowly and lost 0.38 ms a frame.
+//
 // Build on the device (nvcc is there) and write the JSON to $OUT:
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o .probe/fence_probe_ldgsts bench/fence_probe_ldgsts.cu
 //   .probe/fence_probe_ldgsts > $OUT/fence_probe_ldgsts.json

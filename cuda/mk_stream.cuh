@@ -17,18 +17,6 @@
 #define QMK_MAX_SLOTS 8
 #define QMK_TILE_RANGES 5  // half rows of a 6144-wide matrix: 5 x 6 KB per slot
 
-// Experiment (QMK_EXP_LDGSTS, Hopper builds): the whole producer warpgroup copies tiles with
-// 16-byte cp.async (LDGSTS) instead of one lane's bulk copies. bench/fence_probe_ldgsts.cu: a
-// release fence waits for the bulk copies its block issued but much less for another warp's
-// LDGSTS, so slots could go back before the grid arrival (QMK_EXP_EARLY_RELEASE).
-#if defined(QMK_EXP_LDGSTS) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define QMK_RING_LDGSTS 1
-#define QMK_RING_ISSUERS QMK_PRODUCER_THREADS
-#else
-#define QMK_RING_LDGSTS 0
-#define QMK_RING_ISSUERS 1
-#endif
-
 // The block's dynamic shared memory. Every scratch area sits at a fixed offset in it, so their
 // addresses are immediates instead of pointers held in registers. The includer defines
 // QMK_SMEM_RING (sizeof(RingState), 16-byte aligned) and QMK_SMEM_SLOTS (128-byte aligned).
@@ -51,7 +39,6 @@ struct RingState {
     uint64_t empty[QMK_MAX_SLOTS];
     uint32_t issued;  // set by the producer when it stops
     uint32_t stop;    // set by the consumers when the frame ends (EOS may end it early)
-    uint32_t go[2];   // LDGSTS producer: thread 0's verdict on tile i (index i & 1) for the others
 };
 
 __device__ __forceinline__ RingState& ring_state() { return *reinterpret_cast<RingState*>(qmk_smem + QMK_SMEM_RING); }
@@ -64,7 +51,7 @@ __device__ __forceinline__ unsigned char* slot_ptr(uint32_t i, int nslot) {
 __device__ __forceinline__ void ring_init(int nslot) {
     RingState& rs = ring_state();
     for (int s = 0; s < nslot; ++s) {
-        mbar_init(rs.full + s, QMK_RING_ISSUERS);  // the producer's arrival(s) (with its bytes)
+        mbar_init(rs.full + s, 1);   // the producer's arrival (with its bytes)
         mbar_init(rs.empty + s, 1);  // the consumers' thread 0
     }
     rs.issued = 0;
@@ -102,31 +89,6 @@ __device__ __forceinline__ void issue_tile(const Tile& t, uint32_t i, int nslot,
     cp_async_arrive(bar);  // counts when this lane's copies have landed
 #endif
 }
-
-#if QMK_RING_LDGSTS
-// Producer thread ptid of QMK_PRODUCER_THREADS: its 16-byte share of tile i, then an arrival on the
-// slot's full barrier that counts once those copies have landed. cp.async reads through the
-// generic proxy, so the K/V rows other blocks stored need no proxy fence.
-__device__ __forceinline__ void issue_tile_ldgsts(const Tile& t, uint32_t i, int nslot, bool weights, int ptid) {
-    unsigned char* dst = slot_ptr(i, nslot);
-    const uint64_t pol = evict_first_policy();
-    for (int k = 0; k < t.n; ++k) {
-        const unsigned char* src = static_cast<const unsigned char*>(t.r[k].src);
-        for (uint32_t o = 16u * ptid; o < t.r[k].bytes; o += 16u * QMK_PRODUCER_THREADS) {
-            if (weights)
-                asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(smem_u32(dst + o)),
-                             "l"(src + o), "l"(pol)
-                             : "memory");
-            else
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst + o)), "l"(src + o)
-                             : "memory");
-        }
-        dst += t.r[k].bytes;
-    }
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(smem_u32(ring_state().full + i % nslot))
-                 : "memory");
-}
-#endif
 
 // Producer lane: wait until the consumers released the tile that last used tile i's slot.
 // False when they stopped the frame instead.

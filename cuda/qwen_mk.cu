@@ -431,35 +431,19 @@ struct TileCursor {
 // The producer warp's lane 0: walk the frame's tiles in the consumers' order and issue each copy
 // as soon as its slot is free. Stops at the end of the frame's tiles, or when the consumers end
 // the frame early (EOS).
-__device__ __noinline__ void produce(const Params* P, int ptid) {
+__device__ __noinline__ void produce(const Params* P) {
     const Frame F{P};
     const int nslot = P->nslot;
     TileCursor cur(F);
     uint32_t i = 0;
     while (cur.settle(F)) {
-#if QMK_RING_LDGSTS
-        // Every producer thread walks the same tiles; thread 0 alone decides whether tile i is
-        // issued, so a stop seen by some threads only cannot leave a full barrier short of
-        // arrivals. go[i & 1] is rewritten only after the next tile's barrier, which every
-        // thread passes after reading it. Named barrier 15: 1 is the consumers', 2-9 the
-        // attention pairs'.
-        volatile uint32_t* go = ring_state().go;
-        if (ptid == 0) go[i & 1] = wait_slot_free(i, nslot) ? 1u : 0u;
-        asm volatile("bar.sync 15, %0;" ::"n"(QMK_PRODUCER_THREADS) : "memory");
-        if (!go[i & 1]) break;
-        const Phase& ph = cur.ph;
-        const Tile t = phase_tile(F, ph, cur.tile++);
-        issue_tile_ldgsts(t, i++, nslot, !t.kv, ptid);
-#else
-        (void)ptid;
         if (!wait_slot_free(i, nslot)) break;
         // The predictor's K/V rows were stored by other blocks earlier in this launch.
         const Phase& ph = cur.ph;
         const Tile t = phase_tile(F, ph, cur.tile++);
         issue_tile(t, i++, nslot, t.kv && ph.pass >= 0, !t.kv);
-#endif
     }
-    if (ptid == 0) *reinterpret_cast<volatile uint32_t*>(&ring_state().issued) = i;
+    *reinterpret_cast<volatile uint32_t*>(&ring_state().issued) = i;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -514,16 +498,11 @@ struct Ctx {
             long long* gr = grid_row();
             if (gr) gr[0] = dbg_gtime(), gr[3] = phase;
 #endif
-#ifdef QMK_EXP_EARLY_RELEASE
-            ring.release_deferred();  // experiment: the next tiles stream during the arrival
-#endif
             const unsigned arrived = grid_arrive(counter);
 #ifdef QMK_TRACE_ATTN
             if (gr) gr[1] = dbg_gtime();
 #endif
-#ifndef QMK_EXP_EARLY_RELEASE
             ring.release_deferred();
-#endif
             stamp(phase, STEP_ARRIVED);
             grid_wait(counter, arrived);
 #ifdef QMK_TRACE_ATTN
@@ -547,17 +526,12 @@ struct Ctx {
             long long* gr = grid_row();
             if (gr) gr[0] = dbg_gtime(), gr[3] = 64 + phase;
 #endif
-#ifdef QMK_EXP_EARLY_RELEASE
-            ring.release_deferred();
-#endif
             if (counter) red_add_release(counter);
 #ifdef QMK_TRACE_ATTN
             if (gr) gr[1] = gr[2] = dbg_gtime();
             ++seq;
 #endif
-#ifndef QMK_EXP_EARLY_RELEASE
             ring.release_deferred();
-#endif
             stamp(phase, 0);
         }
         block_sync();
@@ -1449,11 +1423,7 @@ __global__ void __launch_bounds__(QMK_BLOCK_THREADS, 1) qmk_frame_kernel(const _
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(QMK_PRODUCER_REGS));
 #endif
-#if QMK_RING_LDGSTS
-        produce(&P, tid - QMK_THREADS);
-#else
-        if (tid == QMK_THREADS) produce(&P, 0);
-#endif
+        if (tid == QMK_THREADS) produce(&P);
         __syncwarp();
         __syncthreads();
         return;
