@@ -50,11 +50,14 @@ def main() -> int:
     ap.add_argument("--frames", type=int, default=50)
     ap.add_argument("--stagger-ms", type=float, default=0.0,
                     help="open the streams one every this many ms instead of all at once")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="measure each level this many times on the same engine (levels[n] is the first, "
+                         "repeats[n] all of them): the spread between runs of one tree, for A/B calls")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": args.commit,
                     "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "frames": args.frames,
-                    "levels": {}}
+                    "levels": {}, "repeats": {}}
     levels = [int(n) for n in args.streams.split(",")]
     stagger = {"stagger_s": args.stagger_ms / 1e3} if args.stagger_ms else {}
     result["stagger_ms"] = args.stagger_ms
@@ -80,37 +83,39 @@ def main() -> int:
             asyncio.run(_run_level(service, engine, 1, 4, timeout=30))  # the service thread's first CUDA work
             for n in levels:
                 asyncio.run(_run_level(service, engine, n, args.frames, timeout=120, **stagger))  # warm this level's shapes
-                totals.clear()
-                counts.clear()
-                pr = cProfile.Profile() if n == max(levels) else None
-                if pr:
-                    pr.enable()
-                t0 = time.perf_counter()
-                r = asyncio.run(_run_level(service, engine, n, args.frames, timeout=120, **stagger))
-                wall = time.perf_counter() - t0
-                if pr:
-                    pr.disable()
-                    s = io.StringIO()
-                    st = pstats.Stats(pr, stream=s)
-                    st.sort_stats("tottime").print_stats(40)
-                    (args.out / "round_split_cprofile.txt").write_text(s.getvalue())
-                ms = {k: round(1e3 * v, 1) for k, v in totals.items()}
-                rounds = counts["_step_round"]
-                split = {
-                    "rounds": rounds,
-                    "level_wall_ms": round(1e3 * wall, 1),
-                    "stage_ms": ms,
-                    "calls": dict(counts),
-                    "per_round_ms": {k: round(v / max(rounds, 1), 2) for k, v in ms.items()},
-                    "round_outside_after_frame_and_launch_ms": round(
-                        (ms.get("_step_round", 0) - ms.get("_after_frame", 0) - ms.get("backend.decode_frames", 0))
-                        / max(rounds, 1), 2),
-                    "aggregate_frames_per_s": r["aggregate_frames_per_s"],
-                    "ttfc_p50_ms": r["ttfc_ms"]["p50"],
-                    "starved_streams": r["starved_streams"],
-                }
-                result["levels"][n] = split
-                print(f"{n} streams: {json.dumps(split)}", flush=True)
+                for rep in range(args.repeat):
+                    totals.clear()
+                    counts.clear()
+                    pr = cProfile.Profile() if n == max(levels) and rep == 0 else None
+                    if pr:
+                        pr.enable()
+                    t0 = time.perf_counter()
+                    r = asyncio.run(_run_level(service, engine, n, args.frames, timeout=120, **stagger))
+                    wall = time.perf_counter() - t0
+                    if pr:
+                        pr.disable()
+                        s = io.StringIO()
+                        st = pstats.Stats(pr, stream=s)
+                        st.sort_stats("tottime").print_stats(40)
+                        (args.out / "round_split_cprofile.txt").write_text(s.getvalue())
+                    ms = {k: round(1e3 * v, 1) for k, v in totals.items()}
+                    rounds = counts["_step_round"]
+                    split = {
+                        "rounds": rounds,
+                        "level_wall_ms": round(1e3 * wall, 1),
+                        "stage_ms": ms,
+                        "calls": dict(counts),
+                        "per_round_ms": {k: round(v / max(rounds, 1), 2) for k, v in ms.items()},
+                        "round_outside_after_frame_and_launch_ms": round(
+                            (ms.get("_step_round", 0) - ms.get("_after_frame", 0) - ms.get("backend.decode_frames", 0))
+                            / max(rounds, 1), 2),
+                        "aggregate_frames_per_s": r["aggregate_frames_per_s"],
+                        "ttfc_p50_ms": r["ttfc_ms"]["p50"],
+                        "starved_streams": r["starved_streams"],
+                    }
+                    result["levels"].setdefault(n, split)
+                    result["repeats"].setdefault(n, []).append(split)
+                    print(f"{n} streams: {json.dumps(split)}", flush=True)
         finally:
             service.close()
     (args.out / "round_split.json").write_text(json.dumps(result, indent=2))
