@@ -79,6 +79,20 @@ def test_ctypes_layout_matches_header(tmp_path, monkeypatch):
     assert acc[1] >= 4 * (acc[0] + 2048)
 
 
+def test_parallel_flags_follow_what_nvcc_offers(tmp_path):
+    """The parallel build flag only where nvcc lists it: an older nvcc (a stand-in script whose help
+    lacks it) gets the plain command, and so does a path that cannot run."""
+    old = tmp_path / "nvcc"
+    old.write_text("#!/bin/sh\necho 'Usage  : nvcc [options] <inputfile>'\n")
+    old.chmod(0o755)
+    assert mk.parallel_flags(str(old)) == ()
+    assert mk.parallel_flags(str(tmp_path / "missing")) == ()
+    if NVCC is not None:
+        offers = "--split-compile" in subprocess.run([NVCC, "--help"], capture_output=True, text=True).stdout
+        assert mk.parallel_flags(NVCC) == (("--split-compile=0",) if offers else ())
+        assert ("--split-compile=0" in mk.nvcc_command(NVCC, ["sm_90"], tmp_path / "x.so")) == offers
+
+
 def test_unsupported_reason_names_the_device():
     reason = mk.megakernel_unsupported_reason(None, torch.device("cpu"), torch.bfloat16)
     assert reason is not None and "CUDA" in reason
