@@ -34,6 +34,8 @@
 #include <cstdio>
 #include <vector>
 
+#include "microbench.cuh"
+
 #define SLOT_BYTES (32 * 1024)
 #define MAX_COPIES 6
 #define ITERS 64
@@ -75,11 +77,6 @@ struct Args {
 extern __shared__ __align__(128) unsigned char smem[];
 
 __device__ __forceinline__ uint32_t s32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ long long clk() {
-    long long t;
-    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
-    return t;
-}
 __device__ __forceinline__ uint32_t cluster_rank() {
     uint32_t r;
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
@@ -154,12 +151,8 @@ __device__ __forceinline__ long long timed_op(const Args& a, unsigned* ctr, uint
 }
 
 __device__ __forceinline__ void wait_parity(uint32_t bar, unsigned parity) {
-    uint32_t ok = 0;
-    while (!ok)
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(ok)
-                     : "r"(bar), "r"(parity)
-                     : "memory");
+    while (!mbar_done(bar, parity)) {
+    }
 }
 
 // One CTA per SM, 64 threads: warp 0 lane 0 issues (ISS_OTHER_WARP), warp 1 lane 0 is timed.
@@ -240,15 +233,6 @@ __device__ void probe(const Args& a) {
 __global__ void probe_plain(Args a) { probe<false>(a); }
 __global__ void __cluster_dims__(2, 1, 1) probe_cluster(Args a) { probe<true>(a); }
 
-#define CK(x)                                                                                   \
-    do {                                                                                        \
-        cudaError_t e_ = (x);                                                                   \
-        if (e_ != cudaSuccess) {                                                                \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            return 1;                                                                           \
-        }                                                                                       \
-    } while (0)
-
 int main() {
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
@@ -303,16 +287,12 @@ int main() {
                             ops.push_back(host[i]);
                             if (host[i + 1] >= 0) lands.push_back(host[i + 1]);
                         }
-                        auto pct = [](std::vector<long long>& v, double q) -> long long {
-                            if (v.empty()) return -1;
-                            std::sort(v.begin(), v.end());
-                            return v[std::min(v.size() - 1, (size_t)(q * (v.size() - 1)))];
-                        };
                         printf("%s  {\"issuer\": \"%s\", \"source\": \"%s\", \"op\": \"%s\", \"delay_cycles\": %lld, "
                                "\"copies_32k\": %d, \"samples\": %zu, \"op_cycles_p10\": %lld, \"op_cycles_p50\": %lld, "
                                "\"op_cycles_p90\": %lld, \"land_cycles_p50\": %lld}",
                                first ? "" : ",\n", kIssuerNames[issuer], src_l2 ? "L2" : "HBM", kOpNames[op], delay, n,
-                               ops.size(), pct(ops, 0.1), pct(ops, 0.5), pct(ops, 0.9), pct(lands, 0.5));
+                               ops.size(), percentile(ops, 0.1), percentile(ops, 0.5), percentile(ops, 0.9),
+                               percentile(lands, 0.5));
                         first = false;
                         fflush(stdout);
                     }

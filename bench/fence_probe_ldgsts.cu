@@ -30,6 +30,8 @@
 #include <cstdio>
 #include <vector>
 
+#include "microbench.cuh"
+
 #define SLOT_BYTES (32 * 1024)
 #define MAX_SLOTS 4
 #define ITERS 64
@@ -55,20 +57,6 @@ struct Args {
 extern __shared__ __align__(128) unsigned char smem[];
 
 __device__ __forceinline__ uint32_t s32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ long long clk() {
-    long long t;
-    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
-    return t;
-}
-__device__ __forceinline__ bool test_parity(uint32_t bar, unsigned parity) {
-    uint32_t ok;
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(ok)
-                 : "r"(bar), "r"(parity)
-                 : "memory");
-    return ok != 0;
-}
-
 __device__ __forceinline__ long long timed_op(int op, unsigned* ctr) {
     unsigned v = 0;
     const long long t0 = clk();
@@ -133,7 +121,7 @@ __global__ void __launch_bounds__(THREADS, 1) probe(Args a) {
             const long long t1 = clk();
             long long landed = -1;
             if (a.slots > 0 && a.mech != M_LDG && a.mech != M_NONE) {
-                while (!test_parity(s32(bar), it & 1)) {
+                while (!mbar_done(s32(bar), it & 1)) {
                 }
                 landed = clk() - t1 + op;
             }
@@ -148,20 +136,11 @@ __global__ void __launch_bounds__(THREADS, 1) probe(Args a) {
             for (int k = 0; k < LDG_PER_THREAD; ++k) d[k * 32 * ISSUER_WARPS + threadIdx.x] = held[k];
         }
         if (a.mech != M_LDG && a.mech != M_NONE && a.slots > 0 && warp == 0 && lane == 0)
-            while (!test_parity(s32(bar), it & 1)) {
+            while (!mbar_done(s32(bar), it & 1)) {
             }
     }
     __syncthreads();
 }
-
-#define CK(x)                                                                                   \
-    do {                                                                                        \
-        cudaError_t e_ = (x);                                                                   \
-        if (e_ != cudaSuccess) {                                                                \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            return 1;                                                                           \
-        }                                                                                       \
-    } while (0)
 
 int main() {
     cudaDeviceProp prop;
@@ -202,16 +181,11 @@ int main() {
                     ops.push_back(host[i]);
                     if (host[i + 1] >= 0) lands.push_back(host[i + 1]);
                 }
-                auto pct = [](std::vector<long long>& v, double q) -> long long {
-                    if (v.empty()) return -1;
-                    std::sort(v.begin(), v.end());
-                    return v[std::min(v.size() - 1, (size_t)(q * (v.size() - 1)))];
-                };
                 printf("%s  {\"loads\": \"%s\", \"op\": \"%s\", \"slots_32k\": %d, \"samples\": %zu, "
                        "\"op_cycles_p10\": %lld, \"op_cycles_p50\": %lld, \"op_cycles_p90\": %lld, "
                        "\"landed_cycles_p50\": %lld}",
-                       first ? "" : ",\n", kMechNames[mech], kOpNames[op], a.slots, ops.size(), pct(ops, 0.1),
-                       pct(ops, 0.5), pct(ops, 0.9), pct(lands, 0.5));
+                       first ? "" : ",\n", kMechNames[mech], kOpNames[op], a.slots, ops.size(), percentile(ops, 0.1),
+                       percentile(ops, 0.5), percentile(ops, 0.9), percentile(lands, 0.5));
                 first = false;
                 fflush(stdout);
             }

@@ -1,8 +1,47 @@
-// What the standalone microbenchmarks in bench/ share: the megakernel's grid barrier and the
-// wall time of one launch.
+// What the standalone microbenchmarks and probes in bench/ share: error checks, the cycle counter,
+// an mbarrier test, percentiles, the megakernel's grid barrier and the wall time of one launch.
 #pragma once
 
 #include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+// A CUDA call in a probe's main(): on failure, say which and where, and return 1.
+#define CK(x)                                                                                   \
+    do {                                                                                        \
+        cudaError_t e_ = (x);                                                                   \
+        if (e_ != cudaSuccess) {                                                                \
+            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+            return 1;                                                                           \
+        }                                                                                       \
+    } while (0)
+
+// The SM's cycle counter, ordered with the memory operations around it.
+__device__ __forceinline__ long long clk() {
+    long long t;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
+    return t;
+}
+
+// Whether the mbarrier at shared address `bar` has completed the phase of this parity.
+__device__ __forceinline__ bool mbar_done(uint32_t bar, unsigned parity) {
+    uint32_t ok;
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(ok)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+    return ok != 0;
+}
+
+// The q-quantile of v (sorted in place); -1 when empty.
+inline long long percentile(std::vector<long long>& v, double q) {
+    if (v.empty()) return -1;
+    std::sort(v.begin(), v.end());
+    return v[std::min(v.size() - 1, (size_t)(q * (v.size() - 1)))];
+}
 
 // The megakernel's grid barrier (cuda/mk_util.cuh: top-bit flip on a counter that never resets,
 // release arrival, acquire wait) over all threads of the block. One block per SM, every block
