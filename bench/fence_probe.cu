@@ -239,23 +239,15 @@ int main() {
     int clock_khz = 0;
     CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
     const int blocks = prop.multiProcessorCount / 2 * 2;
-    const size_t src_bytes = (size_t)4 << 30;
-    unsigned char* src = nullptr;
-    CK(cudaMalloc(&src, src_bytes));
-    CK(cudaMemset(src, 1, src_bytes));
-    unsigned* counters = nullptr;
-    CK(cudaMalloc(&counters, sizeof(unsigned) * 32 * blocks));
-    CK(cudaMemset(counters, 0, sizeof(unsigned) * 32 * blocks));
-    long long* out = nullptr;
-    const size_t n_out = (size_t)blocks * ITERS * 2;
-    CK(cudaMalloc(&out, n_out * sizeof(long long)));
+    ProbeBuffers pb;
+    CK(alloc_probe_buffers(pb, blocks, ITERS));
     const int smem_bytes = 128 + MAX_COPIES * SLOT_BYTES + STAGE_BYTES;
     float* sink = nullptr;
     CK(cudaMalloc(&sink, (size_t)blocks * STAGE_BYTES));
     CK(cudaMemset(sink, 0, (size_t)blocks * STAGE_BYTES));
     CK(cudaFuncSetAttribute(probe_plain, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
     CK(cudaFuncSetAttribute(probe_cluster, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-    std::vector<long long> host(n_out);
+    std::vector<long long> host(pb.n_out);
     printf("{\"gpu\": \"%s\", \"sms\": %d, \"blocks\": %d, \"sm_clock_khz_nominal\": %d, \"iters\": %d,\n",
            prop.name, prop.multiProcessorCount, blocks, clock_khz, ITERS);
     printf(" \"rows\": [\n");
@@ -270,23 +262,18 @@ int main() {
                         const bool side = op == OP_LOAD_RELAXED || op >= OP_PROXY_ATOM;
                         if (issuer >= ISS_PEER_INTO_ME && side) continue;
                         if (src_l2 && (delay != 0 || side)) continue;
-                        Args a{src, src_l2 ? (size_t)blocks * MAX_COPIES * SLOT_BYTES : src_bytes, src_l2, op, issuer, n,
-                               delay, counters, sink, out};
-                        CK(cudaMemset(out, 0xff, n_out * sizeof(long long)));
+                        Args a{pb.src, src_l2 ? (size_t)blocks * MAX_COPIES * SLOT_BYTES : pb.src_bytes, src_l2, op,
+                               issuer, n, delay, pb.counters, sink, pb.out};
+                        CK(cudaMemset(pb.out, 0xff, pb.n_out * sizeof(long long)));
                         for (int rep = 0; rep < 2; ++rep) {  // the first launch warms up
                             if (issuer >= ISS_PEER_INTO_ME) probe_cluster<<<blocks, 64, smem_bytes>>>(a);
                             else probe_plain<<<blocks, 64, smem_bytes>>>(a);
                             CK(cudaGetLastError());
                             CK(cudaDeviceSynchronize());
                         }
-                        CK(cudaMemcpy(host.data(), out, n_out * sizeof(long long), cudaMemcpyDeviceToHost));
+                        CK(cudaMemcpy(host.data(), pb.out, pb.n_out * sizeof(long long), cudaMemcpyDeviceToHost));
                         std::vector<long long> ops, lands;
-                        for (size_t i = 0; i < n_out; i += 2) {
-                            if (host[i] < 0) continue;
-                            if ((i / 2) % ITERS < 4) continue;  // a launch's first rounds
-                            ops.push_back(host[i]);
-                            if (host[i + 1] >= 0) lands.push_back(host[i + 1]);
-                        }
+                        collect_rounds(host, ITERS, ops, lands);
                         printf("%s  {\"issuer\": \"%s\", \"source\": \"%s\", \"op\": \"%s\", \"delay_cycles\": %lld, "
                                "\"copies_32k\": %d, \"samples\": %zu, \"op_cycles_p10\": %lld, \"op_cycles_p50\": %lld, "
                                "\"op_cycles_p90\": %lld, \"land_cycles_p50\": %lld}",

@@ -146,19 +146,11 @@ int main() {
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     const int blocks = prop.multiProcessorCount;
-    const size_t src_bytes = (size_t)4 << 30;
-    unsigned char* src = nullptr;
-    CK(cudaMalloc(&src, src_bytes));
-    CK(cudaMemset(src, 1, src_bytes));
-    unsigned* counters = nullptr;
-    CK(cudaMalloc(&counters, sizeof(unsigned) * 32 * blocks));
-    CK(cudaMemset(counters, 0, sizeof(unsigned) * 32 * blocks));
-    long long* out = nullptr;
-    const size_t n_out = (size_t)blocks * ITERS * 2;
-    CK(cudaMalloc(&out, n_out * sizeof(long long)));
+    ProbeBuffers pb;
+    CK(alloc_probe_buffers(pb, blocks, ITERS));
     const int smem_bytes = 128 + MAX_SLOTS * SLOT_BYTES;
     CK(cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-    std::vector<long long> host(n_out);
+    std::vector<long long> host(pb.n_out);
     printf("{\"gpu\": \"%s\", \"sms\": %d, \"blocks\": %d, \"iters\": %d,\n \"rows\": [\n", prop.name,
            prop.multiProcessorCount, blocks, ITERS);
     bool first = true;
@@ -167,20 +159,16 @@ int main() {
             for (int slots : {1, 2, 4}) {
                 if (mech == M_NONE && slots != 1) continue;
                 if (mech == M_LDG && slots != 1) continue;
-                Args a{src, src_bytes, mech, op, mech == M_NONE ? 0 : slots, counters, out};
-                CK(cudaMemset(out, 0xff, n_out * sizeof(long long)));
+                Args a{pb.src, pb.src_bytes, mech, op, mech == M_NONE ? 0 : slots, pb.counters, pb.out};
+                CK(cudaMemset(pb.out, 0xff, pb.n_out * sizeof(long long)));
                 for (int rep = 0; rep < 2; ++rep) {  // the first launch warms up
                     probe<<<blocks, THREADS, smem_bytes>>>(a);
                     CK(cudaGetLastError());
                     CK(cudaDeviceSynchronize());
                 }
-                CK(cudaMemcpy(host.data(), out, n_out * sizeof(long long), cudaMemcpyDeviceToHost));
+                CK(cudaMemcpy(host.data(), pb.out, pb.n_out * sizeof(long long), cudaMemcpyDeviceToHost));
                 std::vector<long long> ops, lands;
-                for (size_t i = 0; i < n_out; i += 2) {
-                    if (host[i] < 0 || (i / 2) % ITERS < 4) continue;  // a launch's first rounds
-                    ops.push_back(host[i]);
-                    if (host[i + 1] >= 0) lands.push_back(host[i + 1]);
-                }
+                collect_rounds(host, ITERS, ops, lands);
                 printf("%s  {\"loads\": \"%s\", \"op\": \"%s\", \"slots_32k\": %d, \"samples\": %zu, "
                        "\"op_cycles_p10\": %lld, \"op_cycles_p50\": %lld, \"op_cycles_p90\": %lld, "
                        "\"landed_cycles_p50\": %lld}",

@@ -1,5 +1,6 @@
 // What the standalone microbenchmarks and probes in bench/ share: error checks, the cycle counter,
-// an mbarrier test, percentiles, the megakernel's grid barrier and the wall time of one launch.
+// an mbarrier test, percentiles, the fence probes' buffers and round summary,
+// the megakernel's grid barrier and the wall time of one launch.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -41,6 +42,40 @@ inline long long percentile(std::vector<long long>& v, double q) {
     if (v.empty()) return -1;
     std::sort(v.begin(), v.end());
     return v[std::min(v.size() - 1, (size_t)(q * (v.size() - 1)))];
+}
+
+// What the fence probes share: a 4 GB source that a run walks so no line repeats (HBM reads), a
+// 128-byte counter line per block, and per block and round two cycle counts (the timed operation,
+// and when the copies landed or -1), set to -1 before each variant.
+struct ProbeBuffers {
+    unsigned char* src = nullptr;
+    size_t src_bytes = (size_t)4 << 30;
+    unsigned* counters = nullptr;
+    long long* out = nullptr;
+    size_t n_out = 0;
+};
+
+inline cudaError_t alloc_probe_buffers(ProbeBuffers& b, int blocks, int iters) {
+    cudaError_t e;
+    if ((e = cudaMalloc(&b.src, b.src_bytes)) != cudaSuccess || (e = cudaMemset(b.src, 1, b.src_bytes)) != cudaSuccess)
+        return e;
+    const size_t ctr_bytes = sizeof(unsigned) * 32 * blocks;
+    if ((e = cudaMalloc(&b.counters, ctr_bytes)) != cudaSuccess ||
+        (e = cudaMemset(b.counters, 0, ctr_bytes)) != cudaSuccess)
+        return e;
+    b.n_out = (size_t)blocks * iters * 2;
+    return cudaMalloc(&b.out, b.n_out * sizeof(long long));
+}
+
+// The rounds of `host` (a copy of ProbeBuffers::out) that ran, each launch's first 4 left out:
+// the timed operation's cycles into `ops`, the landing times that were taken into `lands`.
+inline void collect_rounds(const std::vector<long long>& host, int iters, std::vector<long long>& ops,
+                           std::vector<long long>& lands) {
+    for (size_t i = 0; i + 1 < host.size(); i += 2) {
+        if (host[i] < 0 || (int)((i / 2) % iters) < 4) continue;
+        ops.push_back(host[i]);
+        if (host[i + 1] >= 0) lands.push_back(host[i + 1]);
+    }
 }
 
 // The megakernel's grid barrier (cuda/mk_util.cuh: top-bit flip on a counter that never resets,
