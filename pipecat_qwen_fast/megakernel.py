@@ -103,7 +103,7 @@ def gencode_flags(archs: list[str]) -> list[str]:
 @functools.cache
 def parallel_flags(nvcc: str) -> tuple[str, ...]:
     """`--split-compile=0` (the device optimiser on every core) where this nvcc has it. The first
-    build on a machine goes from 59 to 26 s on 16 cores (H200 host; 79 -> 40 s on 2), and the
+    build on a machine goes from 59 to 26 s on 16 cores (H200 host; 75-79 -> 40-44 s on 2), and the
     library runs as fast with the same codes (bench/NOTES.md, "The megakernel built in parallel").
     Older nvcc lacks the option, so it is asked, once per path. Not in `source_hash`: it changes
     how long a build takes, not what the kernel computes, so existing caches stay valid."""
