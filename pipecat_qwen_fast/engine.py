@@ -261,9 +261,9 @@ class QwenTTSEngine:
         # step_many clears it for a round of several sessions: a session stepped on its own that
         # kept a frame ahead every round would never rejoin the batch.
         self._ahead_allowed = True
-        # Set inside a batched round: chunks flushed there are collected here and vocoded at the
-        # round's end, one batched call per chunk size, instead of one call each, each waited for.
-        self._round_jobs: list[_VocoderJob] | None = None
+        # True inside a batched round: chunks flushed there come back as _VocoderJobs, vocoded at
+        # the round's end, one batched call per chunk size, instead of one call each, each waited for.
+        self._defer_vocoder = False
         # On a GPU the streaming vocoder step replays one CUDA graph per chunk size, captured from
         # compiled code at warm-up for every size a default stream sends, with cuDNN's preferred
         # weight layout.
@@ -676,7 +676,7 @@ class QwenTTSEngine:
                         self.close_session(sessions[i])
                         results[i] = e
                     continue
-                self._round_jobs = []  # the chunks these frames complete: vocoded together below
+                self._defer_vocoder = True  # the chunks these frames complete: vocoded together below
                 try:
                     for j, i in enumerate(part):
                         try:
@@ -686,7 +686,7 @@ class QwenTTSEngine:
                             self.close_session(sessions[i])
                             results[i] = e
                 finally:
-                    self._round_jobs = None
+                    self._defer_vocoder = False
                 jobs += [(i, c) for i in part if isinstance(results[i], list)
                          for c in results[i] if isinstance(c, _VocoderJob)]
         if jobs:
@@ -771,10 +771,9 @@ class QwenTTSEngine:
             pcm, done = early.pcm, early.done
         elif not s.request.vocode:
             pcm, done = torch.zeros(0, dtype=torch.int16), None
-        elif self._round_jobs is not None and not launch_next:
-            job = _VocoderJob(s.vocoder_state, torch.stack(pending).T, start, host_codes)
-            self._round_jobs.append(job)
-            return [job]  # replaced by its AudioChunk at the round's end
+        elif self._defer_vocoder and not launch_next:
+            # Replaced by its AudioChunk at the round's end (_step_round collects it from the results).
+            return [_VocoderJob(s.vocoder_state, torch.stack(pending).T, start, host_codes)]
         else:
             codes = torch.stack(pending).T[None]  # [1, 16, n]
             with torch.no_grad():
