@@ -5,8 +5,8 @@
 //
 // Per cluster size S in 1, 2, 4, 8, 16 (16 is a non-portable size):
 //   max_active_clusters  cudaOccupancyMaxActiveClusters for that shape;
-//   then, where S x that count holds the grid (128 blocks, so every block is resident and the
-//   grid barrier cannot deadlock), per round, p50 / p90 cycles of block 0's thread 0 over
+//   then on min(128, S x that count) blocks (all resident, so the grid barrier cannot
+//   deadlock), per round, p50 / p90 cycles of block 0's thread 0 over
 //   ROUNDS rounds of each launch:
 //     grid     the megakernel's grid barrier (bench/microbench.cuh) across all 128 blocks;
 //     cluster  barrier.cluster arrive.release / wait.acquire across the S blocks;
@@ -17,7 +17,9 @@
 // Build here and carry the binary (bench/README.md); it needs no library:
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o .probe/cluster_probe bench/cluster_probe.cu
 //   .probe/cluster_probe > $OUT/cluster_probe.json
-// Not yet run on a GPU (written at the end of the twenty-first session, when no device time was left).
+// Found on the H200 (bench/results/2026-11-25-h200-stream-probe/cluster_probe_h200_2026-11-25.json):
+// at most 7 clusters of 16 and 15 of 8 are resident with this shape, so 128 blocks in clusters of
+// 8 or 16 are not; a cluster barrier costs ~630 cycles (~770 at 16) against the grid barrier's ~1900.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -117,11 +119,16 @@ int main() {
                first ? "" : ",\n", size, occ == cudaSuccess ? clusters : -1,
                occ == cudaSuccess ? "" : cudaGetErrorString(occ));
         first = false;
-        if (occ != cudaSuccess || clusters * size < GRID) {
-            printf(", \"timed\": false}");  // the grid would not be resident: a grid barrier could deadlock
+        if (occ != cudaSuccess || clusters < 1) {
+            printf(", \"timed\": false}");
             (void)cudaGetLastError();
             continue;
         }
+        // Where the GPU cannot hold 128 blocks in clusters of this size, time the barriers on the
+        // blocks it can hold, so every block is resident and the grid barrier cannot deadlock.
+        const int blocks = std::min(GRID, clusters * size);
+        cfg.gridDim = dim3(blocks);
+        printf(", \"grid_blocks\": %d", blocks);
         for (int mode = 0; mode < M_COUNT; ++mode) {
             if (mode == M_HANDOFF && size == 1) continue;
             for (int rep = 0; rep < 2; ++rep) {  // the first launch warms up
