@@ -8,7 +8,7 @@
 //   then on min(128, S x that count) blocks (all resident, so the grid barrier cannot
 //   deadlock), per round, p50 / p90 cycles of block 0's thread 0 over
 //   ROUNDS rounds of each launch:
-//     grid     the megakernel's grid barrier (bench/microbench.cuh) across all 128 blocks;
+//     grid     the megakernel's grid barrier (bench/microbench.cuh) across those blocks;
 //     cluster  barrier.cluster arrive.release / wait.acquire across the S blocks;
 //     handoff  every block of a cluster stores 1 KB into the rank-0 block's shared memory
 //              (st.shared::cluster), a cluster barrier, rank 0 sums what arrived: the
@@ -44,14 +44,6 @@ static const char* kModeNames[M_COUNT] = {"grid barrier (atomic arrival, acquire
 
 extern __shared__ __align__(16) float smem_f[];
 
-__device__ __forceinline__ void cluster_barrier() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ uint32_t cluster_rank() {
-    uint32_t r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
 
 __global__ void __launch_bounds__(THREADS, 1) probe(int mode, unsigned* counter, long long* out, float* sink) {
     const uint32_t rank = cluster_rank();
@@ -60,23 +52,23 @@ __global__ void __launch_bounds__(THREADS, 1) probe(int mode, unsigned* counter,
     const uint32_t mine = (uint32_t)__cvta_generic_to_shared(smem_f + rank * HANDOFF_FLOATS + threadIdx.x);
     uint32_t remote = 0;
     if (mode == M_HANDOFF) asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(remote) : "r"(mine));
-    cluster_barrier();  // every block of the cluster has started before any remote store
+    cluster_sync();  // every block of the cluster has started before any remote store
     for (int r = 0; r < ROUNDS; ++r) {
         const long long t0 = clk();
         if (mode == M_GRID) {
             grid_barrier(counter);
         } else if (mode == M_CLUSTER) {
-            cluster_barrier();
+            cluster_sync();
         } else {
             if (threadIdx.x < HANDOFF_FLOATS)
                 asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"((float)(r + rank)) : "memory");
-            cluster_barrier();
+            cluster_sync();
             if (rank == 0 && threadIdx.x < HANDOFF_FLOATS) {
                 unsigned size;
                 asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(size));
                 for (unsigned k = 0; k < size; ++k) acc += smem_f[k * HANDOFF_FLOATS + threadIdx.x];
             }
-            cluster_barrier();  // rank 0 has read before the next round's stores
+            cluster_sync();  // rank 0 has read before the next round's stores
         }
         const long long t1 = clk();
         if (blockIdx.x == 0 && threadIdx.x == 0) out[r] = t1 - t0;

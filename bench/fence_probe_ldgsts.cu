@@ -56,7 +56,6 @@ struct Args {
 
 extern __shared__ __align__(128) unsigned char smem[];
 
-__device__ __forceinline__ uint32_t s32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ long long timed_op(int op, unsigned* ctr) {
     unsigned v = 0;
     const long long t0 = clk();

@@ -1,5 +1,5 @@
 // What the standalone microbenchmarks and probes in bench/ share: error checks, the cycle counter,
-// an mbarrier test, percentiles, the fence probes' buffers and round summary,
+// an mbarrier test, shared-memory and cluster addressing, percentiles, the fence probes' buffers and round summary,
 // the megakernel's grid barrier and the wall time of one launch.
 #pragma once
 
@@ -35,6 +35,24 @@ __device__ __forceinline__ bool mbar_done(uint32_t bar, unsigned parity) {
                  : "r"(bar), "r"(parity)
                  : "memory");
     return ok != 0;
+}
+
+// Shared-memory and cluster helpers of the probes that use mbarriers and clusters.
+__device__ __forceinline__ uint32_t s32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+// The shared::cluster address of `addr` (this block's shared memory) in cluster rank `rank`.
+__device__ __forceinline__ uint32_t map_to(uint32_t addr, uint32_t rank) {
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+// Every thread of every block of the cluster.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
 // The q-quantile of v (sorted in place); -1 when empty.

@@ -104,25 +104,11 @@ struct Args {
 
 extern __shared__ __align__(128) unsigned char smem[];
 
-__device__ __forceinline__ uint32_t s32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ uint64_t* full_bar(int s) { return reinterpret_cast<uint64_t*>(smem) + s; }
 __device__ __forceinline__ uint64_t* empty_bar(int rank, int s) {
     return reinterpret_cast<uint64_t*>(smem) + NSLOT + rank * NSLOT + s;
 }
 __device__ __forceinline__ unsigned char* slot(int s) { return smem + SLOTS_OFF + s * SLOT_BYTES; }
-__device__ __forceinline__ uint32_t cluster_rank() {
-    uint32_t r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ uint32_t map_to(uint32_t addr, uint32_t rank) {
-    uint32_t r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
-    return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory"); }
 __device__ __forceinline__ void wait_parity(uint32_t bar, unsigned parity, bool cluster_scope) {
     uint32_t ok = 0;
