@@ -74,9 +74,10 @@ struct Pattern {
     int nphase;
     int tiles[MAX_PHASE];
 };
-// Stand-in arithmetic for the 3-barrier layer, calibrated so the bare skeleton's phases (5.6, 3.0
-// and 2.3 us on the H200) come near the kernel's at talker position 100 (q/k/v 5.2, attention +
-// o_proj 8.5, MLP 6.0 us): the attention before the o_proj tile, the MLP's around its tiles.
+// Stand-in arithmetic for the 3-barrier layer, calibrated so the bare skeleton's layer (phases 5.6,
+// 3.0 and 2.3 us on the H200) comes to the kernel's at talker position 100 (20.1 us: q/k/v 5.2,
+// attention + o_proj 9.0, MLP 5.9 in bench/results/2026-11-25-h200-split-compile/'s profile): the
+// attention before the o_proj tile, the MLP's around its tiles.
 static const int kSpinPre[MAX_PHASE] = {0, 11000, 3600};
 static const int kSpinPost[MAX_PHASE] = {2000, 0, 3700};
 static const Pattern kPatterns[] = {{"3 barriers a layer", 3, {2, 1, 5}},
