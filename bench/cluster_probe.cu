@@ -94,17 +94,8 @@ int main() {
     bool first = true;
     std::vector<long long> host(ROUNDS);
     for (int size : {1, 2, 4, 8, MAX_CLUSTER}) {
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(GRID);
-        cfg.blockDim = dim3(THREADS);
-        cfg.dynamicSmemBytes = SMEM_BYTES;
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeClusterDimension;
-        attr[0].val.clusterDim.x = size;
-        attr[0].val.clusterDim.y = 1;
-        attr[0].val.clusterDim.z = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
+        ClusterLaunch launch(size, GRID, THREADS, SMEM_BYTES);
+        cudaLaunchConfig_t& cfg = launch.cfg;
         int clusters = 0;
         const cudaError_t occ = cudaOccupancyMaxActiveClusters(&clusters, probe, &cfg);
         printf("%s  {\"cluster_size\": %d, \"max_active_clusters\": %d, \"occupancy_error\": \"%s\"",

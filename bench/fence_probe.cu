@@ -250,16 +250,14 @@ int main() {
                         if (src_l2 && (delay != 0 || side)) continue;
                         Args a{pb.src, src_l2 ? (size_t)blocks * MAX_COPIES * SLOT_BYTES : pb.src_bytes, src_l2, op,
                                issuer, n, delay, pb.counters, sink, pb.out};
-                        CK(cudaMemset(pb.out, 0xff, pb.n_out * sizeof(long long)));
-                        for (int rep = 0; rep < 2; ++rep) {  // the first launch warms up
-                            if (issuer >= ISS_PEER_INTO_ME) probe_cluster<<<blocks, 64, smem_bytes>>>(a);
-                            else probe_plain<<<blocks, 64, smem_bytes>>>(a);
-                            CK(cudaGetLastError());
-                            CK(cudaDeviceSynchronize());
-                        }
-                        CK(cudaMemcpy(host.data(), pb.out, pb.n_out * sizeof(long long), cudaMemcpyDeviceToHost));
                         std::vector<long long> ops, lands;
-                        collect_rounds(host, ITERS, ops, lands);
+                        CK(launch_and_collect(
+                            pb, ITERS, host,
+                            [&] {
+                                if (issuer >= ISS_PEER_INTO_ME) probe_cluster<<<blocks, 64, smem_bytes>>>(a);
+                                else probe_plain<<<blocks, 64, smem_bytes>>>(a);
+                            },
+                            ops, lands));
                         printf("%s  {\"issuer\": \"%s\", \"source\": \"%s\", \"op\": \"%s\", \"delay_cycles\": %lld, "
                                "\"copies_32k\": %d, \"samples\": %zu, \"op_cycles_p10\": %lld, \"op_cycles_p50\": %lld, "
                                "\"op_cycles_p90\": %lld, \"land_cycles_p50\": %lld}",

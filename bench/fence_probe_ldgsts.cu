@@ -159,15 +159,8 @@ int main() {
                 if (mech == M_NONE && slots != 1) continue;
                 if (mech == M_LDG && slots != 1) continue;
                 Args a{pb.src, pb.src_bytes, mech, op, mech == M_NONE ? 0 : slots, pb.counters, pb.out};
-                CK(cudaMemset(pb.out, 0xff, pb.n_out * sizeof(long long)));
-                for (int rep = 0; rep < 2; ++rep) {  // the first launch warms up
-                    probe<<<blocks, THREADS, smem_bytes>>>(a);
-                    CK(cudaGetLastError());
-                    CK(cudaDeviceSynchronize());
-                }
-                CK(cudaMemcpy(host.data(), pb.out, pb.n_out * sizeof(long long), cudaMemcpyDeviceToHost));
                 std::vector<long long> ops, lands;
-                collect_rounds(host, ITERS, ops, lands);
+                CK(launch_and_collect(pb, ITERS, host, [&] { probe<<<blocks, THREADS, smem_bytes>>>(a); }, ops, lands));
                 printf("%s  {\"loads\": \"%s\", \"op\": \"%s\", \"slots_32k\": %d, \"samples\": %zu, "
                        "\"op_cycles_p10\": %lld, \"op_cycles_p50\": %lld, \"op_cycles_p90\": %lld, "
                        "\"landed_cycles_p50\": %lld}",

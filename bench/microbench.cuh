@@ -1,5 +1,5 @@
 // What the standalone microbenchmarks and probes in bench/ share: error checks, the cycle counter,
-// an mbarrier test, shared-memory and cluster addressing, percentiles, the fence probes' buffers and round summary,
+// an mbarrier test, shared-memory and cluster addressing, a cluster launch configuration, percentiles, the fence probes' buffers and round summary,
 // the megakernel's grid barrier and the wall time of one launch.
 #pragma once
 
@@ -95,6 +95,43 @@ inline void collect_rounds(const std::vector<long long>& host, int iters, std::v
         if (host[i + 1] >= 0) lands.push_back(host[i + 1]);
     }
 }
+
+// Two launches of `launch()` (the first warms up) on ProbeBuffers::out set to -1, then the second
+// launch's rounds (collect_rounds) into `ops` and `lands`; `host` is the copy's buffer.
+template <class Launch>
+cudaError_t launch_and_collect(const ProbeBuffers& b, int iters, std::vector<long long>& host, Launch launch,
+                               std::vector<long long>& ops, std::vector<long long>& lands) {
+    cudaError_t e;
+    if ((e = cudaMemset(b.out, 0xff, b.n_out * sizeof(long long))) != cudaSuccess) return e;
+    for (int rep = 0; rep < 2; ++rep) {
+        launch();
+        if ((e = cudaGetLastError()) != cudaSuccess || (e = cudaDeviceSynchronize()) != cudaSuccess) return e;
+    }
+    if ((e = cudaMemcpy(host.data(), b.out, b.n_out * sizeof(long long), cudaMemcpyDeviceToHost)) != cudaSuccess)
+        return e;
+    collect_rounds(host, iters, ops, lands);
+    return cudaSuccess;
+}
+
+// A launch configuration with a 1-D cluster dimension. `cfg.attrs` points into the object, so it is
+// neither copied nor moved.
+struct ClusterLaunch {
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1] = {};
+    ClusterLaunch(int cluster, int grid, int threads, size_t smem_bytes) {
+        cfg.gridDim = dim3(grid);
+        cfg.blockDim = dim3(threads);
+        cfg.dynamicSmemBytes = smem_bytes;
+        attr[0].id = cudaLaunchAttributeClusterDimension;
+        attr[0].val.clusterDim.x = cluster;
+        attr[0].val.clusterDim.y = 1;
+        attr[0].val.clusterDim.z = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+    }
+    ClusterLaunch(const ClusterLaunch&) = delete;
+    ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+};
 
 // The megakernel's grid barrier (cuda/mk_util.cuh: top-bit flip on a counter that never resets,
 // release arrival, acquire wait) over all threads of the block. One block per SM, every block

@@ -365,18 +365,9 @@ int main(int argc, char** argv) {
         for (int vi = 0; vi < nvariants; ++vi) {
             const Variant& v = variants[vi];
             if (!(v.patterns >> pi & 1)) continue;
-            cudaLaunchConfig_t cfg = {};
-            cfg.blockDim = dim3(THREADS);
-            cfg.dynamicSmemBytes = SMEM_BYTES;
-            cudaLaunchAttribute attr[1];
-            attr[0].id = cudaLaunchAttributeClusterDimension;
-            attr[0].val.clusterDim.x = v.cluster;
-            attr[0].val.clusterDim.y = 1;
-            attr[0].val.clusterDim.z = 1;
-            cfg.attrs = attr;
-            cfg.numAttrs = 1;
+            ClusterLaunch launch(v.cluster, v.cluster, THREADS, SMEM_BYTES);  // the grid is set below
+            cudaLaunchConfig_t& cfg = launch.cfg;
             int clusters = 0;
-            cfg.gridDim = dim3(v.cluster);
             CK(cudaOccupancyMaxActiveClusters(&clusters, stream, &cfg));
             // Resident blocks only (the grid barrier would deadlock otherwise), at most 128 compute.
             int nclusters, ncompute, extra = 0;
