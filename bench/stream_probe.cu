@@ -35,8 +35,8 @@
 // progress) or from the compute blocks' own consumers (one line a thread, evict_last).
 //
 // Found on the H200 (bench/results/2026-11-25-h200-stream-probe/, bench/NOTES.md): the bare
-// skeleton takes 11.3-11.9 us a layer with today's ring, 9.7-10.0 with no fences, 9.3 with two
-// barriers a layer and no fences, 8.5 with one; copier blocks are no faster at equal bytes; with
+// skeleton takes 11.3-11.9 us a layer with today's ring, 9.7-10.4 with no fences, 9.3-9.5 with two
+// barriers a layer and no fences, 8.5-8.6 with one; copier blocks are no faster at equal bytes; with
 // the stand-in arithmetic today's ring takes 20.1-20.3 us (the kernel: ~20), and both kinds of L2
 // prefetch make it slower (22.7-38.7 us).
 //
