@@ -38,7 +38,7 @@
 // skeleton takes 11.3-11.9 us a layer with today's ring, 9.7-10.4 with no fences, 9.3-9.5 with two
 // barriers a layer and no fences, 8.5-8.6 with one; copier blocks are no faster at equal bytes; with
 // the stand-in arithmetic today's ring takes 20.1-20.3 us (the kernel: ~20), and both kinds of L2
-// prefetch make it slower (22.7-38.7 us).
+// prefetch make it slower (22.7-39.0 us).
 //
 // Build here and carry the binary (bench/README.md):
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o .probe/stream_probe bench/stream_probe.cu
