@@ -9,7 +9,8 @@ call with text to the first PCM chunk on the host) and streaming RTF with bench_
 functions. Timings are CUDA-event medians of single frame launches on a random full-size talker
 (bf16 weights), at fixed talker positions. Floors divide the weight bytes each phase must stream
 by the measured device-to-device copy bandwidth (read + write bytes; prior-art §6: 4.29 TB/s on
-the H200).
+the H200). With the 0.6B among the sizes, issue 4's targets are judged on the run's own numbers
+(`bench/targets.py`): `targets` in the JSON and `megakernel_targets.md`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cuda_timing import event_times_ms  # noqa: E402
+from targets import render_markdown, summarize_targets  # noqa: E402
 
 from pipecat_qwen_fast import bench_engine  # noqa: E402
 from pipecat_qwen_fast import bench_texts as texts  # noqa: E402
@@ -490,6 +492,12 @@ def main() -> int:
                 for name, e in sorted(prof["phases"].items()):
                     print(f"   {name:26} n={e['count']:4d} mean {e['mean_us']:7.2f} us  total {e['total_us']:8.1f} us"
                           f"  waiting for other blocks {e['mean_waiting_us']:6.2f} us")
+    if "0.6b" in result["sizes"]:
+        # The issue's bars are for the 0.6B; the result file says which are met and by how much not.
+        result["targets"] = summarize_targets(result, "0.6b", args.positions[0])
+        markdown = render_markdown(result, result["targets"])
+        (out_dir / "megakernel_targets.md").write_text(markdown)
+        print("\n" + markdown)
     (out_dir / "megakernel_results.json").write_text(json.dumps(result, indent=2))
     return 0 if result.get("tests", {"rc": 0})["rc"] == 0 else 1
 
