@@ -4,7 +4,7 @@ target where its time goes (block 0's per-phase profile of the same run).
 
     python bench/targets.py bench/results/megakernel_h200_2026-11-24_v25c.json   # prints the Markdown
 
-Plain dicts in and out (no torch), so the check script and the CPU tests share it.
+Plain dicts in and out (no torch, no GPU), so the check script and the CPU tests share it.
 """
 
 from __future__ import annotations
@@ -13,13 +13,17 @@ import json
 import sys
 from pathlib import Path
 
-FRAME_MS = 80.0  # audio per frame: 1920 samples at 24 kHz
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipecat_qwen_fast.bench_texts import FRAME_RATE_HZ
+
+FRAME_MS = 1e3 / FRAME_RATE_HZ
 
 
 def _kernel_row(name, bar_ms, measured_ms, floor_ms, source, stack, profile):
     row = {"target": name, "bar": bar_ms, "unit": "ms", "measured": measured_ms, "source": source,
            "percent_of_floor": None if floor_ms is None or not measured_ms else 100 * floor_ms / measured_ms}
-    if stack is not None and profile:
+    if profile:
         row["where_the_time_goes"] = phase_split(profile, stack)
     return row
 
