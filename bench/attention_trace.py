@@ -128,8 +128,8 @@ def main() -> int:
     import megakernel_check as mc
     import torch
 
-    from pipecat_qwen_fast import megakernel as mk
-    from pipecat_qwen_fast.sampling import SamplingParams
+    from pipecat_qwen_fast.backends import megakernel as mk
+    from pipecat_qwen_fast.model.sampling import SamplingParams
 
     talker, cfg = mc.load_reference().random_talker(args.size, "cuda", seed=0)
     mb = mk.MegakernelBackend(talker, torch.device("cuda"), torch.bfloat16)

@@ -36,7 +36,7 @@ from cuda_timing import event_times_ms
 from megakernel_check import build_random_checkpoint
 
 from pipecat_qwen_fast import QwenTTSEngine
-from pipecat_qwen_fast.sampling import SamplingParams
+from pipecat_qwen_fast.model.sampling import SamplingParams
 
 # Kernel kinds by substrings of the kernel's name, first match wins.
 KINDS = (

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, '.')
 from pipecat_qwen_fast import QwenTTSEngine, SynthesisRequest
-from pipecat_qwen_fast.vocoder_graphs import GraphedVocoder
+from pipecat_qwen_fast.vocoder.graphs import GraphedVocoder
 
 sys.path.insert(0, 'tests')
 from conftest import build_cached_checkpoint

@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 from pipecat_qwen_fast import QwenTTSEngine
-from pipecat_qwen_fast.bench import build_checkpoint
-from pipecat_qwen_fast.bench_engine import _run_level
-from pipecat_qwen_fast.bench_texts import CONCURRENCY_FRAMES
-from pipecat_qwen_fast.service import EngineService
+from pipecat_qwen_fast.bench.engine import _run_level
+from pipecat_qwen_fast.bench.main import build_checkpoint
+from pipecat_qwen_fast.bench.texts import CONCURRENCY_FRAMES
+from pipecat_qwen_fast.engine.service import EngineService
 
 
 def main() -> int:

@@ -24,9 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipecat_qwen_fast import QwenTTSEngine, SynthesisRequest
-from pipecat_qwen_fast.bench_engine import _run_level
-from pipecat_qwen_fast.build_checkpoint import build_checkpoint
-from pipecat_qwen_fast.service import EngineService
+from pipecat_qwen_fast.bench.engine import _run_level
+from pipecat_qwen_fast.checkpoints.build import build_checkpoint
+from pipecat_qwen_fast.engine.service import EngineService
 
 
 def main() -> int:

@@ -52,7 +52,7 @@ def main() -> int:
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     t = time.perf_counter()
     if not Path(args.ckpt, "model.safetensors").exists():
-        subprocess.run([sys.executable, "-m", "pipecat_qwen_fast.build_checkpoint", "--size", "0.6b", "--variant",
+        subprocess.run([sys.executable, "-m", "pipecat_qwen_fast.checkpoints.build", "--size", "0.6b", "--variant",
                         "custom_voice", "--out", args.ckpt, "--zero-eos"], check=True)
     res["build_s"] = time.perf_counter() - t
 

@@ -25,7 +25,7 @@ CHILD = r"""
 import contextlib, logging, sys, time
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 import torch
-import pipecat_qwen_fast.vocoder_graphs as vg
+import pipecat_qwen_fast.vocoder.graphs as vg
 if sys.argv[2] == "nocudnnbench":
     vg._cudnn_benchmark = lambda on: contextlib.nullcontext()
 from pipecat_qwen_fast import QwenTTSEngine

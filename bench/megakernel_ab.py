@@ -33,8 +33,8 @@ def run_one(iters: int, root: Path, size: str, positions: list[int], max_blocks:
     sys.path.insert(0, str(root / "bench"))
     import megakernel_check as mc
 
-    from pipecat_qwen_fast import megakernel as mk
-    from pipecat_qwen_fast.sampling import SamplingParams
+    from pipecat_qwen_fast.backends import megakernel as mk
+    from pipecat_qwen_fast.model.sampling import SamplingParams
 
     talker, cfg = mc.load_reference().random_talker(size, "cuda", seed=0)
     mb = mk.MegakernelBackend(talker, torch.device("cuda"), torch.bfloat16, max_blocks=max_blocks)

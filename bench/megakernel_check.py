@@ -40,9 +40,9 @@ from targets import render_markdown, summarize_targets  # noqa: E402
 from pipecat_qwen_fast import bench_engine  # noqa: E402
 from pipecat_qwen_fast import bench_texts as texts  # noqa: E402
 from pipecat_qwen_fast import megakernel as mk  # noqa: E402
-from pipecat_qwen_fast.backend import TorchBackend  # noqa: E402
-from pipecat_qwen_fast.engine import QwenTTSEngine  # noqa: E402
-from pipecat_qwen_fast.sampling import SamplingParams  # noqa: E402
+from pipecat_qwen_fast.backends.eager import TorchBackend  # noqa: E402
+from pipecat_qwen_fast.engine.engine import QwenTTSEngine  # noqa: E402
+from pipecat_qwen_fast.model.sampling import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(do_sample=False, subtalker_do_sample=False)
 
@@ -219,7 +219,7 @@ def quick_check(talker, mb, frames: int, greedy_frames: int = 50) -> dict:
 
 
 def build_random_checkpoint(out_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "pipecat_qwen_fast.build_checkpoint", "--size", "0.6b", "--variant", "custom_voice",
+    cmd = [sys.executable, "-m", "pipecat_qwen_fast.checkpoints.build", "--size", "0.6b", "--variant", "custom_voice",
            "--out", str(out_dir), "--zero-eos"]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -24,7 +24,7 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
     echo "ncu: $NCU ($("$NCU" --version | tail -1))"
     # Build outside the profiler first, so ncu sees a warm cache.
-    lib=$(python3 -m pipecat_qwen_fast.megakernel build | tail -1) && [ -f "$lib" ] || exit 1
+    lib=$(python3 -m pipecat_qwen_fast.backends.megakernel build | tail -1) && [ -f "$lib" ] || exit 1
     "$NCU" --profile-from-start off --target-processes all -k regex:qmk_frame_kernel -c 3 \
         --clock-control none --import-source yes \
         --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \

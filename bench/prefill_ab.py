@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_timing import event_times_ms
 from megakernel_check import git_commit, random_engine, warm_ttfc
 
-from pipecat_qwen_fast import bench_engine
-from pipecat_qwen_fast import bench_texts as texts
-from pipecat_qwen_fast.layers import KVCache
-from pipecat_qwen_fast.prefill_graphs import PrefillGraphs
+from pipecat_qwen_fast.backends.prefill_graphs import PrefillGraphs
+from pipecat_qwen_fast.bench import engine as bench_engine
+from pipecat_qwen_fast.bench import texts
+from pipecat_qwen_fast.model.layers import KVCache
 
 
 def holders(backend) -> list:

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pipecat_qwen_fast.graph_backend import GraphBackend
-from pipecat_qwen_fast.sampling import SamplingParams
+from pipecat_qwen_fast.backends.graph import GraphBackend
+from pipecat_qwen_fast.model.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(4, 40), (4, 57), (16, 50), (16, 57), (64, 60), (64, 61)]

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import megakernel_check as mc
 from ttfc_host_profile import timed
 
-from pipecat_qwen_fast.bench_engine import _run_level
-from pipecat_qwen_fast.service import EngineService
+from pipecat_qwen_fast.bench.engine import _run_level
+from pipecat_qwen_fast.engine.service import EngineService
 
 STAGES = ("_step_round", "_after_frame", "_flush", "_vocode_round", "open_sessions", "backend.decode_frames")
 

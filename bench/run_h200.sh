@@ -6,7 +6,7 @@
 #   run(command="BENCH_COMMIT=$(git rev-parse --short=12 HEAD) bash bench/run_h200.sh",
 #       kind="nvidia-h200", carry=[".whl"], timeout_s=600)
 #
-# Extra arguments go to `python -m pipecat_qwen_fast.bench` (e.g. --quick, --baselines none).
+# Extra arguments go to `python -m pipecat_qwen_fast.bench.main` (e.g. --quick, --baselines none).
 # BENCH_SECONDS (default 560) is when everything must be written, counted from the start of this
 # script; each phase gets a share of what is left and writes partial JSON if it is stopped.
 set -u
@@ -27,7 +27,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFOR
     else
         echo "no .whl/ carried: the baselines will report import errors"
     fi
-    python3 -m pipecat_qwen_fast.bench --build-size 0.6b --variant custom_voice \
+    python3 -m pipecat_qwen_fast.bench.main --build-size 0.6b --variant custom_voice \
         --checkpoint-dir /tmp/bench-ckpt --out "$out" --work-dir /tmp/bench-work \
         --baseline-pythonpath "$site" --deadline $((t0 + ${BENCH_SECONDS:-560})) "$@"
     echo "== done after $(($(date +%s) - t0)) s"

@@ -27,9 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from megakernel_check import git_commit, random_engine, warm_ttfc
 
-from pipecat_qwen_fast import bench_engine
-from pipecat_qwen_fast import bench_texts as texts
-from pipecat_qwen_fast.engine import QwenTTSEngine
+from pipecat_qwen_fast.bench import engine as bench_engine
+from pipecat_qwen_fast.bench import texts
+from pipecat_qwen_fast.engine.engine import QwenTTSEngine
 
 FRAME_KERNEL = "qmk_frame_kernel"
 VOCODER_WINDOW_US = 100.0  # a window between frames with more GPU work than this holds a vocoder call

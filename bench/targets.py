@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipecat_qwen_fast.bench_texts import FRAME_RATE_HZ
+from pipecat_qwen_fast.bench.texts import FRAME_RATE_HZ
 
 FRAME_MS = 1e3 / FRAME_RATE_HZ
 

@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import megakernel_check as mc
 
-from pipecat_qwen_fast import bench_engine
-from pipecat_qwen_fast import bench_texts as texts
-from pipecat_qwen_fast import engine as engine_module
+from pipecat_qwen_fast.bench import engine as bench_engine
+from pipecat_qwen_fast.bench import texts
+from pipecat_qwen_fast.engine import engine as engine_module
 
 # Engine methods (and backend methods, "backend." prefix) whose host time is summed per call.
 STAGES = ("_new_session", "_begin_segment", "_prefill", "_start_vocoder", "step", "cancel",

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cuda_timing import event_times_ms
 from vocoder_bench import build
 
-from pipecat_qwen_fast.vocoder import Vocoder
-from pipecat_qwen_fast.vocoder_graphs import GraphedVocoder
+from pipecat_qwen_fast.vocoder.graphs import GraphedVocoder
+from pipecat_qwen_fast.vocoder.vocoder import Vocoder
 
 
 def advanced_streams(voc: Vocoder, gv: GraphedVocoder, b: int, gen: torch.Generator) -> list:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
+from pipecat_qwen_fast.checkpoints.tiny_configs import speech_tokenizer_config_dict
 from pipecat_qwen_fast.config import parse_vocoder_config, read_json
-from pipecat_qwen_fast.tiny_configs import speech_tokenizer_config_dict
-from pipecat_qwen_fast.vocoder import Vocoder
+from pipecat_qwen_fast.vocoder.vocoder import Vocoder
 
 
 def build(config: Path | None, device: str) -> Vocoder:

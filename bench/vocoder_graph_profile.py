@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cuda_timing import event_times_ms  # noqa: E402
 from vocoder_bench import build  # noqa: E402
 
-from pipecat_qwen_fast.vocoder import Vocoder  # noqa: E402
-from pipecat_qwen_fast.vocoder_graphs import GraphedVocoder  # noqa: E402
+from pipecat_qwen_fast.vocoder.graphs import GraphedVocoder  # noqa: E402
+from pipecat_qwen_fast.vocoder.vocoder import Vocoder  # noqa: E402
 
 
 def time_calls(gv: GraphedVocoder, codes: torch.Tensor, stream, n: int) -> list[float]:

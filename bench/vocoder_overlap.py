@@ -46,10 +46,10 @@ def main() -> int:
     from cuda_timing import event_times_ms
     from vocoder_bench import build
 
-    from pipecat_qwen_fast import megakernel as mk
-    from pipecat_qwen_fast.sampling import SamplingParams
-    from pipecat_qwen_fast.vocoder import Vocoder
-    from pipecat_qwen_fast.vocoder_graphs import GraphedVocoder
+    from pipecat_qwen_fast.backends import megakernel as mk
+    from pipecat_qwen_fast.model.sampling import SamplingParams
+    from pipecat_qwen_fast.vocoder.graphs import GraphedVocoder
+    from pipecat_qwen_fast.vocoder.vocoder import Vocoder
 
     dev, bf = torch.device("cuda"), torch.bfloat16
     torch.backends.cudnn.allow_tf32 = True

@@ -75,8 +75,8 @@ def load_engine_service(options: TTSOptions):
     Blocks until the engine is ready, so the first request never pays for the load. A bad voice
     or language fails here, with the valid choices, rather than at the first sentence.
     """
+    from pipecat_qwen_fast.engine.service import shared_service
     from pipecat_qwen_fast.errors import InvalidInputError
-    from pipecat_qwen_fast.service import shared_service
 
     logger.info("loading Qwen3-TTS model %s (device %s)", options.model, options.device)
     started = time.monotonic()

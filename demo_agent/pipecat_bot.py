@@ -49,7 +49,7 @@ from pipecat.transports.smallwebrtc.request_handler import (
 from pipecat.transports.smallwebrtc.transport import SmallWebRTCTransport
 from pipecat.workers.runner import WorkerRunner
 
-from pipecat_qwen_fast.service import EngineService
+from pipecat_qwen_fast.engine.service import EngineService
 from pipecat_qwen_fast.tts import QwenFastTTSService
 
 from .options import TTSOptions, cloud_keys, describe_modes, missing_package_error

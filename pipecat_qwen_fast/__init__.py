@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from pipecat_qwen_fast.errors import (
     ConfigError,
     EngineClosedError,
     InvalidInputError,
@@ -18,11 +18,18 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .engine import AudioChunk, QwenTTSEngine, Session, SynthesisRequest, SynthesisResult
-    from .prompt import VoiceClonePrompt
-    from .sampling import SamplingParams
-    from .service import EngineService, close_shared_services, get_shared_service, shared_service
-    from .tts import QwenFastTTSService, QwenFastTTSSettings
+    from pipecat_qwen_fast.engine.engine import QwenTTSEngine
+    from pipecat_qwen_fast.engine.request import AudioChunk, SynthesisRequest, SynthesisResult
+    from pipecat_qwen_fast.engine.service import (
+        EngineService,
+        close_shared_services,
+        get_shared_service,
+        shared_service,
+    )
+    from pipecat_qwen_fast.engine.session import Session
+    from pipecat_qwen_fast.model.prompt import VoiceClonePrompt
+    from pipecat_qwen_fast.model.sampling import SamplingParams
+    from pipecat_qwen_fast.tts import QwenFastTTSService, QwenFastTTSSettings
 
 __version__ = "0.1.0"
 
@@ -51,19 +58,19 @@ __all__ = [
 
 # Lazy exports: importing the package (e.g. for its errors) loads neither torch nor pipecat.
 _LAZY = {
-    "AudioChunk": ".engine",
-    "QwenTTSEngine": ".engine",
-    "Session": ".engine",
-    "SynthesisRequest": ".engine",
-    "SynthesisResult": ".engine",
-    "VoiceClonePrompt": ".prompt",
-    "SamplingParams": ".sampling",
+    "AudioChunk": ".engine.request",
+    "QwenTTSEngine": ".engine.engine",
+    "Session": ".engine.session",
+    "SynthesisRequest": ".engine.request",
+    "SynthesisResult": ".engine.request",
+    "VoiceClonePrompt": ".model.prompt",
+    "SamplingParams": ".model.sampling",
     "QwenFastTTSService": ".tts",
     "QwenFastTTSSettings": ".tts",
-    "EngineService": ".service",
-    "close_shared_services": ".service",
-    "get_shared_service": ".service",
-    "shared_service": ".service",
+    "EngineService": ".engine.service",
+    "close_shared_services": ".engine.service",
+    "get_shared_service": ".engine.service",
+    "shared_service": ".engine.service",
 }
 
 

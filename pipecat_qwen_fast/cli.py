@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import DEFAULT_MODEL
-from .errors import QwenTTSError
+from pipecat_qwen_fast.config import DEFAULT_MODEL
+from pipecat_qwen_fast.errors import QwenTTSError
 
 
 def write_wav(path: str | Path, pcm: np.ndarray, sample_rate: int) -> None:
@@ -30,7 +30,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_say(args: argparse.Namespace) -> int:
-    from .engine import QwenTTSEngine
+    from pipecat_qwen_fast.engine.engine import QwenTTSEngine
 
     engine = QwenTTSEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, backend=args.backend)
     text = args.text if args.text != "-" else sys.stdin.read()
@@ -57,7 +57,7 @@ def cmd_say(args: argparse.Namespace) -> int:
 
 
 def cmd_voices(args: argparse.Namespace) -> int:
-    from .engine import QwenTTSEngine
+    from pipecat_qwen_fast.engine.engine import QwenTTSEngine
 
     engine = QwenTTSEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, backend="torch",
                                            warmup=False)
@@ -97,11 +97,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "build-checkpoint":
-        from .build_checkpoint import main as build_main
+        from pipecat_qwen_fast.checkpoints.build import main as build_main
 
         return build_main(rest)
     if args.command == "bench":
-        from .bench import main as bench_main
+        from pipecat_qwen_fast.bench.main import main as bench_main
 
         return bench_main(rest)
     if rest:

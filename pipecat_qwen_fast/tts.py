@@ -11,7 +11,7 @@ Tested with Pipecat v1.14.0. Usage::
     )
 
 All services in a process that name the same model share one loaded engine and one GPU thread
-(see :mod:`pipecat_qwen_fast.service`), so many pipelines can run side by side on one GPU.
+(see :mod:`pipecat_qwen_fast.engine.service`), so many pipelines can run side by side on one GPU.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ except ModuleNotFoundError as e:  # pragma: no cover - depends on the install
     )
     raise ImportError(f"Missing module: {e}") from e
 
-from .config import DEFAULT_MODEL
-from .errors import EngineClosedError, ModelLoadError, QwenTTSError
-from .service import EngineService, ServiceHandle, SynthesisStream
+from pipecat_qwen_fast.config import DEFAULT_MODEL
+from pipecat_qwen_fast.engine.service import EngineService, ServiceHandle, SynthesisStream
+from pipecat_qwen_fast.errors import EngineClosedError, ModelLoadError, QwenTTSError
 
 # The first utterance after a cold start can take seconds (CUDA context, kernel warm-up, CPU
 # fallback); Pipecat's 3 s default would close the audio context before its first audio arrives.
@@ -243,7 +243,7 @@ class QwenFastTTSService(TTSService):
     #
 
     def _build_request(self, text: str) -> Any:
-        from .engine import SynthesisRequest
+        from pipecat_qwen_fast.engine.request import SynthesisRequest
 
         language = self._settings.language
         return SynthesisRequest(

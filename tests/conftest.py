@@ -54,7 +54,7 @@ def builder_source_hash() -> str:
 
 
 def build_cached_checkpoint(variant: str, zero_eos: bool, size_tag: str | None, seed: int, dtype: str) -> Path:
-    from pipecat_qwen_fast.build_checkpoint import build_checkpoint
+    from pipecat_qwen_fast.checkpoints.build import build_checkpoint
 
     cache = checkpoint_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)

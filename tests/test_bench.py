@@ -11,10 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipecat_qwen_fast import bench, bench_engine, bench_report
-from pipecat_qwen_fast import bench_texts as texts
-from pipecat_qwen_fast.engine import QwenTTSEngine
-from pipecat_qwen_fast.layout import talker_layout
+from pipecat_qwen_fast.bench import engine as bench_engine
+from pipecat_qwen_fast.bench import main as bench
+from pipecat_qwen_fast.bench import report as bench_report
+from pipecat_qwen_fast.bench import texts
+from pipecat_qwen_fast.checkpoints.layout import talker_layout
+from pipecat_qwen_fast.engine.engine import QwenTTSEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "baselines"))
 import driver_common
@@ -78,8 +80,8 @@ def test_floor_bytes_match_the_checkpoint_layout(engine):
 
 
 def test_released_06b_floor_is_about_3_3_gb():
+    from pipecat_qwen_fast.checkpoints.tiny_configs import read_asset_config
     from pipecat_qwen_fast.config import parse_model_config
-    from pipecat_qwen_fast.tiny_configs import read_asset_config
 
     cfg = parse_model_config(read_asset_config("0.6b-custom_voice.config.json"))
     total = sum(_layout_bytes_per_frame(cfg, elem=2))

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipecat_qwen_fast import checkpoint
-from pipecat_qwen_fast.build_checkpoint import (
+from pipecat_qwen_fast.checkpoints import load as checkpoint
+from pipecat_qwen_fast.checkpoints.build import (
     build_checkpoint,
     main,
     main_model_init,
@@ -19,7 +19,7 @@ from pipecat_qwen_fast.build_checkpoint import (
     tensor_seed,
     write_random_safetensors,
 )
-from pipecat_qwen_fast.layout import main_model_layout, speech_tokenizer_layout
+from pipecat_qwen_fast.checkpoints.layout import main_model_layout, speech_tokenizer_layout
 
 FILES = (
     "config.json",

@@ -10,11 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipecat_qwen_fast import checkpoint
-from pipecat_qwen_fast.build_checkpoint import safetensors_file_size
-from pipecat_qwen_fast.config import parse_model_config, parse_vocoder_config
-from pipecat_qwen_fast.errors import ConfigError, ModelLoadError
-from pipecat_qwen_fast.layout import (
+from pipecat_qwen_fast.checkpoints import load as checkpoint
+from pipecat_qwen_fast.checkpoints.build import safetensors_file_size
+from pipecat_qwen_fast.checkpoints.layout import (
     count_params,
     main_model_layout,
     mimi_encoder_layout,
@@ -22,7 +20,13 @@ from pipecat_qwen_fast.layout import (
     speaker_encoder_layout,
     vocoder_layout,
 )
-from pipecat_qwen_fast.tiny_configs import model_config_dict, read_asset_config, speech_tokenizer_config_dict
+from pipecat_qwen_fast.checkpoints.tiny_configs import (
+    model_config_dict,
+    read_asset_config,
+    speech_tokenizer_config_dict,
+)
+from pipecat_qwen_fast.config import parse_model_config, parse_vocoder_config
+from pipecat_qwen_fast.errors import ConfigError, ModelLoadError
 
 FULL = ("0.6b-custom_voice", "0.6b-base", "1.7b-custom_voice", "1.7b-voice_design", "1.7b-base")
 
@@ -231,8 +235,8 @@ def test_unreachable_hub_id_says_how_to_get_it(monkeypatch, tmp_path):
         checkpoint.resolve_model_dir(repo)
     msg = str(err.value)
     assert repo in msg
-    assert "huggingface-cli download" in msg
-    assert "build_checkpoint" in msg
+    assert "hf download" in msg
+    assert "qwen-fast-tts build-checkpoint" in msg
 
 
 def test_hub_id_found_in_the_local_cache(tiny_checkpoint, monkeypatch, tmp_path):

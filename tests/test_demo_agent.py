@@ -71,7 +71,7 @@ def cpu_service(tiny_checkpoint):
 
     The demo looks engines up in the same registry, so its own load finds this one ready.
     """
-    from pipecat_qwen_fast.service import shared_service
+    from pipecat_qwen_fast.engine.service import shared_service
 
     model = str(tiny_checkpoint("custom_voice"))
     service = shared_service(model, **CPU).wait_ready_blocking(TURN_TIMEOUT)

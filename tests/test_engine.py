@@ -21,8 +21,9 @@ from pipecat_qwen_fast import (
     UnsupportedFeatureError,
     VoiceClonePrompt,
 )
-from pipecat_qwen_fast.engine import MAX_SEGMENT_TOKENS, chunk_target, schedule_sizes, split_text
-from pipecat_qwen_fast.vocoder_graphs import GraphedVocoder
+from pipecat_qwen_fast.engine.request import chunk_target, schedule_sizes
+from pipecat_qwen_fast.engine.text import MAX_SEGMENT_TOKENS, split_text
+from pipecat_qwen_fast.vocoder.graphs import GraphedVocoder
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +182,7 @@ def test_run_ahead_changes_nothing(tiny_checkpoint, monkeypatch):
     the same chunks, codes and stop, whether the utterance ends by EOS, by a cap or by max_frames,
     across segments, through step and step_many, with the frame that starts a chunk launched at
     the boundary (behind the vocoder's work) or only once the chunk is out."""
-    import pipecat_qwen_fast.engine as engine_mod
+    import pipecat_qwen_fast.engine.engine as engine_mod
 
     eng = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cpu", dtype="float32")
     eos = eng.config.talker.codec_eos_id
@@ -348,7 +349,7 @@ def test_ten_thousand_characters_split_by_sentence(endless):
 
 
 def test_long_text_continues_across_segments(endless, monkeypatch):
-    import pipecat_qwen_fast.engine as eng
+    import pipecat_qwen_fast.engine.engine as eng
 
     # Small segments and a small per-segment cap: the session must run through all segments.
     monkeypatch.setattr(eng, "MAX_SEGMENT_TOKENS", 8)
@@ -441,7 +442,7 @@ def test_inference_only_parameters(engine):
 def test_prompt_constants_computed_once_per_weights(tiny_checkpoint):
     """The vectors every prompt shares are computed once and reused, bit for bit what a fresh
     build gives, and recomputed after a weight is edited in place."""
-    from pipecat_qwen_fast.prompt import DUAL_TRACK, PREFILL, build_prompt
+    from pipecat_qwen_fast.model.prompt import DUAL_TRACK, PREFILL, build_prompt
 
     eng = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cpu", dtype="float32")
     talker = eng.model.talker

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from pipecat_qwen_fast import QwenTTSEngine, SynthesisRequest, VoiceClonePrompt
-from pipecat_qwen_fast.backend import TorchBackend
-from pipecat_qwen_fast.graph_backend import GraphBackend, NoFreeSlotError
-from pipecat_qwen_fast.sampling import SamplingParams
-from pipecat_qwen_fast.vocoder_graphs import GraphedVocoder
+from pipecat_qwen_fast.backends.eager import TorchBackend
+from pipecat_qwen_fast.backends.graph import GraphBackend, NoFreeSlotError
+from pipecat_qwen_fast.model.sampling import SamplingParams
+from pipecat_qwen_fast.vocoder.graphs import GraphedVocoder
 
 
 def _engines(path, **graph_kw):
@@ -113,7 +113,7 @@ def test_capacity_bounds_the_frame_cap(tiny_checkpoint):
 
 
 def test_fused_projections_same_codes(tiny_checkpoint):
-    from pipecat_qwen_fast.layers import fuse_projections
+    from pipecat_qwen_fast.model.layers import fuse_projections
 
     ref, fast = _engines(tiny_checkpoint("custom_voice", zero_eos=True))
     fuse_projections(fast.model)
@@ -215,7 +215,7 @@ def test_batched_rounds_vocode_chunks_together(tiny_checkpoint, wrapper, monkeyp
 async def test_service_batches_and_queues_when_slots_run_out(tiny_checkpoint):
     # Six streams through a backend with 2 session slots: the service batches what fits and queues
     # the rest until slots free up; every stream equals its solo run.
-    from pipecat_qwen_fast.service import EngineService
+    from pipecat_qwen_fast.engine.service import EngineService
 
     _, fast = _engines(tiny_checkpoint("custom_voice", zero_eos=True), max_sessions=2)
     texts = [f"Queued stream {i}." for i in range(6)]
@@ -287,7 +287,7 @@ def test_open_sessions_reports_each_refusal(pair):
 
 
 async def test_service_opens_a_burst_with_one_prefill(pair):
-    from pipecat_qwen_fast.service import EngineService
+    from pipecat_qwen_fast.engine.service import EngineService
 
     _, fast = pair
     before = fast.backend.batched_prefills
@@ -325,8 +325,8 @@ def test_fused_layer_equals_plain_layer(tiny_checkpoint):
     """decode_layer against plain_decode_layer on one layer of the talker and one of the
     predictor: rows in scattered pool slots at different positions, the pool's other rows and
     positions untouched."""
-    from pipecat_qwen_fast.graph_backend import decode_layer, plain_decode_layer
-    from pipecat_qwen_fast.layers import rotary_cos_sin
+    from pipecat_qwen_fast.backends.graph import decode_layer, plain_decode_layer
+    from pipecat_qwen_fast.model.layers import rotary_cos_sin
 
     engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cpu", dtype="float32")
     talker = engine.model.talker
@@ -363,8 +363,8 @@ def test_fused_step_compiles_a_few_times_for_every_batch_bucket_and_layer(tiny_c
     talker and predictor differ in width (two families), the 0.6B's do not."""
     from torch._dynamo.testing import CompileCounter
 
-    from pipecat_qwen_fast.cuda_graphs import recompile_limit
-    from pipecat_qwen_fast.graph_backend import decode_layer
+    from pipecat_qwen_fast.backends.graph import decode_layer
+    from pipecat_qwen_fast.utils.cuda_graphs import recompile_limit
 
     ref, fast = _engines(tiny_checkpoint("custom_voice", zero_eos=True), max_sessions=8, layer_step="fused")
     gb = fast.backend

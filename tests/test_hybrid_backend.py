@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from pipecat_qwen_fast import QwenTTSEngine, SynthesisRequest
-from pipecat_qwen_fast.backend import TorchBackend
-from pipecat_qwen_fast.graph_backend import GraphBackend
-from pipecat_qwen_fast.hybrid_backend import HybridBackend
+from pipecat_qwen_fast.backends.eager import TorchBackend
+from pipecat_qwen_fast.backends.graph import GraphBackend
+from pipecat_qwen_fast.backends.hybrid import HybridBackend
 
 
 def _hybrid_engine(path, fast_sessions=2, max_sessions=4):

@@ -15,7 +15,7 @@ from livekit.agents.metrics import TTSMetrics
 from livekit.agents.voice import Agent, AgentSession
 from livekit.plugins import qwen_fast
 
-from pipecat_qwen_fast.service import get_shared_service
+from pipecat_qwen_fast.engine.service import get_shared_service
 
 CPU = {"device": "cpu", "dtype": "float32", "backend": "torch"}
 TIMEOUT = 120

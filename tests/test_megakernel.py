@@ -15,9 +15,9 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from pipecat_qwen_fast import megakernel as mk
-from pipecat_qwen_fast.backend import TorchBackend
-from pipecat_qwen_fast.sampling import SamplingParams, talker_suppress_mask
+from pipecat_qwen_fast.backends import megakernel as mk
+from pipecat_qwen_fast.backends.eager import TorchBackend
+from pipecat_qwen_fast.model.sampling import SamplingParams, talker_suppress_mask
 
 CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
 NVCC = mk.find_nvcc()
@@ -136,7 +136,7 @@ def test_input_tables_are_the_first_layers_qkv(tiny_checkpoint):
     """The tables the kernel reads instead of a pass's projection and q/k/v phases (no GPU needed):
     each row equals the torch modules' own path for that code, on the tiny model (which has the
     1.7B's projection)."""
-    from pipecat_qwen_fast.engine import QwenTTSEngine
+    from pipecat_qwen_fast.engine.engine import QwenTTSEngine
 
     talker = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cpu", dtype="float32",
                                            backend="eager").model.talker
@@ -245,7 +245,7 @@ def test_greedy_frames(backends):
 @torch.no_grad()
 def torch_module_step(talker32, x, kc, vc, pos, layers):
     """The fp32 torch modules' own path (cuBLAS, SDPA) for one position through the first `layers`."""
-    from pipecat_qwen_fast.layers import KVCache, rotary_cos_sin
+    from pipecat_qwen_fast.model.layers import KVCache, rotary_cos_sin
 
     stack = talker32.model
     cache = KVCache(stack.cfg, kc.shape[2], x.device, torch.float32)
@@ -489,7 +489,7 @@ def sampled_frames(mb, talker, params, frames, seed):
 @needs_gpu
 @pytest.mark.gpu
 def test_sampling_respects_suppression_and_top_k(backends):
-    from pipecat_qwen_fast.sampling import process_talker_logits
+    from pipecat_qwen_fast.model.sampling import process_talker_logits
 
     talker, cfg, mb = backends.talker, backends.cfg, backends.mb
     k = 5
@@ -519,7 +519,7 @@ def test_sampled_codes_are_the_reference_draw(backends):
     the float64 inverse-CDF draw of cuda/reference.py from the kernel's own logits and its
     counter-based uniform. Top-k holding is not enough: a wrong threshold that keeps a few ids too
     many or too few changes the total and so the draw."""
-    from pipecat_qwen_fast.sampling import process_talker_logits, warp_logits
+    from pipecat_qwen_fast.model.sampling import process_talker_logits, warp_logits
 
     talker, cfg, mb = backends.talker, backends.cfg, backends.mb
     params, seed = SamplingParams(), 21
@@ -604,7 +604,7 @@ def test_auto_backend_places_and_moves_calls(backends):
        fp32 -> bf16 exactly) give the codes of calls started in the batch."""
     from types import SimpleNamespace
 
-    from pipecat_qwen_fast.engine import _hybrid_backend
+    from pipecat_qwen_fast.engine.engine import _hybrid_backend
 
     talker = copy.deepcopy(backends.talker)
     hb = _hybrid_backend(SimpleNamespace(talker=talker), torch.device("cuda"), torch.bfloat16)

@@ -125,7 +125,7 @@ class Oracle:
 
 
 def load_engine(ckpt: Path):
-    from pipecat_qwen_fast.engine import QwenTTSEngine
+    from pipecat_qwen_fast.engine.engine import QwenTTSEngine
 
     return QwenTTSEngine.from_pretrained(ckpt, device="cpu", dtype="float32", backend="torch",
                                          progress=False)
@@ -179,7 +179,7 @@ def find_case(o: Oracle, variant: str, case_id: str) -> dict:
 
 
 def our_request(c: dict) -> dict:
-    from pipecat_qwen_fast.prompt import VoiceClonePrompt
+    from pipecat_qwen_fast.model.prompt import VoiceClonePrompt
 
     vc = c["voice_clone"]
     voice_clone = None
@@ -330,7 +330,7 @@ def test_official_package_loads_our_checkpoint_exactly(oracle, engine, variant):
 
 @pytest.mark.parametrize("case_id", ["decode_short", "decode_chunked"])
 def test_vocoder_decode_matches_official(oracle, case_id):
-    from pipecat_qwen_fast.vocoder import Vocoder
+    from pipecat_qwen_fast.vocoder.vocoder import Vocoder
 
     o = oracle("custom_voice")
     c = find_case(o, "custom_voice", case_id)
@@ -363,7 +363,7 @@ def test_full_size_0_6b_custom_voice_matches_official():
     if os.environ.get("QWEN_ORACLE_FULL") != "1":
         pytest.skip("full-size oracle check is opt-in: set QWEN_ORACLE_FULL=1 (builds 1.8 GB, ~8 GB RAM)")
     require_oracle()
-    from pipecat_qwen_fast.build_checkpoint import build_checkpoint
+    from pipecat_qwen_fast.checkpoints.build import build_checkpoint
 
     ckpt = ROOT / ".cache" / "oracle-full" / "0.6b-custom_voice"
     if not (ckpt / "speech_tokenizer" / "model.safetensors").is_file():

@@ -30,7 +30,7 @@ from pipecat.processors.aggregators.llm_response_universal import (
 from pipecat.tests.utils import SleepFrame, run_test
 
 from pipecat_qwen_fast import QwenFastTTSService
-from pipecat_qwen_fast.service import get_shared_service
+from pipecat_qwen_fast.engine.service import get_shared_service
 
 PipecatScriptedLLM, PipecatInterruptGate, PipecatAudioWatch = pipecat_helpers()
 

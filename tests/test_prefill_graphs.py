@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pipecat_qwen_fast import QwenTTSEngine
-from pipecat_qwen_fast.layers import KVCache
-from pipecat_qwen_fast.prefill_graphs import PrefillGraphs
+from pipecat_qwen_fast.backends.prefill_graphs import PrefillGraphs
+from pipecat_qwen_fast.model.layers import KVCache
 
 
 def test_bucketed_prefill_equals_eager(tiny_checkpoint):
@@ -36,7 +36,7 @@ def test_one_compiled_layer_step_serves_every_layer_and_bucket(tiny_checkpoint):
     its eager backend; the result equals the plain body's."""
     from torch._dynamo.testing import CompileCounter
 
-    from pipecat_qwen_fast.prefill_graphs import mark_length_dynamic, prefill_layer
+    from pipecat_qwen_fast.backends.prefill_graphs import mark_length_dynamic, prefill_layer
 
     engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cpu", dtype="float32")
     talker = engine.model.talker
@@ -64,7 +64,7 @@ def test_one_compiled_layer_step_serves_every_layer_and_bucket(tiny_checkpoint):
 def test_compiled_captured_prefill_matches_eager_on_gpu(tiny_checkpoint):
     """The prefill graphs captured from the compiled layer step against the eager stack and
     against graphs of the plain step, in bf16 (the compiled step fuses and rounds differently)."""
-    from pipecat_qwen_fast.layers import fuse_projections
+    from pipecat_qwen_fast.model.layers import fuse_projections
 
     engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cpu", dtype="float32")
     device, dtype = torch.device("cuda"), torch.bfloat16

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipecat_qwen_fast.errors import InvalidInputError
-from pipecat_qwen_fast.sampling import (
+from pipecat_qwen_fast.model.sampling import (
     SamplingParams,
     apply_repetition_penalty,
     draw,

@@ -14,14 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from pipecat_qwen_fast.engine import QwenTTSEngine, SynthesisRequest
-from pipecat_qwen_fast.errors import EngineClosedError, InvalidInputError, ModelLoadError
-from pipecat_qwen_fast.service import (
+from pipecat_qwen_fast.engine.engine import QwenTTSEngine
+from pipecat_qwen_fast.engine.request import SynthesisRequest
+from pipecat_qwen_fast.engine.service import (
     EngineService,
     get_shared_service,
     registry_key,
     shared_service,
 )
+from pipecat_qwen_fast.errors import EngineClosedError, InvalidInputError, ModelLoadError
 
 CPU = {"device": "cpu", "dtype": "float32", "backend": "torch"}
 TIMEOUT = 120

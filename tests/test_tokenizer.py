@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from pipecat_qwen_fast import checkpoint
-from pipecat_qwen_fast.synthetic_tokenizer import (
+from pipecat_qwen_fast.checkpoints import load as checkpoint
+from pipecat_qwen_fast.checkpoints.synthetic_tokenizer import (
     ADDED_TOKENS,
     BPE_VOCAB_SIZE,
     assemble_vocab,

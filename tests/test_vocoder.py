@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipecat_qwen_fast.checkpoints.tiny_configs import speech_tokenizer_config_dict
 from pipecat_qwen_fast.config import VocoderConfig, parse_vocoder_config
 from pipecat_qwen_fast.errors import ConfigError, InvalidInputError, ModelLoadError
-from pipecat_qwen_fast.tiny_configs import speech_tokenizer_config_dict
-from pipecat_qwen_fast.vocoder import Vocoder
-from pipecat_qwen_fast.vocoder_layers import nhwc_friendly
+from pipecat_qwen_fast.vocoder.layers import nhwc_friendly
+from pipecat_qwen_fast.vocoder.vocoder import Vocoder
+
 OFFICIAL_NAMES = Path(__file__).parent / "data" / "official_vocoder_state_dict.json"
 SPF = 1920
 
@@ -148,7 +149,7 @@ def test_state_dict_names_and_shapes_match_official():
 
 
 def test_state_dict_matches_layout_module():
-    layout = pytest.importorskip("pipecat_qwen_fast.layout")
+    layout = pytest.importorskip("pipecat_qwen_fast.checkpoints.layout")
     cfg = full_config()
     with torch.device("meta"):
         v = Vocoder(cfg)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pipecat_qwen_fast import QwenTTSEngine
-from pipecat_qwen_fast.engine import SynthesisRequest, schedule_sizes
-from pipecat_qwen_fast.vocoder_graphs import (
+from pipecat_qwen_fast.engine.request import SynthesisRequest, schedule_sizes
+from pipecat_qwen_fast.vocoder.graphs import (
     BATCH_BUCKETS,
     MAX_BATCH_FRAMES,
     GraphedVocoder,

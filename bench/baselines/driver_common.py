@@ -5,7 +5,7 @@ the timing around those calls and one compatibility fix (`fix_rope_init_for_tran
 
 `pipecat_qwen_fast` is not on a driver's path (run_h200.sh does not install it; the drivers get the
 baselines' wheel folder only), so `Budget`, `Report`, `summarize` and `max_underrun` are small
-copies of those in `pipecat_qwen_fast/bench_engine.py`; tests/test_bench.py runs both copies of
+copies of those in `pipecat_qwen_fast/bench/engine.py`; tests/test_bench.py runs both copies of
 `max_underrun` and `summarize` on the same cases.
 """
 
@@ -72,7 +72,7 @@ def max_underrun(arrivals: list[float], durations: list[float]) -> float:
 
 
 def parse_args(argv: list[str] | None, budget_s: float) -> argparse.Namespace:
-    """The flags `pipecat_qwen_fast.bench` passes to every driver."""
+    """The flags `pipecat_qwen_fast.bench.main` passes to every driver."""
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--device", default="cuda")

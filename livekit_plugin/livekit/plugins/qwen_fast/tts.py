@@ -4,7 +4,7 @@
 """LiveKit Agents TTS running Qwen3-TTS in-process on the pipecat-qwen-fast engine.
 
 Every TTS instance naming the same model shares one loaded engine and its GPU thread (the
-process-wide registry in :mod:`pipecat_qwen_fast.service`), so a TTS shared by many
+process-wide registry in :mod:`pipecat_qwen_fast.engine.service`), so a TTS shared by many
 ``AgentSession``s serves them concurrently, frame by frame.
 """
 
@@ -26,9 +26,9 @@ from livekit.agents import (
 from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, NOT_GIVEN, NotGivenOr
 from livekit.agents.utils import is_given
 
-from pipecat_qwen_fast.engine import SAMPLE_RATE, SynthesisRequest
+from pipecat_qwen_fast.engine.request import SAMPLE_RATE, SynthesisRequest
+from pipecat_qwen_fast.engine.service import EngineService, ServiceHandle, SynthesisStream
 from pipecat_qwen_fast.errors import EngineClosedError, InvalidInputError, QwenTTSError
-from pipecat_qwen_fast.service import EngineService, ServiceHandle, SynthesisStream
 
 from .log import logger
 from .models import DEFAULT_MODEL, TTSBackends, TTSLanguages, TTSModels, TTSVoices

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .cuda_graphs import GraphCapturer, compile_blocker, recompile_limit
-from .vocoder import Vocoder, VocoderStream, copy_streams
+from pipecat_qwen_fast.utils.cuda_graphs import GraphCapturer, compile_blocker, recompile_limit
+from pipecat_qwen_fast.vocoder.stream import VocoderStream, copy_streams
+from pipecat_qwen_fast.vocoder.vocoder import Vocoder
 
 logger = logging.getLogger(__name__)
 

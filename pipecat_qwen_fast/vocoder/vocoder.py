@@ -15,7 +15,6 @@ the same shapes (a prerequisite for capturing one CUDA graph per chunk size late
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ from torch import Tensor, nn
 
 from pipecat_qwen_fast.config import VocoderConfig, parse_vocoder_config, read_json
 from pipecat_qwen_fast.errors import ConfigError, InvalidInputError, ModelLoadError
-from pipecat_qwen_fast.vocoder_layers import (
+from pipecat_qwen_fast.vocoder.layers import (
     CausalConv,
     CausalTransConv,
     ConvNeXtBlock,
@@ -35,90 +34,9 @@ from pipecat_qwen_fast.vocoder_layers import (
     Transformer,
     nhwc_friendly,
 )
+from pipecat_qwen_fast.vocoder.stream import VocoderStream, copy_streams
 
 CHECKPOINT_PREFIX = "decoder."
-
-
-@dataclass
-class VocoderStream:
-    """Per-utterance streaming state of a Vocoder. Create it with ``Vocoder.new_stream``."""
-
-    histories: list[Tensor]  # per stateful conv: [B, C_in, context] last input columns
-    keys: Tensor  # [layers, B, kv_heads, window - 1, head_dim], rotated at absolute positions
-    values: Tensor  # [layers, B, kv_heads, window - 1, head_dim]
-    # [B] int64 on the device: frames each row has consumed, so rows of one batch may be at
-    # different points of their utterances (several sessions decoded in one call).
-    position: Tensor
-    frames: int = 0  # host copy of ``position`` (of every row: the streams the engine advances are batch 1)
-
-    @property
-    def batch(self) -> int:
-        return self.keys.shape[1]
-
-    @property
-    def device(self) -> torch.device:
-        return self.keys.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.keys.dtype
-
-    def reset(self) -> None:
-        """Back to the start of an utterance, reusing the buffers."""
-        for h in self.histories:
-            h.zero_()
-        self.keys.zero_()
-        self.values.zero_()
-        self.position.zero_()
-        self.frames = 0
-
-    def row(self, i: int) -> VocoderStream:
-        """Row ``i`` as a batch-1 stream of views: copying into it writes this stream's row."""
-        if not 0 <= i < self.batch:
-            raise InvalidInputError(f"row {i} is out of range for a stream of batch {self.batch}")
-        return VocoderStream(
-            histories=[h[i : i + 1] for h in self.histories],
-            keys=self.keys[:, i : i + 1],
-            values=self.values[:, i : i + 1],
-            position=self.position[i : i + 1],
-            frames=self.frames,
-        )
-
-    def copy_from(self, other: VocoderStream) -> None:
-        """In-place copy of another stream of the same shape (e.g. a primed voice prefix, or a
-        session's state in and out of a vocoder graph's)."""
-        copy_streams([self], [other])
-        self.frames = other.frames
-
-    def clone(self) -> VocoderStream:
-        return VocoderStream(
-            histories=[h.clone() for h in self.histories],
-            keys=self.keys.clone(),
-            values=self.values.clone(),
-            position=self.position.clone(),
-            frames=self.frames,
-        )
-
-
-def copy_streams(dsts: list[VocoderStream], srcs: list[VocoderStream]) -> None:
-    """``dsts[i] <- srcs[i]`` for every i (device tensors only; ``frames`` is the caller's): the
-    floating-point state of all of them in one fused launch where torch offers it, the int64
-    positions in another (a list of mixed dtypes takes torch's per-tensor path: ~26 copies a
-    stream, each a host round of its own)."""
-    floats_d, floats_s, pos_d, pos_s = [], [], [], []
-    for d, s in zip(dsts, srcs, strict=True):
-        if len(d.histories) != len(s.histories) or d.keys.shape != s.keys.shape:
-            raise InvalidInputError("copy_streams: the two vocoder streams have different shapes")
-        floats_d += [*d.histories, d.keys, d.values]
-        floats_s += [*s.histories, s.keys, s.values]
-        pos_d.append(d.position)
-        pos_s.append(s.position)
-    for dl, sl in ((floats_d, floats_s), (pos_d, pos_s)):
-        if hasattr(torch, "_foreach_copy_"):
-            torch._foreach_copy_(dl, sl)
-        else:  # older torch
-            for d, s in zip(dl, sl):
-                d.copy_(s)
 
 
 def stack_streams(streams: list[VocoderStream]) -> VocoderStream:

@@ -13,9 +13,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .config import ModelConfig
-from .errors import InvalidInputError, UnsupportedFeatureError
-from .talker import Talker
+from pipecat_qwen_fast.config import ModelConfig
+from pipecat_qwen_fast.errors import InvalidInputError, UnsupportedFeatureError
+from pipecat_qwen_fast.model.talker import Talker
 
 PREFILL = "prefill"  # all text in the prefill (official non_streaming_mode=True)
 DUAL_TRACK = "dual_track"  # one text token per frame (official non_streaming_mode=False)

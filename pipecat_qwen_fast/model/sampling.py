@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from .config import GenerationDefaults
-from .errors import InvalidInputError
+from pipecat_qwen_fast.config import GenerationDefaults
+from pipecat_qwen_fast.errors import InvalidInputError
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .config import (
+from pipecat_qwen_fast.checkpoints.layout import MimiEncoderConfig, parse_mimi_encoder_config
+from pipecat_qwen_fast.config import (
     GenerationDefaults,
     ModelConfig,
     VocoderConfig,
@@ -23,8 +24,7 @@ from .config import (
     parse_vocoder_config,
     read_json,
 )
-from .errors import ModelLoadError
-from .layout import MimiEncoderConfig, parse_mimi_encoder_config
+from pipecat_qwen_fast.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +39,14 @@ TOKENIZER_FILES_HINT = "tokenizer.json, or vocab.json + merges.txt + tokenizer_c
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 BUILD_HINT = (
-    "for testing without weights, build a random checkpoint: python -m pipecat_qwen_fast.build_checkpoint "
+    "for testing without weights, build a random checkpoint: qwen-fast-tts build-checkpoint "
     "--size tiny --variant custom_voice --out DIR"
 )
 
 
 def download_hint(repo_id: str) -> str:
     return (
-        f"On a machine with internet access run `huggingface-cli download {repo_id} --local-dir DIR` "
+        f"On a machine with internet access run `hf download {repo_id} --local-dir DIR` "
         f"and pass that folder as the model; {BUILD_HINT}"
     )
 
@@ -214,7 +214,7 @@ class QwenTextTokenizer:
 def qwen_pre_tokenizer():
     from tokenizers import Regex, pre_tokenizers
 
-    from .synthetic_tokenizer import QWEN_PRETOKENIZE_REGEX
+    from pipecat_qwen_fast.checkpoints.synthetic_tokenizer import QWEN_PRETOKENIZE_REGEX
 
     return pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False),

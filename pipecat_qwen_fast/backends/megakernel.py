@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .backend import SessionSnapshot
-from .errors import UnsupportedFeatureError
-from .layers import KVCache, rotary_cos_sin
-from .prefill_graphs import PrefillGraphs
-from .sampling import SamplingParams
+from pipecat_qwen_fast.backends.base import SessionSnapshot
+from pipecat_qwen_fast.backends.prefill_graphs import PrefillGraphs
+from pipecat_qwen_fast.errors import UnsupportedFeatureError
+from pipecat_qwen_fast.model.layers import KVCache, rotary_cos_sin
+from pipecat_qwen_fast.model.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def source_dir() -> Path:
     override = os.environ.get("QWEN_FAST_CUDA_DIR")
     if override:
         return Path(override)
-    checkout = Path(__file__).resolve().parent.parent / "cuda"
+    checkout = Path(__file__).resolve().parents[2] / "cuda"
     if checkout.is_dir():
         return checkout
     # A wheel install carries the sources as data files (pyproject: tool.setuptools.data-files).
@@ -770,11 +770,11 @@ class MegakernelBackend:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m pipecat_qwen_fast.megakernel build [--arch sm_90 ...]`: build (or find) the cached
+    """`python -m pipecat_qwen_fast.backends.megakernel build [--arch sm_90 ...]`: build (or find) the cached
     library for each arch and print its path; without --arch, the current GPU's."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m pipecat_qwen_fast.megakernel")
+    ap = argparse.ArgumentParser(prog="python -m pipecat_qwen_fast.backends.megakernel")
     ap.add_argument("command", choices=["build"])
     ap.add_argument("--arch", nargs="*", default=None, help="e.g. sm_80 sm_90 (default: the current GPU)")
     args = ap.parse_args(argv)

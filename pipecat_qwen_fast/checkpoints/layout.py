@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .config import ModelConfig, VocoderConfig, _get
-from .errors import ConfigError
+from pipecat_qwen_fast.config import ModelConfig, VocoderConfig, _get
+from pipecat_qwen_fast.errors import ConfigError
 
 Shape = tuple[int, ...]
 Layout = dict[str, Shape]

@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
-from .errors import EngineClosedError, NoFreeSlotError
+from pipecat_qwen_fast.errors import EngineClosedError, NoFreeSlotError
 
 if TYPE_CHECKING:
-    from .engine import AudioChunk
+    from pipecat_qwen_fast.engine.request import AudioChunk
 
-logger = logging.getLogger("pipecat_qwen_fast.service")
+logger = logging.getLogger("pipecat_qwen_fast.engine.service")
 
 # Audio chunks a stream may hold unread before its session is paused: enough to ride out event-loop
 # hiccups, small enough that a stalled consumer holds a few seconds of audio at most.
@@ -566,7 +566,7 @@ def shared_service(
             return service
 
         def load() -> Any:
-            from .engine import QwenTTSEngine
+            from pipecat_qwen_fast.engine.engine import QwenTTSEngine
 
             return QwenTTSEngine.from_pretrained(
                 key[0], device=device, dtype=dtype, backend=backend

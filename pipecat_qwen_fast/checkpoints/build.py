@@ -1,6 +1,6 @@
 """Write a random-weight Qwen3-TTS checkpoint in the real Hugging Face layout.
 
-    python -m pipecat_qwen_fast.build_checkpoint --size tiny|0.6b|1.7b \\
+    python -m pipecat_qwen_fast.checkpoints.build --size tiny|0.6b|1.7b \\
         --variant custom_voice|voice_design|base --out DIR [--seed N] [--zero-eos] \\
         [--dtype bfloat16|float32] [--size-tag 0b6|1b7]
 
@@ -28,23 +28,23 @@ from pathlib import Path
 
 import torch
 
-from .config import parse_model_config, parse_vocoder_config
-from .errors import InvalidInputError
-from .layout import (
+from pipecat_qwen_fast.checkpoints.layout import (
     Layout,
     Shape,
     main_model_layout,
     parse_mimi_encoder_config,
     speech_tokenizer_layout,
 )
-from .synthetic_tokenizer import write_tokenizer_files
-from .tiny_configs import (
+from pipecat_qwen_fast.checkpoints.synthetic_tokenizer import write_tokenizer_files
+from pipecat_qwen_fast.checkpoints.tiny_configs import (
     SIZES,
     VARIANTS,
     check_size_variant,
     model_config_dict,
     speech_tokenizer_config_dict,
 )
+from pipecat_qwen_fast.config import parse_model_config, parse_vocoder_config
+from pipecat_qwen_fast.errors import InvalidInputError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
@@ -247,7 +247,7 @@ def build_checkpoint(out_dir: str | Path, size: str = "tiny", variant: str = "cu
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m pipecat_qwen_fast.build_checkpoint",
+        prog="python -m pipecat_qwen_fast.checkpoints.build",
         description="Write a random-weight Qwen3-TTS checkpoint in the Hugging Face layout.",
     )
     ap.add_argument("--size", required=True, choices=SIZES)

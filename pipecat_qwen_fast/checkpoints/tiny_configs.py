@@ -14,7 +14,7 @@ import json
 from importlib import resources
 from typing import Any
 
-from .errors import InvalidInputError
+from pipecat_qwen_fast.errors import InvalidInputError
 
 SIZES = ("tiny", "0.6b", "1.7b")
 VARIANTS = ("custom_voice", "voice_design", "base")

@@ -21,9 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from . import bench_texts as texts
+from pipecat_qwen_fast.bench import texts
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 BASELINE_DIR = REPO_ROOT / "bench" / "baselines"
 BACKENDS = ("torch", "auto", "megakernel", "eager")
 BASELINES = ("faster", "official")
@@ -71,7 +71,7 @@ def run_phase(name: str, cmd: list[str], out_json: Path, timeout: float, env: di
 
 def build_checkpoint(size: str, variant: str, out: Path) -> dict:
     t0 = time.time()
-    cmd = [sys.executable, "-m", "pipecat_qwen_fast.build_checkpoint", "--size", size, "--variant", variant,
+    cmd = [sys.executable, "-m", "pipecat_qwen_fast.checkpoints.build", "--size", size, "--variant", variant,
            "--out", str(out), "--zero-eos"]
     log(f"building the random {size} {variant} checkpoint (EOS row zeroed) in {out}")
     subprocess.run(cmd, check=True, cwd=REPO_ROOT)
@@ -140,7 +140,7 @@ def _choices(value: str, valid: tuple[str, ...], flag: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .bench_report import write_reports
+    from pipecat_qwen_fast.bench.report import write_reports
 
     args = parse_args(argv)
     started = time.time()
@@ -193,11 +193,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         out_json = work / f"phase_{phase}.json"
         if phase == "ceilings":
-            cmd = [py, "-m", "pipecat_qwen_fast.bench_ceilings", "--device", args.device, "--out", str(out_json), *quick]
+            cmd = [py, "-m", "pipecat_qwen_fast.bench.ceilings", "--device", args.device, "--out", str(out_json), *quick]
             env = base_env
         elif phase in BACKENDS:
             bw = results["phases"].get("ceilings", {}).get("copy_bandwidth_gbs")
-            cmd = [py, "-m", "pipecat_qwen_fast.bench_engine", "--model", str(model), "--device", args.device,
+            cmd = [py, "-m", "pipecat_qwen_fast.bench.engine", "--model", str(model), "--device", args.device,
                    "--dtype", args.dtype, "--backend", phase, "--budget", str(budget - EXIT_GRACE_S),
                    "--out", str(out_json), *quick]
             if bw:

@@ -22,9 +22,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .cuda_graphs import GraphCapturer, compile_blocker, recompile_limit
-from .layers import DecoderLayer, rotary_cos_sin
-from .talker import Talker
+from pipecat_qwen_fast.model.layers import DecoderLayer, rotary_cos_sin
+from pipecat_qwen_fast.model.talker import Talker
+from pipecat_qwen_fast.utils.cuda_graphs import GraphCapturer, compile_blocker, recompile_limit
 
 logger = logging.getLogger(__name__)
 

@@ -8,46 +8,19 @@ docs/ARCHITECTURE.md ("Decode backends").
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from .layers import KVCache
-from .sampling import SamplingParams, sample_code0, sample_residual, talker_suppress_mask
-from .talker import Talker
-
-
-class DecodeBackend(Protocol):
-    name: str
-
-    def new_state(
-        self, *, max_positions: int, params: SamplingParams, seed: int | None, trailing: Tensor, pad_vec: Tensor
-    ) -> object: ...
-
-    def prefill(self, state: object, embeds: Tensor) -> None: ...
-
-    def decode_frame(self, state: object) -> Tensor: ...
-
-    def release(self, state: object) -> None: ...
-
-
-@dataclass
-class SessionSnapshot:
-    """A decode session between frames, in a form any backend can start from (the auto backend
-    moves sessions from the megakernel into the batch with it). Tensors may be views of the old
-    state's buffers: adopt them before that state is released."""
-
-    k: Tensor  # talker K of positions 0..length-1 (after norm and RoPE): [layers, kv_heads, length, head_dim]
-    v: Tensor
-    frame: int  # frames decoded so far
-    hidden: Tensor  # post-norm talker hidden at the newest position (what frame 0 starts from)
-    pending: Tensor  # next talker input (frames > 0)
-    seen: Tensor  # bool [vocab]: code-0 ids generated so far
-    params: SamplingParams
-    seed: int  # seeds the adopting backend's draws from here on
-    trailing: Tensor
-    pad_vec: Tensor
+from pipecat_qwen_fast.backends.base import SessionSnapshot
+from pipecat_qwen_fast.model.layers import KVCache
+from pipecat_qwen_fast.model.sampling import (
+    SamplingParams,
+    sample_code0,
+    sample_residual,
+    talker_suppress_mask,
+)
+from pipecat_qwen_fast.model.talker import Talker
 
 
 @dataclass

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .config import ModelConfig, PredictorConfig, TalkerConfig
-from .layers import DecoderStack
+from pipecat_qwen_fast.config import ModelConfig, PredictorConfig, TalkerConfig
+from pipecat_qwen_fast.model.layers import DecoderStack
 
 
 class TalkerModel(DecoderStack):

@@ -3,7 +3,7 @@
 Every ratio is "baseline / ours" on the same quantity from the same run, so "3.0x" means ours
 takes a third of the time. A missing measurement prints as "n/a", never as a guess.
 
-    python -m pipecat_qwen_fast.bench_report results.json > results.md
+    python -m pipecat_qwen_fast.bench.report results.json > results.md
 """
 
 from __future__ import annotations
@@ -384,7 +384,7 @@ def write_reports(results: dict, out_dir: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m pipecat_qwen_fast.bench_report results.json", file=sys.stderr)
+        print("usage: python -m pipecat_qwen_fast.bench.report results.json", file=sys.stderr)
         return 2
     sys.stdout.write(render(json.loads(Path(argv[0]).read_text())))
     return 0

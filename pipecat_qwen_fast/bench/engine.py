@@ -23,10 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import bench_texts as texts
-from .backend import TorchBackend
-from .engine import QwenTTSEngine, SynthesisRequest
-from .errors import QwenTTSError, UnsupportedFeatureError
+from pipecat_qwen_fast.backends.eager import TorchBackend
+from pipecat_qwen_fast.bench import texts
+from pipecat_qwen_fast.engine.engine import QwenTTSEngine
+from pipecat_qwen_fast.engine.request import SynthesisRequest
+from pipecat_qwen_fast.errors import QwenTTSError, UnsupportedFeatureError
 
 
 class Budget:
@@ -451,7 +452,7 @@ async def _run_level(service, engine: QwenTTSEngine, n: int, frames: int, timeou
 
 def measure_concurrency(engine: QwenTTSEngine, levels: list[int], frames: int, budget: Budget, report: Report) -> None:
     try:
-        from .service import EngineService
+        from pipecat_qwen_fast.engine.service import EngineService
     except ImportError as e:
         report.put("concurrency", {"error": f"EngineService unavailable: {e}"})
         return
@@ -561,7 +562,7 @@ def run_phase(args: argparse.Namespace, report: Report) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipecat_qwen_fast.bench_engine")
+    p = argparse.ArgumentParser(prog="python -m pipecat_qwen_fast.bench.engine")
     p.add_argument("--model", required=True)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto")

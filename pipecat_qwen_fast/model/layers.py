@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import DecoderStackConfig
+from pipecat_qwen_fast.config import DecoderStackConfig
 
 
 class RMSNorm(nn.Module):

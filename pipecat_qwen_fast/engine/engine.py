@@ -12,22 +12,35 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import threading
-import unicodedata
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from . import checkpoint
-from .backend import DecodeBackend, TorchBackend
-from .config import GenerationDefaults, ModelConfig
-from .errors import EngineClosedError, InvalidInputError, UnsupportedFeatureError
-from .prompt import (
+from pipecat_qwen_fast.backends.base import DecodeBackend
+from pipecat_qwen_fast.backends.select import (
+    BACKENDS,
+    resolve_device,
+    resolve_dtype,
+    select_backend,
+)
+from pipecat_qwen_fast.checkpoints import load as checkpoint
+from pipecat_qwen_fast.config import GenerationDefaults, ModelConfig
+from pipecat_qwen_fast.engine.request import (
+    SAMPLE_RATE,
+    AudioChunk,
+    SynthesisRequest,
+    SynthesisResult,
+    chunk_target,
+    schedule_sizes,
+)
+from pipecat_qwen_fast.engine.session import EarlyChunk, Session, VocoderJob, to_host, to_pcm
+from pipecat_qwen_fast.engine.text import MAX_SEGMENT_TOKENS, normalize_text, split_text
+from pipecat_qwen_fast.errors import EngineClosedError, InvalidInputError, UnsupportedFeatureError
+from pipecat_qwen_fast.model.prompt import (
     DUAL_TRACK,
     PREFILL,
     TEXT_MODES,
@@ -40,188 +53,19 @@ from .prompt import (
     resolve_voice,
     supported_languages,
 )
-from .sampling import SamplingParams
-from .talker import Qwen3TTSModel
-from .vocoder import Vocoder, VocoderStream
-from .vocoder_graphs import GraphedVocoder
+from pipecat_qwen_fast.model.sampling import SamplingParams
+from pipecat_qwen_fast.model.talker import Qwen3TTSModel
+from pipecat_qwen_fast.vocoder.graphs import GraphedVocoder
+from pipecat_qwen_fast.vocoder.vocoder import Vocoder
 
 logger = logging.getLogger("pipecat_qwen_fast")
 
-SAMPLE_RATE = 24000
-BACKENDS = ("auto", "megakernel", "torch", "eager")
 
 # Frame cap from text length: real speech runs at roughly 3-5 frames per text token; 15 per token
 # plus 8 s is far above anything the model ends by itself, and stops the rare runaway generation
 # (spec §5, "EOS is intrinsically unreliable") long before the hard cap of 8191 frames (11 min).
 FRAMES_PER_TOKEN_CAP = 15
 FRAME_CAP_MARGIN = 100
-# Longer texts are split at sentence boundaries into segments synthesised back to back into one
-# continuous stream (one vocoder state), so a 10,000-character input neither hits the cap nor
-# builds an unbounded KV cache.
-MAX_SEGMENT_TOKENS = 200
-
-
-# From the third chunk on, a chunk holds at most this many times the frames already sent. A chunk
-# of n frames after S sent reaches the player in time while the decoder runs at >= ~(n / S + 1)x
-# real time: 4x for the second chunk (3 after 1), at most 3x for the later ones, so growth never
-# asks more than the default second chunk already does. With 4x growth (1, 4, 16) the third chunk
-# asked 4.2x and 16 concurrent torch-backend streams (4.5x each) ran out of audio by 1 ms where
-# 1, 4, 4 did not (H200 full run at c332932).
-CHUNK_GROWTH = 2
-
-
-def to_pcm(wav: Tensor) -> Tensor:
-    """float waveform -> int16 PCM, on its device."""
-    return (wav.float().clamp(-1, 1) * 32767).round().to(torch.int16)
-
-
-def to_host(t: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
-    """A device tensor's copy into pinned host memory, queued, and the event after which it is
-    complete; a CPU tensor as it is, with no event."""
-    if t.device.type != "cuda":
-        return t, None
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    return host, done
-
-
-def chunk_target(request: SynthesisRequest, frames_sent: int) -> int:
-    """Frames in the chunk that starts after `frames_sent` frames of audio.
-
-    From the third chunk on, chunks double from `chunk_frames` (1, 3, 6, 12, 32, 32, ... by
-    default) as far as growth and `max_chunk_frames` allow, so a default stream uses a handful of
-    sizes, each a compiled vocoder graph. A vocoder call costs nearly the same for 1 to 16 frames:
-    a 32-frame chunk costs 0.076 ms a frame against 0.12 for 16 and 0.38 for 4 (bench/NOTES.md,
-    "Chunk schedule 1, 4, 8, 16, 32").
-    """
-    if frames_sent == 0:
-        return request.first_chunk_frames
-    n = request.chunk_frames
-    most = request.max_chunk_frames
-    if most is not None and frames_sent > request.first_chunk_frames:
-        limit = min(most, CHUNK_GROWTH * frames_sent)
-        while 2 * n <= limit:
-            n *= 2
-        if most <= limit:  # the cap itself, where doubling does not land on it
-            n = max(n, most)
-    return n
-
-
-def schedule_sizes(request: SynthesisRequest) -> tuple[int, ...]:
-    """The chunk sizes a long stream of `request` sends (its last chunk may be any smaller size)."""
-    sizes, sent = [], 0
-    while True:
-        n = chunk_target(request, sent)
-        # Until capped, each chunk from the third on at least doubles: a repeat is the steady size.
-        if len(sizes) >= 2 and n == sizes[-1]:
-            return tuple(sorted(set(sizes)))
-        sizes.append(n)
-        sent += n
-
-
-@dataclass
-class SynthesisRequest:
-    text: str
-    voice: str | None = None
-    language: str | None = "auto"
-    instruct: str | None = None
-    seed: int | None = None
-    greedy: bool = False
-    text_mode: str | None = None  # None: the official default of the variant
-    voice_clone: VoiceClonePrompt | None = None
-    first_chunk_frames: int = 1
-    # 3, not 4: a stream asks ~(n / S + 1)x real time for a chunk of n after S sent, and the second
-    # chunk asks the most. At 16 concurrent streams on an H200 (~5x real time each) 4 starved every
-    # stream by 0.5-4 ms and 3 none (bench/NOTES.md, "Second chunk of 3 frames").
-    chunk_frames: int = 3
-    # From the third chunk on, chunks double up to this, each at most CHUNK_GROWTH x the frames
-    # already sent (chunk_target); None (or <= chunk_frames): every later chunk is chunk_frames.
-    max_chunk_frames: int | None = 32
-    max_frames: int | None = None
-    sampling: SamplingParams | None = None  # overrides generation_config.json
-    vocode: bool = True
-
-
-@dataclass
-class AudioChunk:
-    pcm: np.ndarray  # int16 mono at 24 kHz
-    frame_index: int  # index of the first frame in this chunk
-    num_frames: int
-    codes: np.ndarray  # [num_frames, 16] int64
-
-    @property
-    def duration_s(self) -> float:
-        return len(self.pcm) / SAMPLE_RATE
-
-
-@dataclass
-class SynthesisResult:
-    pcm: np.ndarray  # int16
-    codes: np.ndarray  # [T, 16]
-    stop_reason: str | None
-    sample_rate: int = SAMPLE_RATE
-
-    @property
-    def audio(self) -> np.ndarray:
-        """The waveform as float32 in [-1, 1]."""
-        return self.pcm.astype(np.float32) / 32767
-
-    @property
-    def duration_s(self) -> float:
-        return len(self.pcm) / self.sample_rate
-
-
-@dataclass
-class Session:
-    """One utterance in flight. Created by `QwenTTSEngine.open_session`."""
-
-    request: SynthesisRequest
-    speaker: str | None
-    language: str
-    text_mode: str
-    params: SamplingParams
-    segments: list[str]
-    seed: int
-    segment_index: int = 0
-    state: object | None = None
-    frame_cap: int = 0
-    segment_frames: int = 0
-    frames_decoded: int = 0
-    chunk_start: int = 0
-    pending: list[Tensor] = field(default_factory=list)  # device codes [16] not yet vocoded
-    codes: list[np.ndarray] = field(default_factory=list)  # host codes of every frame
-    vocoder_state: object | None = None
-    done: bool = False
-    stop_reason: str | None = None  # "eos" | "frame_cap" | "cancelled" | "error"
-    # The next frame, launched before this one was read (QwenTTSEngine.run_ahead): its device
-    # codes, their host copy and the event that completes the copy. The state already holds it.
-    ahead: tuple | None = None
-    # The vocoder's call for the chunk that the frame in flight completes, queued behind that
-    # frame before its codes were read (QwenTTSEngine.ahead_at_chunks); kept only if the chunk
-    # is flushed as it was guessed.
-    early: EarlyChunk | None = None
-
-
-@dataclass
-class EarlyChunk:
-    start: int  # the chunk's first frame
-    frames: int
-    entry: object  # the vocoder graph entry holding the state after the call
-    pcm: Tensor  # host int16 (pinned on a GPU), complete once `done` is
-    done: object | None  # torch.cuda.Event; None on the CPU
-
-
-@dataclass
-class _VocoderJob:
-    """A chunk flushed inside a batched round, its audio made at the round's end together with the
-    other sessions' chunks of its size (`QwenTTSEngine._vocode_round`)."""
-
-    stream: VocoderStream  # the session's (still held here after the session closes)
-    codes: Tensor  # [16, n] on the device
-    start: int
-    host_codes: np.ndarray
 
 
 class QwenTTSEngine:
@@ -261,7 +105,7 @@ class QwenTTSEngine:
         # step_many clears it for a round of several sessions: a session stepped on its own that
         # kept a frame ahead every round would never rejoin the batch.
         self._ahead_allowed = True
-        # True inside a batched round: chunks flushed there come back as _VocoderJobs, vocoded at
+        # True inside a batched round: chunks flushed there come back as VocoderJobs, vocoded at
         # the round's end, one batched call per chunk size, instead of one call each, each waited for.
         self._defer_vocoder = False
         # On a GPU the streaming vocoder step replays one CUDA graph per chunk size, captured from
@@ -306,8 +150,8 @@ class QwenTTSEngine:
         plain PyTorch reference without graphs.
         warmup (default: on for CUDA) runs every run-time path once so the first request is fast.
         """
-        dev = _resolve_device(device)
-        dt = _resolve_dtype(dtype, dev)
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
         if backend not in BACKENDS:
             raise InvalidInputError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
         model_dir = checkpoint.resolve_model_dir(model)
@@ -334,7 +178,7 @@ class QwenTTSEngine:
         # call outside no_grad (graph capture at warm-up) would keep every activation alive.
         net.requires_grad_(False).eval()
 
-        decode_backend = _select_backend(backend, net, dev, dt)
+        decode_backend = select_backend(backend, net, dev, dt)
         engine = cls(
             config=cfg, generation=gen, model=net, vocoder=voc, tokenizer=tok,
             device=dev, dtype=dt, backend=decode_backend, model_dir=model_dir,
@@ -646,7 +490,7 @@ class QwenTTSEngine:
         batched = getattr(self.backend, "decode_frames", None)
         limit = getattr(self.backend, "max_batch", 1)
         groups: dict[SamplingParams, list[int]] = {}
-        jobs: list[tuple[int, _VocoderJob]] = []
+        jobs: list[tuple[int, VocoderJob]] = []
         for i, s in enumerate(sessions):
             if s.done:
                 continue
@@ -688,17 +532,17 @@ class QwenTTSEngine:
                 finally:
                     self._defer_vocoder = False
                 jobs += [(i, c) for i in part if isinstance(results[i], list)
-                         for c in results[i] if isinstance(c, _VocoderJob)]
+                         for c in results[i] if isinstance(c, VocoderJob)]
         if jobs:
             self._vocode_round(sessions, results, jobs)
         return results
 
-    def _vocode_round(self, sessions: list[Session], results: list, jobs: list[tuple[int, _VocoderJob]]) -> None:
+    def _vocode_round(self, sessions: list[Session], results: list, jobs: list[tuple[int, VocoderJob]]) -> None:
         """The round's flushed chunks: one vocoder call per chunk size for all the sessions that
         flushed one of that size (batched graphs on a GPU), their audio copied to the host
         behind it, one wait for all. Each job in `results` is replaced by its AudioChunk; a failed
         call ends its sessions with the error."""
-        by_size: dict[int, list[tuple[int, _VocoderJob]]] = {}
+        by_size: dict[int, list[tuple[int, VocoderJob]]] = {}
         for i, job in jobs:
             by_size.setdefault(job.codes.shape[1], []).append((i, job))
         made = []
@@ -773,7 +617,7 @@ class QwenTTSEngine:
             pcm, done = torch.zeros(0, dtype=torch.int16), None
         elif self._defer_vocoder and not launch_next:
             # Replaced by its AudioChunk at the round's end (_step_round collects it from the results).
-            return [_VocoderJob(s.vocoder_state, torch.stack(pending).T, start, host_codes)]
+            return [VocoderJob(s.vocoder_state, torch.stack(pending).T, start, host_codes)]
         else:
             codes = torch.stack(pending).T[None]  # [1, 16, n]
             with torch.no_grad():
@@ -854,151 +698,3 @@ class QwenTTSEngine:
 
     def close(self) -> None:
         self.closed = True
-
-
-# ---------------------------------------------------------------------- helpers
-
-_CONTROL_OK = {"\n", "\t"}
-
-
-def normalize_text(text: object) -> str:
-    """Reject empty input; replace control characters (except newline/tab) by spaces.
-
-    Control characters carry no speech and can break the tokenizer's template slicing; emoji and
-    other symbols are passed through to the tokenizer unchanged.
-    """
-    if not isinstance(text, str):
-        raise InvalidInputError(f"text must be a string, got {type(text).__name__}")
-    cleaned = "".join(" " if unicodedata.category(ch) == "Cc" and ch not in _CONTROL_OK else ch for ch in text)
-    cleaned = cleaned.strip()
-    if not cleaned:
-        raise InvalidInputError("text is empty or whitespace only; there is nothing to say")
-    return cleaned
-
-
-_SENTENCE_END = re.compile(r"(?<=[.!?;。！？；…])\s+|(?<=[。！？；])|\n+")
-_CLAUSE_END = re.compile(r"(?<=[,:，、：])\s*")
-
-
-def split_text(text: str, tok: TextTokenizer, max_tokens: int) -> list[str]:
-    """Split text into segments of at most `max_tokens` tokens, at sentence, then clause, then word
-    boundaries. Short texts come back unchanged as one segment."""
-    if len(tok.encode(text)) <= max_tokens:
-        return [text]
-    pieces: list[str] = []
-    for sentence in filter(None, (p.strip() for p in _SENTENCE_END.split(text))):
-        if len(tok.encode(sentence)) <= max_tokens:
-            pieces.append(sentence)
-            continue
-        for clause in filter(None, (p.strip() for p in _CLAUSE_END.split(sentence))):
-            if len(tok.encode(clause)) <= max_tokens:
-                pieces.append(clause)
-            else:
-                pieces.extend(_split_words(clause, tok, max_tokens))
-    segments: list[str] = []
-    current = ""
-    for piece in pieces:
-        candidate = f"{current} {piece}".strip() if current else piece
-        if current and len(tok.encode(candidate)) > max_tokens:
-            segments.append(current)
-            current = piece
-        else:
-            current = candidate
-    if current:
-        segments.append(current)
-    return segments
-
-
-def _split_words(text: str, tok: TextTokenizer, max_tokens: int) -> list[str]:
-    out: list[str] = []
-    current = ""
-    for word in text.split() or [text]:
-        candidate = f"{current} {word}".strip()
-        if current and len(tok.encode(candidate)) > max_tokens:
-            out.append(current)
-            current = word
-        else:
-            current = candidate
-        while len(tok.encode(current)) > max_tokens:  # one "word" longer than a segment (no spaces)
-            cut = max(1, len(current) * max_tokens // (2 * len(tok.encode(current))))
-            out.append(current[:cut])
-            current = current[cut:]
-    if current:
-        out.append(current)
-    return out
-
-
-def _resolve_device(device: str | torch.device) -> torch.device:
-    if isinstance(device, torch.device):
-        return device
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise InvalidInputError(f"unknown device {device!r}; use 'auto', 'cpu', 'cuda' or 'cuda:N'") from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidInputError("device 'cuda' was requested but CUDA is not available; use device='cpu'")
-    return dev
-
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise InvalidInputError(f"unknown dtype {dtype!r}; valid: auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
-
-
-def _torch_backend(net: Qwen3TTSModel, device: torch.device, dtype: torch.dtype) -> DecodeBackend:
-    if device.type == "cuda":
-        from .graph_backend import GraphBackend
-
-        return GraphBackend.for_device(net.talker, device, dtype)
-    return TorchBackend(net.talker, device, dtype)
-
-
-def _hybrid_backend(net: Qwen3TTSModel, device: torch.device, dtype: torch.dtype) -> DecodeBackend:
-    """`auto` on a supported GPU: the megakernel for a few calls, batched graphs for more."""
-    from .hybrid_backend import HybridBackend
-    from .megakernel import MegakernelBackend
-
-    # The graph backend first: it fuses the q/k/v and gate/up weights in place, and the megakernel
-    # must take its weight addresses after that. The two share the captured prefills.
-    bulk = _torch_backend(net, device, dtype)
-    fast = MegakernelBackend(net.talker, device, dtype, prefills=getattr(bulk, "prefills", None))
-    return HybridBackend(fast, bulk)
-
-
-def _select_backend(name: str, net: Qwen3TTSModel, device: torch.device, dtype: torch.dtype) -> DecodeBackend:
-    if name == "eager":
-        return TorchBackend(net.talker, device, dtype)
-    if name == "torch":
-        return _torch_backend(net, device, dtype)
-    reason = None
-    if device.type != "cuda":
-        reason = "the megakernel needs a CUDA device"
-    else:
-        try:
-            from .megakernel import MegakernelBackend, megakernel_unsupported_reason
-
-            reason = megakernel_unsupported_reason(net, device, dtype)
-            if reason is None and name == "megakernel":
-                return MegakernelBackend(net.talker, device, dtype)
-            if reason is None:
-                return _hybrid_backend(net, device, dtype)
-        except ImportError as e:  # megakernel module not built / not available
-            reason = f"megakernel unavailable ({e})"
-    if name == "megakernel":
-        raise UnsupportedFeatureError(f"backend='megakernel' is not supported here: {reason}")
-    if device.type == "cuda":
-        logger.warning("falling back to the torch backend: %s", reason)
-    else:
-        logger.info("using the torch backend: %s", reason)
-    return _torch_backend(net, device, dtype)

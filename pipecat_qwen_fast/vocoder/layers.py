@@ -12,16 +12,15 @@ Tensors are channel-first ``[B, C, T]`` outside the transformer and ``[B, T, C]`
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .layers import RMSNorm  # the talker's norm: fp32 math, one fused kernel for bf16 on CUDA
-
-if TYPE_CHECKING:
-    from pipecat_qwen_fast.vocoder import VocoderStream
+from pipecat_qwen_fast.model.layers import (
+    RMSNorm,  # the talker's norm: fp32 math, one fused kernel for bf16 on CUDA
+)
+from pipecat_qwen_fast.vocoder.stream import VocoderStream
 
 # Queries are attended in blocks so that a long whole-utterance pass never builds a T x T mask.
 ATTENTION_QUERY_BLOCK = 256

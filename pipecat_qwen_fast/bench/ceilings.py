@@ -102,7 +102,7 @@ def measure_ceilings(device: torch.device, quick: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipecat_qwen_fast.bench_ceilings")
+    p = argparse.ArgumentParser(prog="python -m pipecat_qwen_fast.bench.ceilings")
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", required=True, help="JSON file to write")

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .errors import NoFreeSlotError
-from .sampling import SamplingParams
+from pipecat_qwen_fast.errors import NoFreeSlotError
+from pipecat_qwen_fast.model.sampling import SamplingParams
 
 logger = logging.getLogger("pipecat_qwen_fast")
 

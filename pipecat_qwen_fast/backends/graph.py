@@ -42,13 +42,24 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .backend import SessionSnapshot
-from .cuda_graphs import GraphCapturer, compile_blocker, recompile_limit
-from .errors import NoFreeSlotError, QwenTTSError
-from .layers import DecoderLayer, KVCache, apply_rotary, fuse_projections, rotary_cos_sin
-from .prefill_graphs import PREFILL_BUCKETS, PrefillGraphs
-from .sampling import SamplingParams, sample_code0, sample_residual, talker_suppress_mask
-from .talker import Talker
+from pipecat_qwen_fast.backends.base import SessionSnapshot
+from pipecat_qwen_fast.backends.prefill_graphs import PREFILL_BUCKETS, PrefillGraphs
+from pipecat_qwen_fast.errors import NoFreeSlotError, QwenTTSError
+from pipecat_qwen_fast.model.layers import (
+    DecoderLayer,
+    KVCache,
+    apply_rotary,
+    fuse_projections,
+    rotary_cos_sin,
+)
+from pipecat_qwen_fast.model.sampling import (
+    SamplingParams,
+    sample_code0,
+    sample_residual,
+    talker_suppress_mask,
+)
+from pipecat_qwen_fast.model.talker import Talker
+from pipecat_qwen_fast.utils.cuda_graphs import GraphCapturer, compile_blocker, recompile_limit
 
 logger = logging.getLogger("pipecat_qwen_fast")
 

@@ -1,0 +1,107 @@
+"""What a caller asks for and gets back: the request, its audio chunks, the whole result, and the
+chunk schedule that decides how many frames each chunk holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipecat_qwen_fast.model.prompt import VoiceClonePrompt
+from pipecat_qwen_fast.model.sampling import SamplingParams
+
+SAMPLE_RATE = 24000
+
+
+# From the third chunk on, a chunk holds at most this many times the frames already sent. A chunk
+# of n frames after S sent reaches the player in time while the decoder runs at >= ~(n / S + 1)x
+# real time: 4x for the second chunk (3 after 1), at most 3x for the later ones, so growth never
+# asks more than the default second chunk already does. With 4x growth (1, 4, 16) the third chunk
+# asked 4.2x and 16 concurrent torch-backend streams (4.5x each) ran out of audio by 1 ms where
+# 1, 4, 4 did not (H200 full run at c332932).
+CHUNK_GROWTH = 2
+
+def chunk_target(request: SynthesisRequest, frames_sent: int) -> int:
+    """Frames in the chunk that starts after `frames_sent` frames of audio.
+
+    From the third chunk on, chunks double from `chunk_frames` (1, 3, 6, 12, 32, 32, ... by
+    default) as far as growth and `max_chunk_frames` allow, so a default stream uses a handful of
+    sizes, each a compiled vocoder graph. A vocoder call costs nearly the same for 1 to 16 frames:
+    a 32-frame chunk costs 0.076 ms a frame against 0.12 for 16 and 0.38 for 4 (bench/NOTES.md,
+    "Chunk schedule 1, 4, 8, 16, 32").
+    """
+    if frames_sent == 0:
+        return request.first_chunk_frames
+    n = request.chunk_frames
+    most = request.max_chunk_frames
+    if most is not None and frames_sent > request.first_chunk_frames:
+        limit = min(most, CHUNK_GROWTH * frames_sent)
+        while 2 * n <= limit:
+            n *= 2
+        if most <= limit:  # the cap itself, where doubling does not land on it
+            n = max(n, most)
+    return n
+
+
+def schedule_sizes(request: SynthesisRequest) -> tuple[int, ...]:
+    """The chunk sizes a long stream of `request` sends (its last chunk may be any smaller size)."""
+    sizes, sent = [], 0
+    while True:
+        n = chunk_target(request, sent)
+        # Until capped, each chunk from the third on at least doubles: a repeat is the steady size.
+        if len(sizes) >= 2 and n == sizes[-1]:
+            return tuple(sorted(set(sizes)))
+        sizes.append(n)
+        sent += n
+
+
+@dataclass
+class SynthesisRequest:
+    text: str
+    voice: str | None = None
+    language: str | None = "auto"
+    instruct: str | None = None
+    seed: int | None = None
+    greedy: bool = False
+    text_mode: str | None = None  # None: the official default of the variant
+    voice_clone: VoiceClonePrompt | None = None
+    first_chunk_frames: int = 1
+    # 3, not 4: a stream asks ~(n / S + 1)x real time for a chunk of n after S sent, and the second
+    # chunk asks the most. At 16 concurrent streams on an H200 (~5x real time each) 4 starved every
+    # stream by 0.5-4 ms and 3 none (bench/NOTES.md, "Second chunk of 3 frames").
+    chunk_frames: int = 3
+    # From the third chunk on, chunks double up to this, each at most CHUNK_GROWTH x the frames
+    # already sent (chunk_target); None (or <= chunk_frames): every later chunk is chunk_frames.
+    max_chunk_frames: int | None = 32
+    max_frames: int | None = None
+    sampling: SamplingParams | None = None  # overrides generation_config.json
+    vocode: bool = True
+
+
+@dataclass
+class AudioChunk:
+    pcm: np.ndarray  # int16 mono at 24 kHz
+    frame_index: int  # index of the first frame in this chunk
+    num_frames: int
+    codes: np.ndarray  # [num_frames, 16] int64
+
+    @property
+    def duration_s(self) -> float:
+        return len(self.pcm) / SAMPLE_RATE
+
+
+@dataclass
+class SynthesisResult:
+    pcm: np.ndarray  # int16
+    codes: np.ndarray  # [T, 16]
+    stop_reason: str | None
+    sample_rate: int = SAMPLE_RATE
+
+    @property
+    def audio(self) -> np.ndarray:
+        """The waveform as float32 in [-1, 1]."""
+        return self.pcm.astype(np.float32) / 32767
+
+    @property
+    def duration_s(self) -> float:
+        return len(self.pcm) / self.sample_rate
