@@ -21,14 +21,8 @@ import torch
 from torch import Tensor
 
 from pipecat_qwen_fast.backends.base import DecodeBackend
-from pipecat_qwen_fast.backends.select import (
-    BACKENDS,
-    resolve_device,
-    resolve_dtype,
-    select_backend,
-)
-from pipecat_qwen_fast.checkpoints import load as checkpoint
 from pipecat_qwen_fast.config import GenerationDefaults, ModelConfig
+from pipecat_qwen_fast.engine.loading import load_engine
 from pipecat_qwen_fast.engine.request import (
     SAMPLE_RATE,
     AudioChunk,
@@ -55,6 +49,7 @@ from pipecat_qwen_fast.model.prompt import (
 )
 from pipecat_qwen_fast.model.sampling import SamplingParams
 from pipecat_qwen_fast.model.talker import Qwen3TTSModel
+from pipecat_qwen_fast.utils.phases import PhaseLog
 from pipecat_qwen_fast.vocoder.graphs import GraphedVocoder
 from pipecat_qwen_fast.vocoder.vocoder import Vocoder
 
@@ -92,6 +87,9 @@ class QwenTTSEngine:
         self.backend = backend
         self.model_dir = model_dir
         self.closed = False
+        # True once loaded and warmed up (load_engine); a hand-built engine is ready as built.
+        self.ready = True
+        self.load_phases: PhaseLog | None = None
         self._prepared_threads: set[int] = set()  # prepare_thread() done in these threads
         # On a GPU, `step` launches the next frame before it reads this one's codes, so the GPU
         # never waits for the host's EOS check and bookkeeping between two frames. A frame that
@@ -150,42 +148,8 @@ class QwenTTSEngine:
         plain PyTorch reference without graphs.
         warmup (default: on for CUDA) runs every run-time path once so the first request is fast.
         """
-        dev = resolve_device(device)
-        dt = resolve_dtype(dtype, dev)
-        if backend not in BACKENDS:
-            raise InvalidInputError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
-        model_dir = checkpoint.resolve_model_dir(model)
-        cfg = checkpoint.load_model_config(model_dir)
-        vcfg = checkpoint.load_vocoder_config(model_dir)
-        gen = checkpoint.load_generation_defaults(model_dir)
-        tok = checkpoint.load_text_tokenizer(model_dir)
-
-        # Build on the meta device and assign the loaded tensors: no second copy of the weights.
-        with torch.device("meta"):
-            net = Qwen3TTSModel(cfg)
-        weights = checkpoint.load_state_dict(
-            model_dir / "model.safetensors", dtype=dt, device=dev, prefix="talker.", progress=progress
-        )
-        net.load_talker_weights(weights)
-        del weights
-        voc_weights = checkpoint.load_state_dict(
-            model_dir / "speech_tokenizer" / "model.safetensors", dtype=dt, device=dev, prefix="decoder.",
-            progress=progress,
-        )
-        voc = Vocoder.from_state_dict(vcfg, voc_weights, device=dev, dtype=dt)  # frozen, eval
-        del voc_weights
-        # Inference only: parameters loaded with assign=True would otherwise require grad, and any
-        # call outside no_grad (graph capture at warm-up) would keep every activation alive.
-        net.requires_grad_(False).eval()
-
-        decode_backend = select_backend(backend, net, dev, dt)
-        engine = cls(
-            config=cfg, generation=gen, model=net, vocoder=voc, tokenizer=tok,
-            device=dev, dtype=dt, backend=decode_backend, model_dir=model_dir,
-        )
-        if warmup if warmup is not None else dev.type == "cuda":
-            engine.warmup()
-        return engine
+        return load_engine(cls, model, device=device, dtype=dtype, backend=backend, warmup=warmup,
+                           progress=progress)
 
     @torch.no_grad()
     def warmup(self) -> None:

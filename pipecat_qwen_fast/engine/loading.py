@@ -1,0 +1,91 @@
+"""Loading an engine: each step a timed phase, so start-up can be measured, shown and explained.
+
+Phases (top level): "reading the checkpoint" (configs, tokenizer), "loading the weights",
+"building the decode backend" (megakernel build or cache load, its warm-up, the batch backend's
+compile), "warming up" (graph captures, vocoder graphs, one greedy and one sampled session per
+path). A failure names the phase path and the cause (ModelLoadError).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+
+from pipecat_qwen_fast.backends.select import (
+    BACKENDS,
+    resolve_device,
+    resolve_dtype,
+    select_backend,
+)
+from pipecat_qwen_fast.checkpoints import load as checkpoint
+from pipecat_qwen_fast.errors import InvalidInputError
+from pipecat_qwen_fast.model.talker import Qwen3TTSModel
+from pipecat_qwen_fast.utils.phases import PhaseLog, phase
+from pipecat_qwen_fast.vocoder.vocoder import Vocoder
+
+if TYPE_CHECKING:
+    from pipecat_qwen_fast.engine.engine import QwenTTSEngine
+
+
+def load_engine(
+    cls: type[QwenTTSEngine],
+    model: str | os.PathLike[str],
+    *,
+    device: str | torch.device,
+    dtype: str | torch.dtype,
+    backend: str,
+    warmup: bool | None,
+    progress: bool,
+    log: PhaseLog | None = None,
+) -> QwenTTSEngine:
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if backend not in BACKENDS:
+        raise InvalidInputError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+    log = log or PhaseLog(on_start=show_phase if progress else None)
+    with log.activate():
+        with phase("reading the checkpoint"):
+            model_dir = checkpoint.resolve_model_dir(model)
+            cfg = checkpoint.load_model_config(model_dir)
+            vcfg = checkpoint.load_vocoder_config(model_dir)
+            gen = checkpoint.load_generation_defaults(model_dir)
+            tok = checkpoint.load_text_tokenizer(model_dir)
+        with phase("loading the weights"):
+            # Built on the meta device, then the loaded tensors are assigned: no second copy.
+            with torch.device("meta"):
+                net = Qwen3TTSModel(cfg)
+            weights = checkpoint.load_state_dict(
+                model_dir / "model.safetensors", dtype=dt, device=dev, prefix="talker.", progress=progress
+            )
+            net.load_talker_weights(weights)
+            del weights
+            voc_weights = checkpoint.load_state_dict(
+                model_dir / "speech_tokenizer" / "model.safetensors", dtype=dt, device=dev, prefix="decoder.",
+                progress=progress,
+            )
+            voc = Vocoder.from_state_dict(vcfg, voc_weights, device=dev, dtype=dt)  # frozen, eval
+            del voc_weights
+            # Inference only: parameters loaded with assign=True would otherwise require grad, and
+            # a call outside no_grad (graph capture at warm-up) would keep every activation alive.
+            net.requires_grad_(False).eval()
+        with phase("building the decode backend"):
+            decode_backend = select_backend(backend, net, dev, dt)
+        engine = cls(
+            config=cfg, generation=gen, model=net, vocoder=voc, tokenizer=tok,
+            device=dev, dtype=dt, backend=decode_backend, model_dir=model_dir,
+        )
+        if warmup if warmup is not None else dev.type == "cuda":
+            with phase("warming up"):
+                engine.warmup()
+    engine.load_phases = log
+    engine.ready = True
+    return engine
+
+
+def show_phase(name: str, depth: int) -> None:
+    """The CLI's view of a load: one line per phase as it starts, nested phases indented."""
+    if depth <= 1:
+        print(f"{'  ' * depth}[load] {name} ...", file=sys.stderr, flush=True)
