@@ -37,10 +37,10 @@ sys.path.insert(0, str(ROOT))
 from cuda_timing import event_times_ms  # noqa: E402
 from targets import render_markdown, summarize_targets  # noqa: E402
 
-from pipecat_qwen_fast import bench_engine  # noqa: E402
-from pipecat_qwen_fast import bench_texts as texts  # noqa: E402
-from pipecat_qwen_fast import megakernel as mk  # noqa: E402
+from pipecat_qwen_fast.backends import megakernel as mk  # noqa: E402
 from pipecat_qwen_fast.backends.eager import TorchBackend  # noqa: E402
+from pipecat_qwen_fast.bench import engine as bench_engine  # noqa: E402
+from pipecat_qwen_fast.bench import texts  # noqa: E402
 from pipecat_qwen_fast.engine.engine import QwenTTSEngine  # noqa: E402
 from pipecat_qwen_fast.model.sampling import SamplingParams  # noqa: E402
 
