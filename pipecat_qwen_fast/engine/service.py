@@ -43,6 +43,9 @@ logger = logging.getLogger("pipecat_qwen_fast.engine.service")
 DEFAULT_MAX_BUFFERED_CHUNKS = 16
 # Finished streams kept for inspection (tests, debugging); each record is a few ints per frame.
 HISTORY_SIZE = 64
+# Round timings kept while timing is on (time_rounds): minutes of rounds at a few hundred a second,
+# a few MB; a reader that drains them (popleft) never reaches the bound.
+ROUND_TIMINGS_KEPT = 200_000
 
 
 @dataclass
@@ -216,6 +219,9 @@ class EngineService:
         self._opened = 0
         self._tick = 0
         self.history: collections.deque[StreamRecord] = collections.deque(maxlen=HISTORY_SIZE)
+        self.round_timings: collections.deque[Any] = collections.deque(maxlen=ROUND_TIMINGS_KEPT)
+        self._round_timing = False
+        self._round_timer: Any = None
         self._on_exit: Callable[[EngineService], None] | None = None
         self._thread = threading.Thread(target=self._run, name=f"qwen-fast-{name}", daemon=True)
         self._thread.start()
@@ -286,6 +292,13 @@ class EngineService:
     def steps_run(self) -> int:
         """Frames decoded by this service across all streams (one engine.step each)."""
         return self._tick
+
+    def time_rounds(self, on: bool = True) -> None:
+        """Record every round's time split (engine.round_timing.RoundTiming) into ``round_timings``,
+        from the engine thread's next round; off by default. While on, each prefill, decode and
+        vocoder call is bracketed by device synchronizations (see engine/round_timing.py)."""
+        self._round_timing = on
+        self._wake.set()
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Stop accepting work, end every open stream with EngineClosedError, join the thread."""
@@ -396,6 +409,12 @@ class EngineService:
                 for stream in new:
                     self._end(stream, EngineClosedError("the TTS engine service is closed"))
                 return
+            # Switched here, after the inbox is taken: a stream opened after time_rounds() returns is timed.
+            if self._round_timing != (self._round_timer is not None):
+                self._switch_round_timer()
+            timer = self._round_timer
+            if timer is not None:
+                timer.begin()
             waiting, self._waiting = self._waiting, []
             self._open(waiting + new)
             ready = []
@@ -409,10 +428,23 @@ class EngineService:
                 results = self._engine.step_many([stream.session for stream in ready])
                 for stream, result in zip(ready, results):
                     self._after_step(stream, result)
+                if timer is not None:
+                    timer.end(len(ready))
             elif self._waiting and not self._active:
                 raise RuntimeError("a stream waits for a KV slot but no session holds one")
             else:
+                if timer is not None:
+                    timer.end(0)
                 self._wake.wait()
+
+    def _switch_round_timer(self) -> None:
+        if self._round_timer is not None:
+            self._round_timer.remove()
+            self._round_timer = None
+        else:
+            from pipecat_qwen_fast.engine.round_timing import RoundTimer
+
+            self._round_timer = RoundTimer(self._engine, self.round_timings)
 
     def _open(self, streams: list[SynthesisStream]) -> None:
         """Open every stream that arrived since the last round together: one batched prefill."""
@@ -509,6 +541,9 @@ class EngineService:
                     logger.warning("close_session failed: %s: %s", type(exc).__name__, exc)
             self._end(stream, error)
         self._active = []
+        if self._round_timer is not None:  # an engine served for its owner goes back unwrapped
+            self._round_timer.remove()
+            self._round_timer = None
         if self._owns_engine and self._engine is not None and fault is None:
             try:
                 self._engine.close()
