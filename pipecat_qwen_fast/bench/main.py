@@ -8,6 +8,9 @@ are merged into `results.json` and `results.md` in --out.
     qwen-fast-tts bench --build-size 0.6b --out results/        # builds the checkpoint first
     qwen-fast-tts bench --model DIR --out results/ --baselines none
     qwen-fast-tts bench --build-size tiny --device cpu --quick --out /tmp/b   # CPU smoke run
+
+`qwen-fast-tts bench fleet ...` is the fleet benchmark instead: many voice-agent callers on one
+engine (pipecat_qwen_fast/bench/fleet.py; `qwen-fast-tts bench fleet --help`).
 """
 
 from __future__ import annotations
@@ -142,6 +145,15 @@ def _choices(value: str, valid: tuple[str, ...], flag: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     from pipecat_qwen_fast.bench.report import write_reports
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["startup"]:
+        from pipecat_qwen_fast.bench.startup import main as startup_main
+
+        return startup_main(argv[1:])
+    if argv[:1] == ["fleet"]:
+        from pipecat_qwen_fast.bench.fleet import main as fleet_main
+
+        return fleet_main(argv[1:])
     args = parse_args(argv)
     started = time.time()
     args.out.mkdir(parents=True, exist_ok=True)

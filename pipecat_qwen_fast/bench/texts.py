@@ -55,6 +55,57 @@ UTTERANCES = (
     "Yes, that works.",
 )
 
+# What a voice agent says in the fleet benchmark (`bench fleet`): replies of 5 to 15 words, so
+# 25 to 75 frames (frames_for), of the kinds a support, booking or ordering agent gives.
+FLEET_REPLIES = (
+    "Okay, thank you very much.",
+    "No problem, happy to help.",
+    "Yes, that time works perfectly.",
+    "Got it, let me check that.",
+    "Sure, I can help you with that.",
+    "Sorry about the wait, thank you for holding.",
+    "Perfect, you're all set. Have a wonderful day!",
+    "Great, I've updated your address on file.",
+    "Sure thing, one moment while I look that up.",
+    "Unfortunately that item is out of stock right now.",
+    "Let me pull up your account, one moment please.",
+    "Your appointment is confirmed for Tuesday at ten thirty.",
+    "The total comes to forty two dollars and fifteen cents.",
+    "Your package shipped this morning and should arrive on Friday.",
+    "Is there anything else I can help you with today?",
+    "Could you confirm the email address on your account, please?",
+    "The password reset link has been sent to your phone.",
+    "Just to confirm, you'd like the large size in blue?",
+    "Okay, I've cancelled the order and you won't be charged.",
+    "We have three options: standard, express, or next day delivery.",
+    "Yes, we accept all major credit cards and digital wallets.",
+    "I'm sorry, I didn't catch that. Could you say it again?",
+    "Our store opens at nine and closes at six on weekdays.",
+    "I can transfer you to a specialist, would that be okay?",
+    "Your refund was processed and should appear within five business days.",
+    "Your current plan includes unlimited calls and ten gigabytes of data.",
+    "The doctor can see you on Monday morning at eight fifteen.",
+    "That's a great choice, it's one of our most popular dishes.",
+    "I'll send a confirmation to your email in just a moment.",
+    "Your prescription will be ready for pickup after two this afternoon.",
+    "Thanks for your patience, I'm still checking the availability for that date.",
+    "Let me repeat that back to make sure I have it right.",
+    "Traffic is light, so your driver should arrive in about six minutes.",
+    "Alright, your reservation is moved to Saturday at seven in the evening.",
+    "Would you prefer a call back in the morning or the afternoon?",
+    "I see two open slots tomorrow, one at noon and one at three.",
+    "I can put you on the waitlist and text you when it's back.",
+    "Do you want me to book a table for two or four people?",
+    "Your balance is due on the fifteenth, would you like to pay now?",
+    "Got it, I've added a note for the technician about the side gate.",
+    "Hmm, I'm not finding that order number. Could you check it once more?",
+    "The warranty covers parts and labor for two years from the purchase date.",
+    "That flight is full, but there's a seat on the next one at four.",
+    "If you restart the app and sign in again, the new settings should appear.",
+    "I understand how frustrating that must be, let me fix it for you right away.",
+    "Before I book it, can I confirm the name and phone number for the reservation?",
+)
+
 # One long sentence for RTF and per-frame figures, run for a fixed 250 frames (20 s of audio) by
 # every implementation, so the three are compared on exactly the same work.
 RTF_TEXT = (

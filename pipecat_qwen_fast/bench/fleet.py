@@ -1,0 +1,247 @@
+"""`qwen-fast-tts bench fleet`: how many voice-agent callers one engine carries (issue 34).
+
+Closed loop: callers speak one agent reply each (25-75 frames), play it at real time, listen
+0.3-1.5 s, speak again; their first utterances are spread over --stagger seconds. Open loop:
+requests arrive as a Poisson process at each --rates value. Each level runs --duration seconds
+against one engine loaded once, in this process, behind one EngineService (as a deployment loads
+it). Per level: first audio p50/p95/p99 from submission, utterances with an underrun and the worst
+lateness, frames/s, refusals (EngineOverloadedError), and the engine's rounds split into decode,
+vocoder, prefill and host time. The capacity is the most callers (the highest rate) whose level
+met its bar: p95 first audio <= --bar-ms with no underrun (open loop: <= --open-bar-ms), and no
+refused, failed or silent request. By default the sweep stops after the first level that misses.
+
+Writes fleet.json after every level, fleet.md and fleet.png (without matplotlib: no plot, and the
+JSON and markdown say why) into --out, all within --budget seconds from the start, build included.
+
+    qwen-fast-tts bench fleet --build-size 0.6b --out bench/results/fleet --budget 540
+    qwen-fast-tts bench fleet --model DIR --out /tmp/f --mode both --levels 16,64,128 --rates 5,10,20
+    qwen-fast-tts bench fleet --build-size tiny --device cpu --backend torch --levels 2 --duration 3 --out /tmp/f
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pipecat_qwen_fast.bench import fleet_report
+from pipecat_qwen_fast.bench.ceilings import describe_device
+from pipecat_qwen_fast.bench.engine import Report
+from pipecat_qwen_fast.bench.fleet_callers import InProcessEndpoint, closed_loop, open_loop
+from pipecat_qwen_fast.bench.fleet_workload import (
+    capacity,
+    fleet_replies,
+    summarize_level,
+    summarize_rounds,
+    verdict,
+)
+from pipecat_qwen_fast.bench.main import build_checkpoint, git_commit, log
+from pipecat_qwen_fast.engine.service import EngineService
+
+RESULT = "fleet.json"
+# A level is started only with this much time left beyond its --duration: the shortest drain
+# worth having plus writing the result and closing the engine.
+LEVEL_MARGIN_S = 8.0
+CLOSE_S = 3.0
+
+
+def _floats(value: str, flag: str, cast=float) -> list:
+    try:
+        items = [cast(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"{flag}: expected a comma list of numbers, got {value!r}") from None
+    if not items or any(v <= 0 for v in items):
+        raise SystemExit(f"{flag}: expected positive numbers, got {value!r}")
+    return items
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="qwen-fast-tts bench fleet", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", type=Path, help="an existing checkpoint folder (its EOS row should be zeroed)")
+    src.add_argument("--build-size", choices=["tiny", "0.6b", "1.7b"], help="build a random checkpoint first")
+    p.add_argument("--variant", default="custom_voice", choices=["custom_voice"],
+                   help="checkpoint variant to build (callers speak with a CustomVoice speaker)")
+    p.add_argument("--checkpoint-dir", type=Path, default=Path("/tmp/qwen-fast-fleet-ckpt"))
+    p.add_argument("--out", type=Path, required=True, help="folder for fleet.json, fleet.md, fleet.png")
+    p.add_argument("--device", default="cuda", help="cuda | cuda:N | cpu")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float32")
+    p.add_argument("--backend", default="auto", help="auto | torch | megakernel | eager")
+    p.add_argument("--mode", default="closed", choices=["closed", "open", "both"])
+    p.add_argument("--levels", default="16,32,64,128,256,512,768", help="closed loop: callers per level")
+    p.add_argument("--rates", default="5,10,15,20,30,40,60,80,120,160", help="open loop: requests/s per level")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds a level submits requests")
+    p.add_argument("--stagger", type=float, default=5.0,
+                   help="closed loop: callers' first utterances are spread over this many seconds")
+    p.add_argument("--listen", default="0.3,1.5", help="closed loop: min,max seconds a caller listens")
+    p.add_argument("--drain", type=float, default=15.0,
+                   help="seconds after a level's duration before its unfinished utterances are cut")
+    p.add_argument("--warmup", type=float, default=5.0,
+                   help="seconds of closed-loop callers (at the first level, at most 16) before the sweep, not judged")
+    p.add_argument("--bar-ms", type=float, default=100.0, help="closed loop: p95 first audio bar")
+    p.add_argument("--open-bar-ms", type=float, default=80.0, help="open loop: p95 first audio bar")
+    p.add_argument("--keep-going", action="store_true", help="run every level, past the first that misses its bar")
+    p.add_argument("--no-round-timing", action="store_true",
+                   help="leave the engine's round timing off (it synchronizes the device around each timed call)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget", type=float, default=540.0, help="seconds for everything, checkpoint build included")
+    p.add_argument("--commit", default=None, help="commit measured (default: git HEAD, where there is one)")
+    args = p.parse_args(argv)
+    args.levels = _floats(args.levels, "--levels", int)
+    args.rates = _floats(args.rates, "--rates")
+    listen = _floats(args.listen, "--listen")
+    if len(listen) != 2 or listen[0] > listen[1]:
+        raise SystemExit(f"--listen: expected min,max seconds, got {args.listen!r}")
+    args.listen = tuple(listen)
+    if args.duration <= 0 or args.stagger < 0 or args.drain < 0 or args.warmup < 0:
+        raise SystemExit("--duration must be > 0; --stagger, --drain and --warmup >= 0")
+    return args
+
+
+def _modes(args: argparse.Namespace) -> list[str]:
+    return ["closed", "open"] if args.mode == "both" else [args.mode]
+
+
+def _peak_memory_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+async def sweep(args: argparse.Namespace, endpoint: InProcessEndpoint, device: torch.device, deadline: float,
+                report: Report, save) -> None:
+    replies = fleet_replies()
+    # Warm-up only where it leaves room for a level after it.
+    warmup_fits = deadline - time.monotonic() - CLOSE_S > args.warmup + args.drain + args.duration + 2 * LEVEL_MARGIN_S
+    if args.warmup and not warmup_fits:
+        report.put("warmup", {"skipped": "time budget"})
+    elif args.warmup:
+        warm = min(16, args.levels[0]) if args.mode != "open" else 8
+        utts, wall = await closed_loop(endpoint, replies, callers=warm, duration=args.warmup,
+                                       stagger=min(args.stagger, args.warmup / 2), listen=args.listen,
+                                       drain=args.drain, seed=args.seed - 1)
+        endpoint.take_rounds()
+        report.put("warmup", {"callers": warm, "wall_s": wall, **summarize_level(utts, args.warmup)})
+        log(f"warm-up: {warm} callers, {len(utts)} utterances in {wall:.1f} s")
+    for mode in _modes(args):
+        closed = mode == "closed"
+        key, cap_key = ("callers", "capacity_callers") if closed else ("rate_rps", "capacity_rps")
+        bar_ms = args.bar_ms if closed else args.open_bar_ms
+        section: dict = {
+            "bar": (f"p95 first audio <= {bar_ms:g} ms" + (", no underrun" if closed else "")
+                    + ", no refused, failed or silent request"),
+            "bar_ms": bar_ms, "levels": [], cap_key: None,
+        }
+        report.put(mode, section)
+        values = args.levels if closed else args.rates
+        for i, value in enumerate(values):
+            left = deadline - time.monotonic() - CLOSE_S
+            if left < args.duration + LEVEL_MARGIN_S:
+                for rest in values[i:]:
+                    section["levels"].append({key: rest, "skipped": f"time budget ({left:.0f} s left)"})
+                section["stopped"] = "the time budget ran out"
+                break
+            drain = min(args.drain, left - args.duration - LEVEL_MARGIN_S / 2)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            endpoint.take_rounds()  # rounds of the previous level's tail belong to no level
+            if closed:
+                utts, wall = await closed_loop(endpoint, replies, callers=value, duration=args.duration,
+                                               stagger=args.stagger, listen=args.listen, drain=drain, seed=args.seed)
+            else:
+                utts, wall = await open_loop(endpoint, replies, rate=value, duration=args.duration, drain=drain,
+                                             seed=args.seed)
+            rounds = endpoint.take_rounds()
+            level = {key: value, "duration_s": args.duration, "drain_s": drain, "wall_s": wall,
+                     **summarize_level(utts, args.duration),
+                     "rounds": summarize_rounds(rounds, wall) if rounds is not None else None,
+                     "peak_gpu_memory_gib": _peak_memory_gib(device)}
+            level["misses"] = verdict(level, bar_ms, underruns_count=closed)
+            level["meets_bar"] = not level["misses"]
+            section["levels"].append(level)
+            section[cap_key] = capacity(section["levels"], key)
+            report.put(mode, section)
+            save()
+            fa = level["first_audio_ms"]
+            log(f"{mode} {key} {value}: {level['utterances']} utterances, first audio p50/p95 "
+                f"{fa['p50'] or 0:.1f}/{fa['p95'] or 0:.1f} ms, {level['underrun_utterances']} underran, "
+                f"{level['frames_per_s']:.0f} frames/s, {level['refused']} refused: "
+                + ("bar met" if level["meets_bar"] else "bar missed"))
+            if level["misses"] and not args.keep_going:
+                section["stopped"] = f"{key} {value} missed the bar (--keep-going runs the levels after it)"
+                break
+        report.put(mode, section)
+        save()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    deadline = started + args.budget
+    logging.basicConfig(level=logging.WARNING)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = Report(args.out / RESULT, {
+        "benchmark": "fleet",
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": args.commit or git_commit(),
+        "args": vars(args),
+        "round_timing": not args.no_round_timing,
+    })
+
+    def save() -> None:
+        fleet_report.write(report.data, args.out)
+        report.save()
+
+    if args.build_size:
+        report.put("checkpoint", build_checkpoint(args.build_size, args.variant, args.checkpoint_dir))
+        model = args.checkpoint_dir
+    else:
+        report.put("checkpoint", {"path": str(args.model), "zero_eos": "as built (not checked here)"})
+        model = args.model
+
+    def load():
+        from pipecat_qwen_fast.engine.engine import QwenTTSEngine
+
+        return QwenTTSEngine.from_pretrained(model, device=args.device, dtype=args.dtype, backend=args.backend,
+                                             progress=False)
+
+    t0 = time.monotonic()
+    service = EngineService(load, name="fleet")
+    try:
+        service.wait_ready_blocking(timeout=max(1.0, deadline - time.monotonic()))
+        engine = service.engine
+        report.put("load_s", time.monotonic() - t0)
+        report.put("backend_name", engine.backend.name)
+        report.put("device_info", describe_device(engine.device))
+        if not args.no_round_timing:
+            service.time_rounds()
+        endpoint = InProcessEndpoint(service, engine.default_voice)
+        replies = fleet_replies()
+        report.put("endpoint", "in process: one EngineService")
+        report.put("workload", {
+            "replies": len(replies), "frames_range": [min(r.frames for r in replies), max(r.frames for r in replies)],
+            "listen_s": list(args.listen), "stagger_s": args.stagger, "duration_s": args.duration,
+            "drain_s": args.drain, "seed": args.seed,
+        })
+        log(f"engine loaded in {report.data['load_s']:.1f} s ({engine.backend.name} on {engine.device}); "
+            f"{deadline - time.monotonic():.0f} s left for the sweep")
+        asyncio.run(sweep(args, endpoint, engine.device, deadline, report, save))
+    except BaseException as exc:
+        report.put("error", f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        service.close()
+        report.put("total_wall_s", time.monotonic() - started)
+        save()
+    log(f"wrote {args.out / RESULT}, {args.out / fleet_report.MARKDOWN}; plot: {report.data['plot']}")
+    print((args.out / fleet_report.MARKDOWN).read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""The fleet benchmark's markdown and plot, from its JSON (written by `qwen-fast-tts bench fleet`).
+
+Re-render them elsewhere, e.g. where matplotlib is installed and the GPU machine had none:
+
+    python -m pipecat_qwen_fast.bench.fleet_report fleet.json --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pipecat_qwen_fast.bench.report import _fmt, _get
+
+MARKDOWN = "fleet.md"
+PLOT = "fleet.png"
+
+MODES = (
+    # mode, level key, column title, unit of the capacity, JSON key of the capacity
+    ("closed", "callers", "callers", "callers", "capacity_callers"),
+    ("open", "rate_rps", "requests/s", "requests/s", "capacity_rps"),
+)
+
+
+def _rounds_cell(lv: dict) -> str:
+    r = lv.get("rounds")
+    if not r:
+        return "n/a"
+    return (f"{_fmt(r['wall_ms_mean'], 2)}: {_fmt(r['decode_ms_mean'], 2)} / {_fmt(r['vocoder_ms_mean'], 2)} / "
+            f"{_fmt(r['prefill_ms_mean'], 2)} / {_fmt(r['host_ms_mean'], 2)} ({_fmt(r['streams_per_round_mean'], 0)} "
+            f"streams, busy {_fmt(100 * (r['busy_fraction'] or 0), 0)} %)")
+
+
+def _checkpoint(ck: dict) -> str:
+    if ck.get("size"):
+        return f"random-weight {ck['size']} {ck.get('variant', '')}, EOS row zeroed"
+    return f"{ck.get('path')}"
+
+
+def level_table(levels: list[dict], key: str, title: str) -> str:
+    lines = [
+        (f"| {title} | utterances | first audio p50 / p95 / p99 (ms) | utterances with an underrun | worst lateness "
+         "(ms) | frames/s | refused | errors / no audio / cut | round, mean ms: wall: decode / vocoder / prefill / host "
+         "| bar |"),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for lv in levels:
+        if "skipped" in lv:
+            lines.append(f"| {lv[key]:g} | skipped: {lv['skipped']} | | | | | | | | |")
+            continue
+        fa = lv["first_audio_ms"]
+        bar = "met" if lv["meets_bar"] else "missed: " + "; ".join(lv["misses"])
+        lines.append(
+            f"| {lv[key]:g} | {lv['utterances']} | {_fmt(fa['p50'])} / {_fmt(fa['p95'])} / {_fmt(fa['p99'])} | "
+            f"{lv['underrun_utterances']} | {_fmt(lv['worst_lateness_ms'])} | {_fmt(lv['frames_per_s'])} | "
+            f"{lv['refused']} | {lv['errors']} / {lv['no_audio']} / {lv['cut_by_level_end']} | {_rounds_cell(lv)} | "
+            f"{bar} |"
+        )
+    return "\n".join(lines)
+
+
+def render(result: dict) -> str:
+    args = result.get("args", {})
+    dev = result.get("device_info", {})
+    wl = result.get("workload", {})
+    out = [
+        f"# Fleet benchmark: {dev.get('gpu') or dev.get('cpu') or 'unknown device'}, {result.get('date_utc')}",
+        "",
+        (f"Commit `{result.get('commit')}`; torch {dev.get('torch')}, CUDA {dev.get('cuda')}. Checkpoint: "
+         f"{_checkpoint(result.get('checkpoint') or {})}, backend {result.get('backend_name')}, "
+         f"{args.get('dtype')} on {args.get('device')}; loaded in {_fmt(result.get('load_s'))} s. Endpoint: "
+         f"{result.get('endpoint')}."),
+        "",
+        (f"Workload: {wl.get('replies')} agent replies of {wl.get('frames_range')} frames (cut there: the EOS row is "
+         f"zeroed); closed loop: each caller speaks, plays the audio at real time, listens "
+         f"{wl.get('listen_s')} s, speaks again; first utterances spread over {wl.get('stagger_s')} s; open loop: "
+         f"Poisson arrivals. {wl.get('duration_s')} s a level, utterances still running "
+         f"{wl.get('drain_s')} s after it are cut. First audio runs from when the request was due. An "
+         "underrun is a chunk that reaches its caller after its playback time (the player starts at the "
+         "first chunk; playback time = first chunk's arrival + audio received before it)."),
+        "",
+        (f"Round timing {'on' if result.get('round_timing') else 'off'}"
+         + (": each round's wall time split into decode, vocoder, prefill (opening sessions) and the host "
+            "rest, with a device synchronization around each timed call." if result.get("round_timing") else ".")),
+    ]
+    for mode, key, title, unit, cap_key in MODES:
+        section = result.get(mode)
+        if not section:
+            continue
+        bar = section.get("bar")
+        cap = section.get(cap_key)
+        out += [
+            "",
+            f"## {'Closed' if mode == 'closed' else 'Open'} loop",
+            "",
+            f"Capacity ({bar}): " + (f"**{cap:g} {unit}**." if cap is not None else "**none**: no level met it."),
+            "",
+            level_table(section.get("levels", []), key, title),
+        ]
+        if section.get("stopped"):
+            out += ["", f"Sweep stopped: {section['stopped']}."]
+    out += ["", f"Plot: {result.get('plot')}.", ""]
+    return "\n".join(out)
+
+
+def plot(result: dict, path: Path) -> str:
+    """Write the plot; returns what the JSON records about it (its file, or why there is none)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        return "skipped: matplotlib is not installed (pip install 'pipecat-qwen-fast[bench]')"
+    panels = [(m, key, title, result[m]) for m, key, title, _, _ in MODES if result.get(m)]
+    panels = [(m, key, title, [lv for lv in s.get("levels", []) if "skipped" not in lv]) for m, key, title, s in panels]
+    panels = [p for p in panels if p[3]]
+    if not panels:
+        return "skipped: no level was measured"
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    for ax, (mode, key, title, levels) in zip(axes[0], panels):
+        x = [lv[key] for lv in levels]
+        ax.plot(x, [lv["first_audio_ms"]["p95"] for lv in levels], "o-", color="tab:blue", label="p95 first audio")
+        ax.axhline(result[mode]["bar_ms"], color="tab:blue", linestyle=":", label=f"bar {result[mode]['bar_ms']:g} ms")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x, [f"{v:g}" for v in x])
+        ax.minorticks_off()
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.set_xlabel(title)
+        ax.set_ylabel("p95 first audio (ms)", color="tab:blue")
+        ax.set_title(f"{mode} loop")
+        twin = ax.twinx()
+        twin.plot(x, [100 * (lv["underrun_rate"] or 0.0) for lv in levels], "s--", color="tab:red",
+                  label="utterances with an underrun")
+        twin.set_ylabel("utterances with an underrun (%)", color="tab:red")
+        twin.set_ylim(0, 105)
+        handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+        ax.legend(handles, [h.get_label() for h in handles], loc="upper left", fontsize=8)
+    fig.suptitle(f"Fleet: {_get(result, 'device_info', 'gpu') or 'CPU'}, commit {result.get('commit')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path.name
+
+
+def write(result: dict, out_dir: Path) -> None:
+    """The plot first (the markdown names it), then the markdown."""
+    result["plot"] = plot(result, out_dir / PLOT)
+    (out_dir / MARKDOWN).write_text(render(result))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipecat_qwen_fast.bench.fleet_report")
+    p.add_argument("json", type=Path)
+    p.add_argument("--out", type=Path, default=None, help="folder for fleet.md and fleet.png (default: the JSON's)")
+    args = p.parse_args(argv)
+    result = json.loads(args.json.read_text())
+    out = args.out or args.json.parent
+    out.mkdir(parents=True, exist_ok=True)
+    write(result, out)
+    print(f"{out / MARKDOWN}; plot: {result['plot']}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

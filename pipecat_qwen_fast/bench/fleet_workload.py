@@ -1,0 +1,187 @@
+"""The fleet benchmark's workload and arithmetic: what callers say and when, what they hear, and
+how a level is judged. No engine here: every function works on times and sample counts, so the
+arithmetic is tested on made-up arrivals.
+
+Times are seconds from the level's start. An utterance is late when one of its chunks reaches
+the caller after its playback time; the player starts at the first chunk, so chunk k's playback
+time is the first chunk's arrival plus the audio of chunks 0..k-1 (a late chunk does not move the
+clock: lateness accumulates, as a listener hears it).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+from pipecat_qwen_fast.bench import texts
+from pipecat_qwen_fast.bench.engine import max_underrun, percentile
+from pipecat_qwen_fast.engine.request import SAMPLE_RATE
+
+# A chunk this close to its playback time is on time: below the clocks' resolution and far below
+# anything audible, and it keeps float rounding in the sums of durations from counting as late.
+UNDERRUN_TOLERANCE_S = 1e-6
+
+COMPLETE, CUT, REFUSED, ERROR = "complete", "cut", "refused", "error"
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One thing an agent says: its text and the frames it is cut at (the checkpoint's EOS row is
+    zeroed, so every utterance runs to its frame count)."""
+
+    text: str
+    frames: int
+
+
+def fleet_replies() -> list[Reply]:
+    return [Reply(t, texts.frames_for(t)) for t in texts.FLEET_REPLIES]
+
+
+@dataclass
+class Utterance:
+    """One request and what its caller heard."""
+
+    caller: int  # caller index (closed loop) or arrival index (open loop)
+    frames: int  # frames asked for
+    submitted: float  # when it was due: the caller's schedule, not when the event loop got to it
+    arrivals: list[float] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)
+    outcome: str | None = None  # COMPLETE, CUT (by the level's end), REFUSED (overload), ERROR
+    ended: float | None = None
+    error: str | None = None
+
+    @property
+    def durations(self) -> list[float]:
+        return [n / SAMPLE_RATE for n in self.samples]
+
+    @property
+    def first_audio_s(self) -> float | None:
+        """From submission to the first chunk; for an utterance cut before any audio, the wait
+        until the cut (a lower bound, kept so that a collapse cannot hide from the percentiles)."""
+        if self.arrivals:
+            return self.arrivals[0] - self.submitted
+        if self.outcome == CUT and self.ended is not None:
+            return self.ended - self.submitted
+        return None
+
+    @property
+    def lateness_s(self) -> float | None:
+        if not self.arrivals:
+            return None
+        return worst_lateness(self.arrivals, self.durations, self.ended if self.outcome == CUT else None)
+
+    @property
+    def underrun(self) -> bool:
+        late = self.lateness_s
+        return late is not None and late > UNDERRUN_TOLERANCE_S
+
+
+def worst_lateness(arrivals: list[float], durations: list[float], cut_at: float | None = None) -> float:
+    """How late the latest chunk was against its playback time (0 when none was late).
+
+    `cut_at`: the stream was stopped then, unfinished; its player had been waiting for more audio
+    since its received audio ran out, if that happened before the cut.
+    """
+    worst = max_underrun(arrivals, durations)
+    if cut_at is not None and arrivals:
+        worst = max(worst, cut_at - (arrivals[0] + sum(durations)))
+    return worst
+
+
+def playback_end(arrivals: list[float], durations: list[float]) -> float:
+    """When a player that waits for late chunks (and starts at the first) finishes: the caller
+    listens from then on."""
+    end = -math.inf
+    for arrival, duration in zip(arrivals, durations):
+        end = max(end, arrival) + duration
+    return end
+
+
+def poisson_arrivals(rate: float, duration: float, rng: random.Random) -> list[float]:
+    """Arrival times of a Poisson process of `rate` per second in [0, duration)."""
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    times = []
+    t = rng.expovariate(rate)
+    while t < duration:
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+def _ms(summary: dict) -> dict:
+    return {k: (v if k == "n" or v is None else 1e3 * v) for k, v in summary.items()}
+
+
+def summarize_level(utterances: list[Utterance], window_s: float) -> dict:
+    """A level's figures from its utterances (all submitted within [0, window_s))."""
+    served = [u for u in utterances if u.outcome in (COMPLETE, CUT)]
+    heard = [u for u in served if u.arrivals]
+    first = [u.first_audio_s for u in served if u.first_audio_s is not None]
+    late = [u for u in heard if u.underrun]
+    samples_in_window = sum(n for u in utterances for a, n in zip(u.arrivals, u.samples) if a <= window_s)
+    errors = [u.error for u in utterances if u.outcome == ERROR]
+    return {
+        "utterances": len(utterances),
+        "completed": sum(u.outcome == COMPLETE for u in utterances),
+        "cut_by_level_end": sum(u.outcome == CUT for u in utterances),
+        "refused": sum(u.outcome == REFUSED for u in utterances),
+        "errors": len(errors),
+        "error_samples": sorted(set(errors))[:3],
+        "no_audio": len(served) - len(heard),
+        "first_audio_ms": _ms({"n": len(first), "p50": percentile(first, 50), "p95": percentile(first, 95),
+                               "p99": percentile(first, 99), "max": max(first, default=None)}),
+        "underrun_utterances": len(late),
+        "underrun_rate": len(late) / len(heard) if heard else None,
+        "worst_lateness_ms": 1e3 * max((u.lateness_s for u in heard), default=0.0),
+        "frames_per_s": samples_in_window / texts.SAMPLES_PER_FRAME / window_s,
+    }
+
+
+def verdict(level: dict, p95_bar_ms: float, *, underruns_count: bool) -> list[str]:
+    """Why a level misses its bar (empty: it meets it). A refused, failed or silent request was not
+    carried, whatever its neighbours' latency."""
+    misses = []
+    if not level.get("utterances"):
+        misses.append("no utterance measured")
+    p95 = level.get("first_audio_ms", {}).get("p95")
+    if p95 is None or p95 > p95_bar_ms:
+        misses.append(f"p95 first audio {'n/a' if p95 is None else f'{p95:.1f}'} ms > {p95_bar_ms:g} ms")
+    if underruns_count and level.get("underrun_utterances"):
+        misses.append(f"{level['underrun_utterances']} with an underrun")
+    for key in ("refused", "errors", "no_audio"):
+        if level.get(key):
+            misses.append(f"{level[key]} {key.replace('_', ' ')}")
+    return misses
+
+
+def capacity(levels: list[dict], key: str) -> float | None:
+    """The largest `key` (callers, or requests/s) among the levels that met their bar."""
+    met = [lv[key] for lv in levels if lv.get("meets_bar")]
+    return max(met, default=None)
+
+
+def summarize_rounds(rounds: list, level_wall_s: float) -> dict | None:
+    """Per-round means of an EngineService's round timings (engine.round_timing.RoundTiming)."""
+    if not rounds:
+        return None
+    n = len(rounds)
+    walls = [r.wall_s for r in rounds]
+
+    def mean_ms(values) -> float:
+        return 1e3 * sum(values) / n
+
+    return {
+        "rounds": n,
+        "wall_ms_mean": mean_ms(walls),
+        "wall_ms_p50": 1e3 * percentile(walls, 50),
+        "wall_ms_p95": 1e3 * percentile(walls, 95),
+        "decode_ms_mean": mean_ms(r.decode_s for r in rounds),
+        "vocoder_ms_mean": mean_ms(r.vocoder_s for r in rounds),
+        "prefill_ms_mean": mean_ms(r.prefill_s for r in rounds),
+        "host_ms_mean": mean_ms(r.host_s for r in rounds),
+        "streams_per_round_mean": sum(r.stepped for r in rounds) / n,
+        "opened_per_round_mean": sum(r.opened for r in rounds) / n,
+        "busy_fraction": sum(walls) / level_wall_s if level_wall_s > 0 else None,
+    }

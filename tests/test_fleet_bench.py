@@ -1,0 +1,254 @@
+"""The fleet benchmark (`qwen-fast-tts bench fleet`) on CPU: its underrun arithmetic on made-up
+arrivals, its capacity pick, its Poisson arrivals, the engine's round timing, and one short real
+sweep on the tiny checkpoint. No speed is asserted: only that the figures are produced and right."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import statistics
+import time
+
+import pytest
+
+from pipecat_qwen_fast.bench import fleet, fleet_report, texts
+from pipecat_qwen_fast.bench.fleet_callers import is_overload
+from pipecat_qwen_fast.bench.fleet_workload import (
+    COMPLETE,
+    CUT,
+    REFUSED,
+    Utterance,
+    capacity,
+    fleet_replies,
+    playback_end,
+    poisson_arrivals,
+    summarize_level,
+    verdict,
+    worst_lateness,
+)
+from pipecat_qwen_fast.engine.request import SynthesisRequest
+from pipecat_qwen_fast.engine.service import EngineService
+
+FRAME = 1920  # samples in one 80 ms frame at 24 kHz
+
+
+def utterance(submitted, arrivals, frames_per_chunk, outcome=COMPLETE, ended=None) -> Utterance:
+    u = Utterance(caller=0, frames=sum(frames_per_chunk), submitted=submitted, outcome=outcome)
+    u.arrivals = list(arrivals)
+    u.samples = [FRAME * n for n in frames_per_chunk]
+    u.ended = ended if ended is not None else (arrivals[-1] if arrivals else submitted)
+    return u
+
+
+def test_replies_are_short_agent_turns_of_25_to_75_frames():
+    replies = fleet_replies()
+    assert len(replies) >= 30
+    frames = [r.frames for r in replies]
+    assert min(frames) == 25 and max(frames) == 75
+    assert len(set(frames)) >= 8  # varied lengths, not one size
+    assert all(r.frames == texts.frames_for(r.text) for r in replies)
+
+
+def test_on_time_chunks_are_not_underruns():
+    # 1, 3, 6 frames arriving exactly when the audio before them runs out, and early.
+    exact = utterance(0.0, [0.010, 0.010 + 0.08, 0.010 + 0.32], [1, 3, 6])
+    assert worst_lateness(exact.arrivals, exact.durations) == pytest.approx(0.0, abs=1e-9)
+    assert not exact.underrun
+    early = utterance(0.0, [0.010, 0.05, 0.06], [1, 3, 6])
+    assert early.lateness_s == 0.0 and not early.underrun
+    # A big first chunk covers a slow second one.
+    assert not utterance(0.0, [0.0, 0.9], [12, 1]).underrun
+    # A single chunk cannot be late.
+    assert not utterance(0.0, [5.0], [40]).underrun
+
+
+def test_late_chunks_count_and_lateness_accumulates_on_the_playback_clock():
+    # Second chunk due at 0.08 s arrives at 0.13: 50 ms late.
+    u = utterance(0.0, [0.0, 0.13, 0.17], [1, 1, 1])
+    assert u.underrun and u.lateness_s == pytest.approx(0.05)
+    # The clock does not wait for a late chunk: the third is due at 0.16 + 0.08 = 0.24 s whenever
+    # the second came, so arriving at 0.40 it is 160 ms late (a player that paused would say 110).
+    u = utterance(0.0, [0.0, 0.16 + 0.05, 0.40], [2, 1, 1])
+    assert u.lateness_s == pytest.approx(0.16)
+    # Late by 2 ms only in the last chunk of a long stream.
+    arrivals = [0.0] + [0.08 * k for k in range(1, 40)] + [0.08 * 40 + 0.002]
+    assert utterance(0.0, arrivals, [1] * 41).lateness_s == pytest.approx(0.002)
+
+
+def test_a_stream_cut_unfinished_counts_the_wait_since_its_audio_ran_out():
+    # 2 frames (160 ms) heard from 0.1 s; cut at 1.0 s: the player has waited 740 ms.
+    u = utterance(0.0, [0.1, 0.18], [1, 1], outcome=CUT, ended=1.0)
+    assert u.lateness_s == pytest.approx(1.0 - 0.26)
+    assert u.underrun
+    # Cut while its audio is still playing: no underrun.
+    u = utterance(0.0, [0.1, 0.11], [1, 30], outcome=CUT, ended=1.0)
+    assert not u.underrun
+    # Cut before any audio: its first audio is at least the wait until the cut, and it is silent.
+    u = utterance(2.0, [], [], outcome=CUT, ended=3.5)
+    assert u.first_audio_s == pytest.approx(1.5) and u.lateness_s is None and not u.underrun
+
+
+def test_playback_end_waits_for_late_chunks():
+    assert playback_end([1.0, 1.05], [0.08, 0.24]) == pytest.approx(1.32)  # on time: 1.0 + 0.32
+    assert playback_end([1.0, 1.5], [0.08, 0.24]) == pytest.approx(1.74)  # waits for the late one
+
+
+def test_level_summary_counts_each_outcome_and_frames_in_the_window():
+    utts = [
+        utterance(0.0, [0.02, 0.10], [1, 3]),  # on time
+        utterance(0.5, [0.60, 0.75], [1, 3]),  # 70 ms late
+        utterance(1.0, [], [], outcome=REFUSED, ended=1.0),
+        utterance(1.5, [1.55, 1.63, 1.87, 2.3], [1, 3, 6, 10]),  # frames after the 2 s window do not count
+    ]
+    s = summarize_level(utts, window_s=2.0)
+    assert s["utterances"] == 4 and s["completed"] == 3 and s["refused"] == 1
+    assert s["underrun_utterances"] == 1 and s["underrun_rate"] == pytest.approx(1 / 3)
+    assert s["worst_lateness_ms"] == pytest.approx(70.0)
+    assert s["first_audio_ms"]["n"] == 3 and s["first_audio_ms"]["max"] == pytest.approx(100.0)
+    assert s["first_audio_ms"]["p50"] == pytest.approx(50.0)
+    assert s["frames_per_s"] == pytest.approx((4 + 4 + 10) / 2.0)
+    assert verdict(s, 200.0, underruns_count=False) == ["1 refused"]
+    assert len(verdict(s, 200.0, underruns_count=True)) == 2
+
+
+def test_capacity_is_the_most_callers_that_met_the_bar():
+    def level(callers, p95, underruns=0, refused=0):
+        lv = {"callers": callers, "utterances": 50, "first_audio_ms": {"p95": p95},
+              "underrun_utterances": underruns, "refused": refused, "errors": 0, "no_audio": 0}
+        lv["meets_bar"] = not verdict(lv, 100.0, underruns_count=True)
+        return lv
+
+    levels = [level(16, 20.0), level(32, 40.0), level(64, 99.0), level(128, 100.5), level(256, 30.0, underruns=1)]
+    assert [lv["meets_bar"] for lv in levels] == [True, True, True, False, False]
+    assert capacity(levels, "callers") == 64
+    assert capacity(levels + [level(512, 50.0, refused=3)], "callers") == 64
+    assert capacity([level(16, 150.0)], "callers") is None
+    assert capacity([], "callers") is None
+    assert not level(16, None)["meets_bar"]
+
+
+def test_poisson_arrivals_come_at_the_asked_rate():
+    rng = random.Random(7)
+    rate, duration = 20.0, 500.0
+    times = poisson_arrivals(rate, duration, rng)
+    # 10,000 expected, standard deviation 100: within 4 of them.
+    assert abs(len(times) - rate * duration) < 400
+    assert all(0 <= t < duration for t in times) and times == sorted(times)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert statistics.fmean(gaps) == pytest.approx(1 / rate, rel=0.05)
+    # Exponential gaps: standard deviation equals the mean (a fixed-interval schedule would give 0).
+    assert statistics.pstdev(gaps) == pytest.approx(1 / rate, rel=0.08)
+    assert poisson_arrivals(rate, duration, random.Random(7)) == times
+    with pytest.raises(ValueError):
+        poisson_arrivals(0.0, 1.0, rng)
+
+
+def test_overload_is_recognised_by_name(monkeypatch):
+    from pipecat_qwen_fast import errors
+
+    class EngineOverloadedError(errors.QwenTTSError):
+        pass
+
+    monkeypatch.setattr(errors, "EngineOverloadedError", EngineOverloadedError, raising=False)
+    assert is_overload(EngineOverloadedError("busy"))
+    assert not is_overload(errors.EngineClosedError("closed"))
+    monkeypatch.delattr(errors, "EngineOverloadedError")
+    assert not is_overload(RuntimeError("busy"))
+
+
+@pytest.fixture(scope="module")
+def endless(tiny_checkpoint):
+    return tiny_checkpoint("custom_voice", zero_eos=True)
+
+
+@pytest.mark.timeout(180)
+def test_round_timing_splits_each_round_and_leaves_the_engine_as_it_was(endless):
+    from pipecat_qwen_fast.engine.engine import QwenTTSEngine
+
+    engine = QwenTTSEngine.from_pretrained(endless, device="cpu", dtype="float32", backend="torch", progress=False)
+    own = set(vars(engine))
+    service = EngineService.for_engine(engine)
+
+    async def speak(n: int, frames: int) -> None:
+        async def one(i):
+            async for _ in service.stream(SynthesisRequest("Hello there.", seed=i, max_frames=frames)):
+                pass
+        await asyncio.gather(*(one(i) for i in range(n)))
+
+    try:
+        service.wait_ready_blocking(60)
+        asyncio.run(speak(2, 4))
+        assert not service.round_timings  # off by default
+        service.time_rounds()
+        asyncio.run(speak(3, 7))
+        # A round is recorded after it posts its chunks: one more stream, whose round comes after
+        # the last of those, so that every round of the three is in (and only those started before it).
+        barrier = time.monotonic()
+        asyncio.run(speak(1, 1))
+        rounds = [r for r in service.round_timings if r.started < barrier]
+        assert sum(r.opened for r in rounds) == 3
+        assert sum(r.stepped for r in rounds) == 3 * 7  # one frame of each stream a round
+        assert all(r.decode_s > 0 for r in rounds if r.stepped)
+        assert sum(r.vocoder_s for r in rounds) > 0 and sum(r.prefill_s for r in rounds) > 0
+        for r in rounds:
+            assert r.wall_s >= r.prefill_s + r.decode_s + r.vocoder_s
+            assert r.host_s == pytest.approx(r.wall_s - r.prefill_s - r.decode_s - r.vocoder_s)
+        service.time_rounds(False)
+        asyncio.run(speak(1, 1))  # its rounds come after the switch and after every timed round
+        service.round_timings.clear()
+        asyncio.run(speak(1, 3))
+        assert not service.round_timings
+    finally:
+        service.close()
+    # The timer's wrappers are gone: nothing shadows the engine's or its parts' methods.
+    assert set(vars(engine)) == own
+    assert "decode_frame" not in vars(engine.backend) and "decode_stream" not in vars(engine.vocoder)
+
+
+@pytest.mark.timeout(300)
+def test_short_sweep_writes_json_and_markdown(endless, tmp_path):
+    out = tmp_path / "fleet"
+    rc = fleet.main([
+        "--model", str(endless), "--device", "cpu", "--dtype", "float32", "--backend", "torch", "--out", str(out),
+        "--mode", "both", "--levels", "2,3", "--rates", "2", "--duration", "2.5", "--stagger", "0.5",
+        "--drain", "4", "--warmup", "0", "--bar-ms", "1e9", "--open-bar-ms", "1e9", "--keep-going",
+        "--budget", "240", "--commit", "test",
+    ])
+    assert rc == 0
+    result = json.loads((out / "fleet.json").read_text())
+    assert result["commit"] == "test" and result["round_timing"] is True
+    assert result["device_info"]["torch"] and result["date_utc"] and result["args"]["levels"] == [2, 3]
+    assert result["backend_name"] and result["load_s"] > 0
+    assert result["workload"]["frames_range"] == [25, 75]
+    closed = result["closed"]["levels"]
+    assert [lv["callers"] for lv in closed] == [2, 3]
+    for lv in closed + result["open"]["levels"]:
+        assert lv["utterances"] >= 1 and lv["errors"] == 0 and lv["refused"] == 0
+        heard = lv["completed"] + lv["cut_by_level_end"] - lv["no_audio"]
+        assert heard >= 1 and lv["first_audio_ms"]["n"] >= heard
+        assert lv["frames_per_s"] > 0
+        assert lv["rounds"]["rounds"] > 0 and lv["rounds"]["decode_ms_mean"] > 0
+        # A level meets this bar (any latency) exactly when nothing was cut unheard, late, refused or failed.
+        assert lv["meets_bar"] == (not lv["misses"])
+    # Each level of 2 s gives each caller at least one utterance.
+    assert closed[0]["utterances"] >= 2 and closed[1]["utterances"] >= 3
+    met = [lv["callers"] for lv in closed if lv["meets_bar"]]
+    assert result["closed"]["capacity_callers"] == max(met, default=None)
+    md = (out / "fleet.md").read_text()
+    assert "| callers |" in md and "| requests/s |" in md and "## Open loop" in md
+    assert result["plot"] == "fleet.png" or result["plot"].startswith("skipped: matplotlib")
+
+
+def test_plot_is_drawn_from_the_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    level = {"callers": 16, "utterances": 10, "first_audio_ms": {"p50": 5.0, "p95": 9.0, "p99": 9.5},
+             "underrun_utterances": 0, "underrun_rate": 0.0, "worst_lateness_ms": 0.0, "frames_per_s": 100.0,
+             "refused": 0, "errors": 0, "no_audio": 0, "cut_by_level_end": 0, "rounds": None,
+             "meets_bar": True, "misses": []}
+    result = {"commit": "x", "closed": {"bar": "p95 <= 100", "bar_ms": 100.0, "levels": [level, {**level, "callers": 32}],
+                                        "capacity_callers": 32}}
+    fleet_report.write(result, tmp_path)
+    assert result["plot"] == "fleet.png"
+    assert (tmp_path / "fleet.png").read_bytes()[:4] == b"\x89PNG"
