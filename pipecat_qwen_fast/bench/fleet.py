@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import datetime
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -92,7 +93,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="leave the engine's round timing off (it synchronizes the device around each timed call)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget", type=float, default=540.0, help="seconds for everything, checkpoint build included")
-    p.add_argument("--commit", default=None, help="commit measured (default: git HEAD, where there is one)")
+    p.add_argument("--commit", default=os.environ.get("BENCH_COMMIT"),
+                   help="commit measured (default: $BENCH_COMMIT, else git HEAD where there is one)")
     args = p.parse_args(argv)
     args.levels = _floats(args.levels, "--levels", int)
     args.rates = _floats(args.rates, "--rates")
