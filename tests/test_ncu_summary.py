@@ -1,4 +1,4 @@
-"""bench/ncu_summary.py on a tiny profile in the real formats (ncu's source-page CSV, nvdisasm's
+"""bench/probes/ncu_summary.py on a tiny profile in the real formats (ncu's source-page CSV, nvdisasm's
 -g -gi listing): samples land on the inline stack of their instruction, a fence's membar samples
 on the MEMBAR that caused them, and a listing of another build is refused."""
 
@@ -59,7 +59,7 @@ def write_profile(folder: Path, code) -> None:
 
 
 def summarise(folder: Path, listing: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "ncu_summary.py"), str(folder),
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "probes" / "ncu_summary.py"), str(folder),
                            "--sass-listing", str(listing), "--json", str(folder / "s.json")],
                           check=False, capture_output=True, text=True, timeout=60)
 

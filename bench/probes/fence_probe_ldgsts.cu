@@ -1,6 +1,6 @@
 // Does a block's release fence wait for another warp's weight loads when they are not bulk copies?
 //
-// bench/fence_probe.cu found that a release fence (and so a grid arrival) completes only once
+// bench/probes/fence_probe.cu found that a release fence (and so a grid arrival) completes only once
 // every bulk copy (cp.async.bulk, the TMA) its block issued has landed. That is why the
 // megakernel's ring hands a phase's slots back only at the phase's grid arrival, and so why each
 // phase starts with its weight tiles still in flight (bench/NOTES.md, "The fence and the weight
@@ -21,7 +21,7 @@
 // 2374), but a ring built on them streamed the MLP tiles too slowly and lost 0.38 ms a frame.
 //
 // Build on the device (nvcc is there) and write the JSON to $OUT:
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o .probe/fence_probe_ldgsts bench/fence_probe_ldgsts.cu
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o .probe/fence_probe_ldgsts bench/probes/fence_probe_ldgsts.cu
 //   .probe/fence_probe_ldgsts > $OUT/fence_probe_ldgsts.json
 #include <cuda_runtime.h>
 

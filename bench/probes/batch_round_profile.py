@@ -1,4 +1,4 @@
-"""Where a batched round of the `torch` backend goes: `python bench/batch_round_profile.py --out DIR`.
+"""Where a batched round of the `torch` backend goes: `python bench/probes/batch_round_profile.py --out DIR`.
 
 At 16 and 64 streams `auto` runs the batched CUDA graph (`GraphBackend`), ~10 ms a round plus
 ~0.4 ms a call on the H200 (bench/NOTES.md, "Auto backend"); this script takes a round apart.
@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# This folder (the other probes), bench/ (megakernel_check, cuda_timing) and the repository.
+sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in range(3)]
 from cuda_timing import event_times_ms
 from megakernel_check import build_random_checkpoint
 

@@ -1,5 +1,5 @@
 """The captured prefill from the compiled layer step against plain graphs, in one engine:
-`python bench/prefill_ab.py --out DIR [--commit C] [--rounds K]`.
+`python bench/probes/prefill_ab.py --out DIR [--commit C] [--rounds K]`.
 
 Random 0.6B CustomVoice checkpoint, the default backend. After the load (which captures the
 compiled prefill graphs and logs their compile time) it alternates the backends' prefill graphs,
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: megakernel_check, cuda_timing
 from cuda_timing import event_times_ms
 from megakernel_check import git_commit, random_engine, warm_ttfc
 
@@ -63,7 +63,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "commit": args.commit or git_commit(), "script": "bench/prefill_ab.py",
+                    "commit": args.commit or git_commit(), "script": "bench/probes/prefill_ab.py",
                     "gpu": torch.cuda.get_device_name(), "rounds": []}
     with random_engine() as (engine, load_s):
         result["load_s"] = load_s

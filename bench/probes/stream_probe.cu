@@ -41,7 +41,7 @@
 // prefetch make it slower (22.7-39.0 us).
 //
 // Build here and carry the binary (bench/README.md):
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o .probe/stream_probe bench/stream_probe.cu
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o .probe/stream_probe bench/probes/stream_probe.cu
 //   .probe/stream_probe [layout|prefetch] > $OUT/stream_probe.json
 #include <cuda_runtime.h>
 

@@ -1,4 +1,4 @@
-"""Where a round of many concurrent streams goes: `python bench/round_split.py --out DIR`.
+"""Where a round of many concurrent streams goes: `python bench/probes/round_split.py --out DIR`.
 
 A random 0.6B CustomVoice engine (`backend="auto"`) behind one EngineService, as the benchmark's
 concurrency levels run it (`bench_engine._run_level`: every stream opened at once, or one every
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# This folder (the other probes), bench/ (megakernel_check, cuda_timing) and the repository.
+sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in range(3)]
 import megakernel_check as mc
 from ttfc_host_profile import timed
 

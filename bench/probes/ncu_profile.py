@@ -1,8 +1,8 @@
-"""The program that bench/ncu_profile.sh runs under Nsight Compute: one frame kernel launch of each
+"""The program that bench/probes/ncu_profile.sh runs under Nsight Compute: one frame kernel launch of each
 kind (whole frame, talker alone, predictor alone) at talker position 100 on the random full-size
 talker of bench/megakernel_check.py, inside a profiler range, after a warm-up outside it.
 
-    ncu --profile-from-start off ... python bench/ncu_profile.py [--size 0.6b] [--sampling]
+    ncu --profile-from-start off ... python bench/probes/ncu_profile.py [--size 0.6b] [--sampling]
 
 Run alone it times the same launches (CUDA events), to check that the range holds what it should.
 """
@@ -14,9 +14,9 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench"))  # megakernel_check, megakernel_ab, cuda_timing
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""Batched vocoder calls inside a real engine: `python bench/batched_vocoder_check.py [cuda|cpu]`.
+"""Batched vocoder calls inside a real engine: `python bench/probes/batched_vocoder_check.py [cuda|cpu]`.
 
 The tiny CustomVoice checkpoint (EOS row zeroed), backend "torch", warmed up as the service loads
 it. Prints (GPU only) the largest difference of `decode_many` through the engine's batched graphs,

@@ -1,6 +1,6 @@
-"""Where a captured streaming-vocoder call spends its time: `python bench/vocoder_graph_profile.py`.
+"""Where a captured streaming-vocoder call spends its time: `python bench/probes/vocoder_graph_profile.py`.
 
-Full-size released vocoder config with random weights (bench/vocoder_bench.py's `build`), in the
+Full-size released vocoder config with random weights (bench/probes/vocoder_bench.py's `build`), in the
 engine's dtype (bfloat16 by default; the float32 files of 2026-11-22, all but `..._bf16.json`,
 were taken before this option), the engine's `GraphedVocoder`, chunk sizes 1 and 4. Prints and writes (--json) per chunk size: the
 replay time (CUDA-event median of 50, state copies included, as the engine calls it), the number
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# This folder (the other probes), bench/ (megakernel_check, cuda_timing) and the repository.
+sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in range(3)]
 from cuda_timing import event_times_ms  # noqa: E402
 from vocoder_bench import build  # noqa: E402
 

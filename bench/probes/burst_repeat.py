@@ -1,5 +1,5 @@
 """Bursts of concurrent streams, each level repeated, per backend: how much of a TTFC difference
-between backends is run-to-run noise. `python bench/burst_repeat.py --json FILE [--levels 16 16 16 64 64]`
+between backends is run-to-run noise. `python bench/probes/burst_repeat.py --json FILE [--levels 16 16 16 64 64]`
 (random 0.6B CustomVoice checkpoint, EOS row zeroed, built under /tmp)."""
 
 from __future__ import annotations

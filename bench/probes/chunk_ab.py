@@ -1,5 +1,5 @@
 """Many concurrent streams with one setting against another, on one engine in one call:
-`python bench/chunk_ab.py [--streams 16] [--frames 250] [--vary chunk] [--json F] VALUE ...` (e.g. 4 3 4 3).
+`python bench/probes/chunk_ab.py [--streams 16] [--frames 250] [--vary chunk] [--json F] VALUE ...` (e.g. 4 3 4 3).
 
 Random 0.6B CustomVoice checkpoint (EOS row zeroed), the `auto` backend, the benchmark's
 concurrency measurement (`bench_engine._run_level`: every stream opened at once through one
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pipecat_qwen_fast import QwenTTSEngine, SynthesisRequest
 from pipecat_qwen_fast.bench.engine import _run_level
 from pipecat_qwen_fast.checkpoints.build import build_checkpoint
@@ -39,7 +39,7 @@ def main() -> int:
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     out = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "commit": os.environ.get("BENCH_COMMIT", "unknown"), "script": "bench/chunk_ab.py",
+           "commit": os.environ.get("BENCH_COMMIT", "unknown"), "script": "bench/probes/chunk_ab.py",
            "streams": args.streams, "frames": args.frames, "vary": args.vary, "runs": []}
     stream_counts = [int(n) for n in args.streams.split(",")]
     with tempfile.TemporaryDirectory() as tmp:

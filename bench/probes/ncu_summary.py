@@ -1,11 +1,11 @@
-"""Summarise an Nsight Compute profile of the frame megakernel (bench/ncu_profile.sh) by source.
+"""Summarise an Nsight Compute profile of the frame megakernel (bench/probes/ncu_profile.sh) by source.
 
 The profile's SASS export (sass.csv.gz: ``ncu --page source --csv --print-source sass``) counts
 warp-state samples per SASS instruction but carries no source lines, and in one persistent kernel
 nearly everything is inlined, so the leaf line alone does not say which phase a warp is in. This
 script joins the export, by instruction offset, to ``nvdisasm -g -gi -c`` of the same cubin, whose
 ``//## File ... inlined at ...`` comments give each instruction's inline stack, and prints per
-kernel result (frame, talker, predictor, as bench/ncu_profile.py launches them):
+kernel result (frame, talker, predictor, as bench/probes/ncu_profile.py launches them):
 
   * total samples, the stall-reason shares and, if raw.csv.gz or details.csv.gz has the
     duration, how many warp-microseconds one sample stands for;
@@ -15,9 +15,9 @@ kernel result (frame, talker, predictor, as bench/ncu_profile.py launches them):
   * every fence (SASS MEMBAR) with the stall_membar samples it causes.
 
     nvdisasm -g -gi -c qwen_mk.sm_90a.cubin > listing.sass   # or ncu_profile.sh's listing.sass.gz
-    python bench/ncu_summary.py OUT_DIR --sass-listing listing.sass [--top 25] [--json s.json]
+    python bench/probes/ncu_summary.py OUT_DIR --sass-listing listing.sass [--top 25] [--json s.json]
 
-OUT_DIR is where bench/ncu_profile.sh wrote its exports; the listing may be gzipped. It refuses
+OUT_DIR is where bench/probes/ncu_profile.sh wrote its exports; the listing may be gzipped. It refuses
 (exit 2) when the listing's opcodes disagree with the profile's at more than 0.5% of offsets, as a
 listing of another build would silently mislabel everything.
 """

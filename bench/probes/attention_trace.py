@@ -1,7 +1,7 @@
 """Where the talker's attention phase spends its time: a QMK_TRACE_ATTN build stamps every step
 of every talker attention item (all blocks, all layers) of one talker-only launch.
 
-    python bench/attention_trace.py [--positions 100 31 200] [--out DIR]
+    python bench/probes/attention_trace.py [--positions 100 31 200] [--out DIR]
 
 Per position it prints, as medians over layers 1-27 (layer 0 also pays the launch's start):
 the q/k/v phase's arrivals and barrier exit, then per item the tile wait and the item's steps
@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 os.environ["QWEN_FAST_MK_DEFINES"] = (os.environ.get("QWEN_FAST_MK_DEFINES", "") + " QMK_TRACE_ATTN").strip()
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench"))  # megakernel_check, megakernel_ab, cuda_timing
 
 SLOTS, BLOCKS, LAYERS = 24, 160, 64
 STEPS = [("q/k/v loads + norm/RoPE", 2, 3), ("scores", 3, 4), ("softmax", 4, 5), ("P.V", 5, 6),
@@ -140,7 +140,7 @@ def main() -> int:
     blocks = mb.grid_blocks(st)
     result = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "commit": os.environ.get("BENCH_COMMIT", "unknown"), "gpu": torch.cuda.get_device_name(),
-              "script": "bench/attention_trace.py", "size": args.size, "blocks": blocks, "positions": {}}
+              "script": "bench/probes/attention_trace.py", "size": args.size, "blocks": blocks, "positions": {}}
     for pos in args.positions:
         f = mb.frame_args(st, run_talker=True, run_predictor=False, pos=pos)[0]
         for _ in range(10):

@@ -1,5 +1,5 @@
 """How long `QwenTTSEngine.from_pretrained` takes, each load in a fresh process:
-`python bench/load_time.py --checkpoint DIR [--json F] VARIANT ...`.
+`python bench/probes/load_time.py --checkpoint DIR [--json F] VARIANT ...`.
 
 A variant is `name` or `name:nocudnnbench` (the vocoder graphs captured without cuDNN's algorithm
 timing). The first load of a machine meets a cold inductor cache and compiles the vocoder steps;
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
 import contextlib, logging, sys, time
@@ -44,7 +44,7 @@ def main() -> int:
     ap.add_argument("variants", nargs="+")
     args = ap.parse_args()
     out = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "commit": os.environ.get("BENCH_COMMIT", "unknown"), "script": "bench/load_time.py", "runs": []}
+           "commit": os.environ.get("BENCH_COMMIT", "unknown"), "script": "bench/probes/load_time.py", "runs": []}
     for v in args.variants:
         name, _, mode = v.partition(":")
         proc = subprocess.run([sys.executable, "-c", CHILD, args.checkpoint, mode or "default"], cwd=ROOT,

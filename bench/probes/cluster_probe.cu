@@ -8,14 +8,14 @@
 //   then on min(128, S x that count) blocks (all resident, so the grid barrier cannot
 //   deadlock), per round, p50 / p90 cycles of block 0's thread 0 over
 //   ROUNDS rounds of each launch:
-//     grid     the megakernel's grid barrier (bench/microbench.cuh) across those blocks;
+//     grid     the megakernel's grid barrier (bench/probes/microbench.cuh) across those blocks;
 //     cluster  barrier.cluster arrive.release / wait.acquire across the S blocks;
 //     handoff  every block of a cluster stores 1 KB into the rank-0 block's shared memory
 //              (st.shared::cluster), a cluster barrier, rank 0 sums what arrived: the
 //              attention's partials merged on chip instead of through L2.
 //
 // Build here and carry the binary (bench/README.md); it needs no library:
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o .probe/cluster_probe bench/cluster_probe.cu
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o .probe/cluster_probe bench/probes/cluster_probe.cu
 //   .probe/cluster_probe > $OUT/cluster_probe.json
 // Found on the H200 (bench/results/2026-11-25-h200-stream-probe/cluster_probe_h200_2026-11-25.json):
 // at most 7 clusters of 16 and 15 of 8 are resident with this shape, so 128 blocks in clusters of

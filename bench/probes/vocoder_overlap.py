@@ -1,10 +1,10 @@
-"""Can the streaming vocoder run beside the frame kernel? `python bench/vocoder_overlap.py`
+"""Can the streaming vocoder run beside the frame kernel? `python bench/probes/vocoder_overlap.py`
 
 The frame kernel on 128 of the H200's 132 SMs costs +0.02 ms a frame (megakernel_grid_scaling);
 a vocoder call on a second CUDA stream could then use the 4 SMs left free while the next frames
 decode, instead of taking 0.12-0.13 ms a frame between them (bench/NOTES.md, fourteenth session).
 This measures it on a random full-size 0.6B talker and the released vocoder config with random
-weights (as bench/megakernel_check.py and bench/vocoder_graph_profile.py build them), the vocoder in
+weights (as bench/megakernel_check.py and bench/probes/vocoder_graph_profile.py build them), the vocoder in
 bfloat16 with channels-last weights and its compiled 16-frame graph, as the engine runs it:
 
 * the kernel alone: `--frames` sampled frames launched back to back (talker position 100), on a
@@ -28,9 +28,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+# This folder (vocoder_bench), bench/ (megakernel_check, cuda_timing) and the repository.
+sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in range(3)]
 
 
 def main() -> int:
@@ -68,7 +67,7 @@ def main() -> int:
     side = torch.cuda.Stream()
     out: dict = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "commit": os.environ.get("BENCH_COMMIT", "unknown"), "gpu": torch.cuda.get_device_name(),
-                 "script": "bench/vocoder_overlap.py", "frames": args.frames, "chunk": args.chunk,
+                 "script": "bench/probes/vocoder_overlap.py", "frames": args.frames, "chunk": args.chunk,
                  "vocoder_compiled": args.chunk in gv.compiled_sizes, "compile_and_capture_s": compile_s, "grids": []}
 
     def vocoder_call():

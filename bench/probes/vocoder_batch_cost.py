@@ -1,6 +1,6 @@
-"""What one batched vocoder call costs against batch-1 calls: `python bench/vocoder_batch_cost.py --json F`.
+"""What one batched vocoder call costs against batch-1 calls: `python bench/probes/vocoder_batch_cost.py --json F`.
 
-Full-size released vocoder config with random weights (bench/vocoder_bench.py's `build`), bfloat16,
+Full-size released vocoder config with random weights (bench/probes/vocoder_bench.py's `build`), bfloat16,
 channels-last, as the engine loads it. Per chunk size n and rows b:
 
 * batch 1: the engine's graphs (`GraphedVocoder` with 1 and 3 compiled for their shape, the other
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# This folder (the other probes), bench/ (megakernel_check, cuda_timing) and the repository.
+sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in range(3)]
 from cuda_timing import event_times_ms
 from vocoder_bench import build
 

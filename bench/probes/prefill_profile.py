@@ -1,6 +1,6 @@
 """Batched prefill (`GraphBackend.prefill_many`) on the GPU: wall time of the first and second pass
 at each (calls, longest prompt) shape, per attention kernel choice, against the captured one-by-one
-prefill. `python bench/prefill_profile.py --json FILE` (random 0.6B talker, bf16)."""
+prefill. `python bench/probes/prefill_profile.py --json FILE` (random 0.6B talker, bf16)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from pipecat_qwen_fast.backends.graph import GraphBackend
 from pipecat_qwen_fast.model.sampling import SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHAPES = [(4, 40), (4, 57), (16, 50), (16, 57), (64, 60), (64, 61)]
 KERNELS = {
     "default": None,

@@ -1,4 +1,4 @@
-"""Where a streamed utterance's GPU time goes between frames: `python bench/stream_timeline.py
+"""Where a streamed utterance's GPU time goes between frames: `python bench/probes/stream_timeline.py
 --out DIR [--frames N] [--repeats K]`.
 
 Random 0.6B CustomVoice checkpoint, the default backend and chunk schedule, one stream of
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: megakernel_check, cuda_timing
 from megakernel_check import git_commit, random_engine, warm_ttfc
 
 from pipecat_qwen_fast.bench import engine as bench_engine
@@ -133,7 +133,7 @@ def main() -> int:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "commit": args.commit or git_commit(), "script": "bench/stream_timeline.py",
+                    "commit": args.commit or git_commit(), "script": "bench/probes/stream_timeline.py",
                     "gpu": torch.cuda.get_device_name(), "frames": args.frames, "runs": []}
     with random_engine() as (engine, load_s):
         result["load_s"] = load_s

@@ -1,6 +1,6 @@
 """How the frame kernel's time scales with the number of blocks (one per SM) it runs on.
 
-    python bench/megakernel_grid_scaling.py [--out DIR] [--blocks 132 110 88 66] [--size 0.6b]
+    python bench/probes/megakernel_grid_scaling.py [--out DIR] [--blocks 132 110 88 66] [--size 0.6b]
 
 A design that gives up compute SMs (copier blocks that only stream weights, so that the compute
 blocks' arrival fences no longer wait for copies: bench/NOTES.md, fourteenth session) starts from
@@ -19,9 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench"))  # megakernel_check, megakernel_ab, cuda_timing
 
 
 def main() -> int:
@@ -37,7 +37,7 @@ def main() -> int:
 
     result = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "commit": os.environ.get("BENCH_COMMIT", "unknown"), "gpu": torch.cuda.get_device_name(),
-              "script": "bench/megakernel_grid_scaling.py", "size": args.size, "grids": []}
+              "script": "bench/probes/megakernel_grid_scaling.py", "size": args.size, "grids": []}
     first_codes = None
     for cap in args.blocks:
         # megakernel_ab's measurement of one build, on this grid (it loads the same random talker).

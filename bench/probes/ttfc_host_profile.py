@@ -1,4 +1,4 @@
-"""Where the host's part of the time to first audio goes: `python bench/ttfc_host_profile.py --out DIR`.
+"""Where the host's part of the time to first audio goes: `python bench/probes/ttfc_host_profile.py --out DIR`.
 
 A random 0.6B CustomVoice engine (`backend="auto"`, the product's default), warmed by
 `bench_texts.UTTERANCES`. Then, over the same utterances (bench_engine.measure_ttfc: the call with
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# This folder (the other probes), bench/ (megakernel_check, cuda_timing) and the repository.
+sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in range(3)]
 import megakernel_check as mc
 
 from pipecat_qwen_fast.bench import engine as bench_engine

@@ -1,5 +1,5 @@
 """The megakernel engine's TTFC and streaming RTF alone (megakernel_check.py's engine stage), with
-the load time: `python bench/engine_ttfc.py [--json FILE] [--run-ahead-ab]`. Random 0.6B
+the load time: `python bench/probes/engine_ttfc.py [--json FILE] [--run-ahead-ab]`. Random 0.6B
 CustomVoice checkpoint. --run-ahead-ab then measures warm TTFC and streaming again with
 QwenTTSEngine.run_ahead off, on, off, on (same engine, same texts and seeds)."""
 
@@ -11,7 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: megakernel_check, cuda_timing
 import megakernel_check as mc  # noqa: E402
 
 

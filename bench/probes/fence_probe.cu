@@ -25,7 +25,7 @@
 // copies another block issues into its shared memory do not hold it.
 //
 // Build here and carry the binary (bench/README.md):
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o .probe/fence_probe bench/fence_probe.cu
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o .probe/fence_probe bench/probes/fence_probe.cu
 //   .probe/fence_probe > $OUT/fence_probe.json
 #include <cuda_runtime.h>
 

@@ -4,7 +4,7 @@
 // resulting hidden-wide partial into the residual, instead of a grid barrier between gate/up and
 // down.
 //
-//   nvcc -O3 -arch=sm_90 -o /tmp/rp bench/reduce_partials.cu && /tmp/rp
+//   nvcc -O3 -arch=sm_90 -o /tmp/rp bench/probes/reduce_partials.cu && /tmp/rp
 //
 // One persistent launch of one block per SM (512 threads, 150 KB of unused shared memory, like the
 // megakernel's consumers). Each iteration: a grid barrier (release arrival, acquire wait), then

@@ -2,7 +2,7 @@
 // megakernel phase does with its operand right after a grid barrier), against every SM reading
 // its own N KB?
 //
-//   nvcc -O3 -arch=sm_90 -o /tmp/broadcast_read bench/broadcast_read.cu && /tmp/broadcast_read
+//   nvcc -O3 -arch=sm_90 -o /tmp/broadcast_read bench/probes/broadcast_read.cu && /tmp/broadcast_read
 //
 // One persistent launch of one block per SM (150 KB of unused shared memory keeps it to one) (128 reading threads, like the
 // megakernel's row group 0). Each iteration: a grid barrier, then every block reads `kb` KB with

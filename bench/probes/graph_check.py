@@ -4,7 +4,7 @@ Builds a random 0.6B CustomVoice checkpoint (EOS row zeroed), then: greedy codes
 per-frame time of both, graph capture time, TTFC of a streamed utterance, and round-robin
 throughput over many sessions. Writes JSON to $OUT/graph_check.json and prints a summary.
 
-    python bench/graph_check.py --out $OUT
+    python bench/probes/graph_check.py --out $OUT
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipecat_qwen_fast import QwenTTSEngine, SynthesisRequest  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Vocoder speed and exactness at full size (random weights): `python bench/vocoder_bench.py`.
+"""Vocoder speed and exactness at full size (random weights): `python bench/probes/vocoder_bench.py`.
 
 Prints, per dtype: max |stream - whole| for a few chunkings (float64 too), whole-utterance
 decode time for a few lengths, and the per-call time of `decode_stream` for a few chunk sizes
