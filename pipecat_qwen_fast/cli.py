@@ -67,6 +67,20 @@ def cmd_voices(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from pipecat_qwen_fast.engine.loading import prepare
+    from pipecat_qwen_fast.utils.cache import cache_dir
+
+    if args.model is None and not args.arch:
+        print("error: name a --model to load and warm up, or --arch to build the megakernel only", file=sys.stderr)
+        return 2
+    log = prepare(args.model, device=args.device, backend=args.backend, archs=args.arch)
+    for name, seconds in log.top_level().items():
+        print(f"{seconds:8.1f} s  {name}", file=sys.stderr)
+    print(f"cache folder: {cache_dir()}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qwen-fast-tts", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -87,6 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     voices = sub.add_parser("voices", help="list the voices and languages of a model")
     _add_model_args(voices)
     voices.set_defaults(func=cmd_voices)
+
+    prep = sub.add_parser("prepare", help="do every one-time build and compile now (for images and new machines)",
+                          description="Fill the cache folder ($QWEN_FAST_CACHE, default ~/.cache/pipecat_qwen_fast) "
+                                      "with the megakernel library and torch's compiled code, so later starts are warm.")
+    prep.add_argument("--model", default=None, help="checkpoint folder or hub id: load and warm it up once")
+    prep.add_argument("--device", default="auto", help="auto | cuda | cuda:N (default: auto)")
+    prep.add_argument("--backend", default="auto", help="auto | torch | megakernel | eager (default: auto)")
+    prep.add_argument("--arch", nargs="*", default=None,
+                      help="build only the megakernel for these GPU architectures (e.g. sm_90 sm_80); needs no GPU")
+    prep.set_defaults(func=cmd_prepare)
 
     build = sub.add_parser("build-checkpoint", help="write a random-weight checkpoint (tests, benchmarks)",
                            add_help=False)

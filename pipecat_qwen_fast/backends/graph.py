@@ -60,6 +60,7 @@ from pipecat_qwen_fast.model.sampling import (
 )
 from pipecat_qwen_fast.model.talker import Talker
 from pipecat_qwen_fast.utils.cuda_graphs import GraphCapturer, compile_blocker, recompile_limit
+from pipecat_qwen_fast.utils.phases import phase
 
 logger = logging.getLogger("pipecat_qwen_fast")
 
@@ -511,7 +512,8 @@ class GraphBackend:
         """Capture prefills and frames (every attention bucket; the given batch buckets) at load."""
         if not self.use_graphs:
             return
-        self.prefills.capture_all()
+        with phase("capturing the prefill graphs"):
+            self.prefills.capture_all()
         batches = batches or tuple(b for b in BATCH_BUCKETS if b <= self.max_batch)
         attn = (0, *sorted({self._attn_bucket(b) for b in ATTN_BUCKETS}))
         rows = self.rows_host

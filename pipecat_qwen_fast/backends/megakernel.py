@@ -1,8 +1,9 @@
 """ctypes binding to the CUDA frame megakernel (`cuda/`) and the `megakernel` decode backend.
 
 The shared library is compiled with nvcc on first use and cached under
-`$QWEN_FAST_CACHE` (default `~/.cache/pipecat_qwen_fast`) by source hash and GPU architecture, so
-a change to any kernel source or a different GPU gets its own build. One `decode_frame` is one
+`$QWEN_FAST_CACHE/megakernel` (default `~/.cache/pipecat_qwen_fast`) by source hash, GPU architecture
+and torch version, so a change to any kernel source, a different GPU or a torch upgrade gets its own
+build; an entry is trusted only while its recorded digest matches. One `decode_frame` is one
 cooperative launch (talker step, codec head, sampling, 15 predictor steps, next input); the only
 host read per frame is the engine's look at code 0.
 
@@ -34,6 +35,8 @@ from pipecat_qwen_fast.backends.prefill_graphs import PrefillGraphs
 from pipecat_qwen_fast.errors import UnsupportedFeatureError
 from pipecat_qwen_fast.model.layers import KVCache, rotary_cos_sin
 from pipecat_qwen_fast.model.sampling import SamplingParams
+from pipecat_qwen_fast.utils.cache import cache_dir, digest_matches, write_digest
+from pipecat_qwen_fast.utils.phases import phase
 
 logger = logging.getLogger(__name__)
 
@@ -122,20 +125,30 @@ def nvcc_command(nvcc: str, archs: list[str], out: Path, shared: bool = True) ->
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("QWEN_FAST_CACHE", Path.home() / ".cache" / "pipecat_qwen_fast")) / "megakernel"
+    return cache_dir() / "megakernel"
+
+
+def cache_key(arch: str, src_hash: str | None = None, torch_version: str | None = None) -> str:
+    """An entry per source (and flags), GPU architecture and torch version: a change of any of them
+    builds anew rather than load a library made for something else."""
+    torch_version = torch_version or torch.__version__
+    return f"{src_hash or source_hash()}-{arch}-torch{torch_version.replace('+', '_')}"
 
 
 def build_library(arch: str) -> Path:
-    """Compile (or reuse) libqwen_mk.so for `arch`; returns its path."""
-    target = cache_root() / f"{source_hash()}-{arch}" / "libqwen_mk.so"
-    if target.exists():
+    """Compile (or reuse) libqwen_mk.so for `arch`; returns its path. A cached file is used only
+    while its recorded digest matches (a truncated or overwritten entry is rebuilt)."""
+    target = cache_root() / cache_key(arch) / "libqwen_mk.so"
+    if digest_matches(target):
         return target
+    if target.exists():
+        logger.warning("the cached megakernel library %s does not match its digest; rebuilding it", target)
     nvcc = find_nvcc()
     if nvcc is None:
         raise UnsupportedFeatureError("the megakernel is built on first use and needs nvcc (set NVCC or CUDA_HOME)")
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename, so concurrent first uses never load a half-written file.
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+    with phase(f"building the megakernel for {arch} (nvcc)"), tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         tmp_out = Path(tmp) / "libqwen_mk.so"
         cmd = nvcc_command(nvcc, [arch], tmp_out)
         logger.info("building the megakernel for %s (first use, cached afterwards)", arch)
@@ -143,6 +156,7 @@ def build_library(arch: str) -> Path:
         if proc.returncode != 0:
             raise RuntimeError(f"nvcc failed building the megakernel for {arch}:\n{proc.stderr[-4000:]}")
         os.replace(tmp_out, target)
+        write_digest(target)
     return target
 
 
@@ -234,7 +248,9 @@ def library_for(device: torch.device) -> ctypes.CDLL:
     major, minor = torch.cuda.get_device_capability(device)
     arch = f"sm_{major}{minor}"
     if arch not in _LIBS:
-        _LIBS[arch] = load_library(build_library(arch))
+        path = build_library(arch)
+        with phase("loading the megakernel library"):
+            _LIBS[arch] = load_library(path)
     return _LIBS[arch]
 
 
@@ -253,14 +269,15 @@ def megakernel_unsupported_reason(net, device: torch.device, dtype: torch.dtype)
         return "the megakernel needs a CUDA device"
     if dtype != torch.bfloat16:
         return f"the megakernel runs bf16 weights only (dtype is {dtype})"
-    major, _ = torch.cuda.get_device_capability(device)
+    major, minor = torch.cuda.get_device_capability(device)
     if major < 8:
         return "the megakernel needs compute capability 8.0 or newer"
     talker = getattr(net, "talker", net)
     reason = shape_unsupported_reason(talker)
     if reason:
         return reason
-    if find_nvcc() is None and not any(cache_root().glob(f"{source_hash()}-*/libqwen_mk.so")):
+    cached = digest_matches(cache_root() / cache_key(f"sm_{major}{minor}") / "libqwen_mk.so")
+    if find_nvcc() is None and not cached:
         return "nvcc was not found to build the megakernel (set NVCC or CUDA_HOME)"
     return launch_unsupported_reason(talker, device)
 
@@ -486,7 +503,8 @@ class MegakernelBackend:
         self.pred_rope = rope_table(self.num_groups, self.pcfg.stack.rope_theta, device)
         self._rope_shared: Tensor | None = None  # the talker's, grown on demand (_talker_rope)
         # Per-code layer-0 q/k/v of the predictor passes (qmk_model.qkv0): -15 phases a frame.
-        self.input_tables = build_input_tables(talker, device) if input_tables else []
+        with phase("tabulating the predictor's input"):
+            self.input_tables = build_input_tables(talker, device) if input_tables else []
         # Every state's QmkModel points at the same weights: their addresses are taken once here,
         # as the layer tables' are, not per request (~34 checks and conversions: ~0.25 ms of host
         # time before the prefill, on the time to first audio; bench/NOTES.md, eighteenth session).
@@ -495,7 +513,8 @@ class MegakernelBackend:
         # backend on the same weights (the auto backend's batch).
         self.prefills: PrefillGraphs | None = prefills
         if warmup:
-            self.warmup()
+            with phase("megakernel warm-up"):
+                self.warmup()
 
     def _model_weight_ptrs(self) -> dict:
         cp = self.talker.code_predictor
@@ -746,7 +765,8 @@ class MegakernelBackend:
         """Run greedy and sampled frames once so the first request pays no build or load cost."""
         try:
             prefills = self.prefills or PrefillGraphs(self.talker, self.device, self.dtype)
-            prefills.capture_all()
+            with phase("capturing the prefill graphs"):
+                prefills.capture_all()
             self.prefills = prefills
         except Exception as e:  # noqa: BLE001 - the eager prefill still works; say why it is used
             logger.warning("captured prefill unavailable, prefill runs eagerly: %s: %s", type(e).__name__, e)

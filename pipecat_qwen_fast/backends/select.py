@@ -10,6 +10,7 @@ from pipecat_qwen_fast.backends.base import DecodeBackend
 from pipecat_qwen_fast.backends.eager import TorchBackend
 from pipecat_qwen_fast.errors import InvalidInputError, UnsupportedFeatureError
 from pipecat_qwen_fast.model.talker import Qwen3TTSModel
+from pipecat_qwen_fast.utils.phases import phase
 
 logger = logging.getLogger("pipecat_qwen_fast")
 
@@ -59,8 +60,10 @@ def _hybrid_backend(net: Qwen3TTSModel, device: torch.device, dtype: torch.dtype
 
     # The graph backend first: it fuses the q/k/v and gate/up weights in place, and the megakernel
     # must take its weight addresses after that. The two share the captured prefills.
-    bulk = _torch_backend(net, device, dtype)
-    fast = MegakernelBackend(net.talker, device, dtype, prefills=getattr(bulk, "prefills", None))
+    with phase("building the batch backend"):
+        bulk = _torch_backend(net, device, dtype)
+    with phase("building the megakernel backend"):
+        fast = MegakernelBackend(net.talker, device, dtype, prefills=getattr(bulk, "prefills", None))
     return HybridBackend(fast, bulk)
 
 

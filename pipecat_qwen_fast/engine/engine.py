@@ -49,7 +49,7 @@ from pipecat_qwen_fast.model.prompt import (
 )
 from pipecat_qwen_fast.model.sampling import SamplingParams
 from pipecat_qwen_fast.model.talker import Qwen3TTSModel
-from pipecat_qwen_fast.utils.phases import PhaseLog
+from pipecat_qwen_fast.utils.phases import PhaseLog, phase
 from pipecat_qwen_fast.vocoder.graphs import GraphedVocoder
 from pipecat_qwen_fast.vocoder.vocoder import Vocoder
 
@@ -157,17 +157,21 @@ class QwenTTSEngine:
         capture = getattr(self.backend, "capture_all", None)
         if capture is not None:
             defaults = SamplingParams.from_defaults(self.generation)
-            capture([defaults, defaults.greedy()])
-        self.prepare_thread()
+            with phase("capturing the batch graphs"):
+                capture([defaults, defaults.greedy()])
+        with phase("preparing the engine thread"):
+            self.prepare_thread()
         if self.vocoder_graphs is not None:
             # Every size a default stream can send (1, 3, 6, 12, 32 and the tails it may end on)
             # and synthesize()'s 25: a size first seen mid-stream would be captured right then.
-            self.vocoder_graphs.capture([*range(1, SynthesisRequest.max_chunk_frames + 1), 25])
+            with phase("capturing the vocoder graphs"):
+                self.vocoder_graphs.capture([*range(1, SynthesisRequest.max_chunk_frames + 1), 25])
             rows = getattr(self.backend, "max_batch", 1)
             if getattr(self.backend, "decode_frames", None) is not None and rows > 1:
                 # Sessions decoded in one batch finish chunks in the same rounds: their calls
                 # share batched graphs for the sizes a default stream sends.
-                self.vocoder_graphs.capture_batched(list(schedule_sizes(SynthesisRequest(""))), rows)
+                with phase("capturing the batched vocoder graphs"):
+                    self.vocoder_graphs.capture_batched(list(schedule_sizes(SynthesisRequest(""))), rows)
         voice = self.voices[0] if self.voices else None
         vc = None
         if self.config.model_type == "base":
@@ -175,7 +179,8 @@ class QwenTTSEngine:
         # A backend that places sessions on one of two paths (the auto backend) warms up both.
         placed = getattr(self.backend, "placed", None)
         for place in (True, False) if placed is not None else (None,):
-            with placed(place) if placed is not None else contextlib.nullcontext():
+            path = "warm-up sessions" if place is None else f"warm-up sessions ({'megakernel' if place else 'batch'})"
+            with phase(path), placed(place) if placed is not None else contextlib.nullcontext():
                 for greedy in (True, False):
                     req = SynthesisRequest(
                         "Hello there, this warms the engine up.", voice=voice, greedy=greedy, seed=0,

@@ -23,6 +23,7 @@ from pipecat_qwen_fast.backends.select import (
 from pipecat_qwen_fast.checkpoints import load as checkpoint
 from pipecat_qwen_fast.errors import InvalidInputError
 from pipecat_qwen_fast.model.talker import Qwen3TTSModel
+from pipecat_qwen_fast.utils.cache import use_compile_caches
 from pipecat_qwen_fast.utils.phases import PhaseLog, phase
 from pipecat_qwen_fast.vocoder.vocoder import Vocoder
 
@@ -45,6 +46,7 @@ def load_engine(
     dt = resolve_dtype(dtype, dev)
     if backend not in BACKENDS:
         raise InvalidInputError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+    use_compile_caches()
     log = log or PhaseLog(on_start=show_phase if progress else None)
     with log.activate():
         with phase("reading the checkpoint"):
@@ -89,3 +91,27 @@ def show_phase(name: str, depth: int) -> None:
     """The CLI's view of a load: one line per phase as it starts, nested phases indented."""
     if depth <= 1:
         print(f"{'  ' * depth}[load] {name} ...", file=sys.stderr, flush=True)
+
+
+def prepare(model: str | os.PathLike[str] | None, *, device: str = "auto", backend: str = "auto",
+            archs: list[str] | None = None) -> PhaseLog:
+    """Every one-time build and compile of a machine, into the cache folder (`qwen-fast-tts
+    prepare`): with `archs` and no model, only the megakernel libraries (a container build with no
+    GPU); otherwise a full load with warm-up, which fills the compile caches the way a start
+    would read them."""
+    use_compile_caches()
+    log = PhaseLog(on_start=show_phase)
+    if archs:
+        from pipecat_qwen_fast.backends.megakernel import build_library
+
+        with log.activate():
+            for arch in archs:
+                with phase(f"megakernel library for {arch}"):
+                    build_library(arch)
+    if model is not None:
+        from pipecat_qwen_fast.engine.engine import QwenTTSEngine
+
+        engine = load_engine(QwenTTSEngine, model, device=device, dtype="auto", backend=backend, warmup=True,
+                             progress=True, log=log)
+        engine.close()
+    return log

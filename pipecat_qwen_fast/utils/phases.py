@@ -70,8 +70,6 @@ def phase(name: str) -> Iterator[None]:
     t0 = time.perf_counter()
     try:
         yield
-    except ModelLoadError:
-        raise
     except Exception as e:
         # The innermost phase names the step; the exception keeps its type on the way up, since
         # callers between here and the load may handle it (a compile failure falls back).
@@ -80,7 +78,8 @@ def phase(name: str) -> Iterator[None]:
                 e.qwen_fast_phase = path
         if depth == 0:
             where = getattr(e, "qwen_fast_phase", path)
-            raise ModelLoadError(f"loading failed while {where}: {type(e).__name__}: {e}") from e
+            cause = str(e) if isinstance(e, ModelLoadError) else f"{type(e).__name__}: {e}"
+            raise ModelLoadError(f"loading failed while {where}: {cause}") from e
         raise
     finally:
         log._stack.pop()
