@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Several measurements in ONE device call, on one machine that loads each thing once:
+#   run(command="bash bench/device_run.sh ckpt startup fleet", kind="nvidia-h200", timeout_s=600)
+# Steps, in the order given:
+#   ckpt        build the random 0.6B CustomVoice checkpoint (EOS row zeroed) unless it exists
+#   startup     qwen-fast-tts bench startup: cold, warm (and prepared) starts, phases timed
+#   fleet       qwen-fast-tts bench fleet, closed loop, with what is left of DEVICE_SECONDS
+#   fleet-open  the same, open loop
+#   gputests    the GPU tests (pytest -m gpu), junit XML
+# DEVICE_SECONDS (default 570) bounds the whole call from its start; STARTUP_RUNS picks the starts
+# (default cold,warm); FLEET_ARGS adds arguments to the fleet runs. Everything lands in $OUT.
+set -u
+t0=$(date +%s)
+out=${OUT:-/tmp/device-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+    HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONPATH="$PWD:$PWD/livekit_plugin${PYTHONPATH:+:$PYTHONPATH}"
+export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
+ck=/tmp/qwen-fast-ck-0.6b-cv
+left() { echo $(( ${DEVICE_SECONDS:-570} - ($(date +%s) - t0) )); }
+{
+    echo "== $(date -u '+%F %T UTC') commit $BENCH_COMMIT steps: $*"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+    for step in "$@"; do
+        echo "== step $step at $(( $(date +%s) - t0 )) s, $(left) s left"
+        case $step in
+            ckpt) [ -f "$ck/model.safetensors" ] || python3 -m pipecat_qwen_fast.checkpoints.build --size 0.6b \
+                      --variant custom_voice --zero-eos --out "$ck" ;;
+            startup) python3 -m pipecat_qwen_fast.cli bench startup --model "$ck" --out "$out/startup" \
+                         --runs "${STARTUP_RUNS:-cold,warm}" --timeout "$(left)" ;;
+            fleet) python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet" \
+                       --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
+            fleet-open) python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet-open" \
+                            --mode open --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
+            gputests) timeout "$(( $(left) - 10 ))" python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+                          --junitxml "$out/gputests.xml" tests ;;
+            *) echo "unknown step $step" ;;
+        esac
+        echo "== step $step exit $? at $(( $(date +%s) - t0 )) s"
+    done
+} 2>&1 | tee "$out/device.log"
