@@ -12,6 +12,7 @@ import numpy as np
 
 from pipecat_qwen_fast.config import DEFAULT_MODEL
 from pipecat_qwen_fast.errors import QwenTTSError
+from pipecat_qwen_fast.voices.cli import add_voice_parser
 
 
 def write_wav(path: str | Path, pcm: np.ndarray, sample_rate: int) -> None:
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     say = sub.add_parser("say", help="speak text into a WAV file")
     say.add_argument("text", help="text to speak ('-' reads standard input)")
     _add_model_args(say)
-    say.add_argument("--voice", default=None, help="speaker (CustomVoice models); see `qwen-fast-tts voices`")
+    say.add_argument("--voice", default=None,
+                     help="speaker (CustomVoice models, see `qwen-fast-tts voices`) or a .voice file (Base models)")
     say.add_argument("--language", default="auto")
     say.add_argument("--instruct", default=None, help="voice / style description (VoiceDesign, 1.7B CustomVoice)")
     say.add_argument("--seed", type=int, default=None)
@@ -111,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--arch", nargs="*", default=None,
                       help="build only the megakernel for these GPU architectures (e.g. sm_90 sm_80); needs no GPU")
     prep.set_defaults(func=cmd_prepare)
+
+    add_voice_parser(sub)
 
     build = sub.add_parser("build-checkpoint", help="write a random-weight checkpoint (tests, benchmarks)",
                            add_help=False)

@@ -10,6 +10,7 @@ thread-safe: drive it from one thread at a time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -52,6 +53,8 @@ from pipecat_qwen_fast.model.talker import Qwen3TTSModel
 from pipecat_qwen_fast.utils.phases import PhaseLog, phase
 from pipecat_qwen_fast.vocoder.graphs import GraphedVocoder
 from pipecat_qwen_fast.vocoder.vocoder import Vocoder
+from pipecat_qwen_fast.voices.library import VoiceLibrary
+from pipecat_qwen_fast.voices.voice import Voice
 
 logger = logging.getLogger("pipecat_qwen_fast")
 
@@ -87,6 +90,9 @@ class QwenTTSEngine:
         self.backend = backend
         self.model_dir = model_dir
         self.closed = False
+        # Base models: cloned voices, used by name or file path as `voice=` (voices/library.py).
+        self.voice_library = VoiceLibrary(config=config, model_dir=model_dir, vocoder=vocoder, device=device,
+                                          dtype=dtype)
         # True once loaded and warmed up (load_engine); a hand-built engine is ready as built.
         self.ready = True
         self.load_phases: PhaseLog | None = None
@@ -288,6 +294,12 @@ class QwenTTSEngine:
         """A validated session with no backend state yet."""
         text = normalize_text(request.text)
         cfg = self.config
+        cloned = None
+        if cfg.model_type == "base" and request.voice is not None:
+            if request.voice_clone is not None:
+                raise InvalidInputError("pass a cloned voice as voice= or voice_clone=, not both")
+            cloned = self.voice_library.resolve(request.voice)
+            request = dataclasses.replace(request, voice=None, voice_clone=cloned.prompt)
         voice = request.voice
         if voice is None and cfg.model_type == "custom_voice":
             voice = self.default_voice
@@ -315,7 +327,7 @@ class QwenTTSEngine:
         seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(6), "little")
         return Session(
             request=request, speaker=speaker, language=language, text_mode=text_mode, params=params,
-            segments=split_text(text, self.tokenizer, MAX_SEGMENT_TOKENS), seed=seed,
+            segments=split_text(text, self.tokenizer, MAX_SEGMENT_TOKENS), seed=seed, voice=cloned,
         )
 
     def _start_vocoder(self, s: Session) -> None:
@@ -324,8 +336,11 @@ class QwenTTSEngine:
             vc = s.request.voice_clone
             if vc is not None and vc.icl:
                 # The talker continues right after the reference frames; so does the vocoder.
-                ref = vc.ref_codes.to(self.device).T[None]
-                self.vocoder.prime_stream(ref, s.vocoder_state)
+                primed = self.voice_library.primed_stream(s.voice) if s.voice is not None else None
+                if primed is not None:
+                    s.vocoder_state.copy_from(primed)
+                else:
+                    self.vocoder.prime_stream(vc.ref_codes.to(self.device).T[None], s.vocoder_state)
 
     def _prefill(self, sessions: list[Session], embeds: list[Tensor]) -> None:
         many = getattr(self.backend, "prefill_many", None)  # it decides when batching pays
@@ -620,6 +635,16 @@ class QwenTTSEngine:
         s.pending = []
 
     # ------------------------------------------------------------------ conveniences
+
+    def create_voice(self, audio, ref_text: str | None = None, *, name: str | None = None,
+                     sample_rate: int | None = None, register: bool = True) -> Voice:
+        """Clone a voice from 1-30 s of audio (Base models): in-context with `ref_text`, the
+        recording's transcript; x-vector only without. `audio` is a file path (WAV, FLAC, OGG, MP3),
+        its bytes, or samples with `sample_rate`. Registered in `voice_library` under `name` unless
+        register=False; then `voice=name` (or the Voice, or its saved .voice file) speaks with it."""
+        if self.closed:
+            raise EngineClosedError("the engine is closed")
+        return self.voice_library.create(audio, ref_text, name=name, sample_rate=sample_rate, register=register)
 
     def stream(self, text: str, **kwargs) -> Iterator[AudioChunk]:
         """Yield int16 24 kHz chunks as frames are decoded (first chunk after `first_chunk_frames`)."""

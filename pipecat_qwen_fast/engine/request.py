@@ -58,7 +58,9 @@ def schedule_sizes(request: SynthesisRequest) -> tuple[int, ...]:
 @dataclass
 class SynthesisRequest:
     text: str
-    voice: str | None = None
+    # CustomVoice: a speaker name. Base: a cloned voice's library name, its .voice file path, or
+    # the Voice itself (voices/library.py).
+    voice: object | None = None
     language: str | None = "auto"
     instruct: str | None = None
     seed: int | None = None

@@ -59,6 +59,9 @@ class Session:
     # frame before its codes were read (QwenTTSEngine.ahead_at_chunks); kept only if the chunk
     # is flushed as it was guessed.
     early: EarlyChunk | None = None
+    # A library voice (Base models, voices/voice.py): an ICL one's vocoder state starts from its
+    # primed copy instead of decoding the reference again.
+    voice: object | None = None
 
 
 @dataclass

@@ -87,7 +87,10 @@ def resolve_voice(cfg: ModelConfig, voice: str | None, voice_clone: VoiceClonePr
             "Base models have no preset voices; pass voice_clone=VoiceClonePrompt(x_vector, ref_codes, ref_text)"
         )
     if voice_clone is None:
-        raise InvalidInputError("Base models need voice_clone=VoiceClonePrompt(x_vector, ref_codes, ref_text)")
+        raise InvalidInputError(
+            "Base models need a cloned voice: voice='name' or voice='file.voice' (made with "
+            "engine.create_voice(audio, ref_text) or `qwen-fast-tts voice create`), or voice_clone=VoiceClonePrompt(...)"
+        )
     return None
 
 
