@@ -1,7 +1,7 @@
 """Where a batched round of the `torch` backend goes: `python bench/probes/batch_round_profile.py --out DIR`.
 
 At 16 and 64 streams `auto` runs the batched CUDA graph (`GraphBackend`), ~10 ms a round plus
-~0.4 ms a call on the H200 (bench/NOTES.md, "Auto backend"); this script takes a round apart.
+~0.4 ms a call on the H200 (docs/journal/NOTES.md, "Auto backend"); this script takes a round apart.
 A random 0.6B CustomVoice engine (`backend="torch"`, no warm-up), then `max(--batches)` sessions
 with random prompts of ~60 positions, advanced to talker position ~`--position`. Per batch size:
 

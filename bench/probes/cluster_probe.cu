@@ -1,4 +1,4 @@
-// The two facts a cluster-based megakernel needs first (bench/NOTES.md, "Targets after the
+// The two facts a cluster-based megakernel needs first (docs/journal/NOTES.md, "Targets after the
 // twenty-first session"): how many thread-block clusters of each size the GPU holds at once with
 // the megakernel's block shape (640 threads, one block per SM for its shared memory), and what a
 // cluster barrier and a distributed-shared-memory handoff cost against the grid barrier.

@@ -1,6 +1,6 @@
 // What a block's memory operations cost while bulk copies are in flight on its SM.
 //
-// The megakernel's hypothesis since v13 (bench/NOTES.md) was that a grid arrival's release fence
+// The megakernel's hypothesis since v13 (docs/journal/NOTES.md) was that a grid arrival's release fence
 // waits for the SM's outstanding bulk copies, so a weight ring that refills during a phase makes
 // that phase's arrival slower by roughly the refill's transfer time. Nsight Compute puts ~2.3 us
 // of membar stall on each talker attention arrival (v24 profile), a phase during which the ring
@@ -20,7 +20,7 @@
 // copies landing in its shared memory. Sources: HBM (a 4 GB buffer walked so no line repeats
 // within a run) or L2 (a small buffer every block rereads).
 //
-// Found on the H200 (bench/results/fence_probe_h200_2026-11-24.json, bench/NOTES.md): a release
+// Found on the H200 (bench/results/fence_probe_h200_2026-11-24.json, docs/journal/NOTES.md): a release
 // fence completes only once every bulk copy its block issued has landed, wherever they land;
 // copies another block issues into its shared memory do not hold it.
 //

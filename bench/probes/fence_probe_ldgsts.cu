@@ -3,7 +3,7 @@
 // bench/probes/fence_probe.cu found that a release fence (and so a grid arrival) completes only once
 // every bulk copy (cp.async.bulk, the TMA) its block issued has landed. That is why the
 // megakernel's ring hands a phase's slots back only at the phase's grid arrival, and so why each
-// phase starts with its weight tiles still in flight (bench/NOTES.md, "The fence and the weight
+// phase starts with its weight tiles still in flight (docs/journal/NOTES.md, "The fence and the weight
 // ring, measured"). If weights loaded another way do not hold the fence, the ring could refill
 // slots before the arrival and a phase would find its tiles on chip.
 //
@@ -16,7 +16,7 @@
 //   ldgsts4 the same over 4 warps
 //   ldg    4 warps: ld.global.nc.v4 into registers (16 each), then stored to shared memory
 //
-// Found on the H200 (bench/results/2026-11-24-h200-ldgsts-ring/, bench/NOTES.md): another warp's
+// Found on the H200 (bench/results/2026-11-24-h200-ldgsts-ring/, docs/journal/NOTES.md): another warp's
 // LDGSTS hold a release fence far less than bulk copies do (two slots in flight: 1035 cycles against
 // 2374), but a ring built on them streamed the MLP tiles too slowly and lost 0.38 ms a frame.
 //

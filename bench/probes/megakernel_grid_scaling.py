@@ -3,7 +3,7 @@
     python bench/probes/megakernel_grid_scaling.py [--out DIR] [--blocks 132 110 88 66] [--size 0.6b]
 
 A design that gives up compute SMs (copier blocks that only stream weights, so that the compute
-blocks' arrival fences no longer wait for copies: bench/NOTES.md, fourteenth session) starts from
+blocks' arrival fences no longer wait for copies: docs/journal/NOTES.md, fourteenth session) starts from
 what the kernel costs on fewer blocks today. For each grid (`MegakernelBackend(max_blocks=N)`) on
 the same random full-size talker and seeded inputs as bench/megakernel_check.py: CUDA-event medians
 of single launches (frame, talker alone, predictor alone; greedy and sampling; talker position

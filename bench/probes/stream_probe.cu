@@ -1,6 +1,6 @@
 // Would the weight stream keep HBM busy if the grid arrivals stopped waiting for the copies?
 //
-// The megakernel's layer costs ~20 us where its bytes stream in ~6.4 (bench/NOTES.md, "Targets
+// The megakernel's layer costs ~20 us where its bytes stream in ~6.4 (docs/journal/NOTES.md, "Targets
 // after the twenty-first session"). The fence probe found why the two do not overlap: a release
 // (the grid arrival) waits for every bulk copy its block issued, so the ring hands a phase's slots
 // back only at its arrival and the next phase's tiles start streaming after it. A design whose
@@ -34,7 +34,7 @@
 // prefetches ahead of it, from 4 spare blocks (bulk prefetches, paced by the compute blocks'
 // progress) or from the compute blocks' own consumers (one line a thread, evict_last).
 //
-// Found on the H200 (bench/results/2026-11-25-h200-stream-probe/, bench/NOTES.md): the bare
+// Found on the H200 (bench/results/2026-11-25-h200-stream-probe/, docs/journal/NOTES.md): the bare
 // skeleton takes 11.3-11.9 us a layer with today's ring, 9.7-10.4 with no fences, 9.3-9.5 with two
 // barriers a layer and no fences, 8.5-8.6 with one; copier blocks are no faster at equal bytes; with
 // the stand-in arithmetic today's ring takes 20.1-20.3 us (the kernel: ~20), and both kinds of L2
@@ -328,7 +328,7 @@ int main(int argc, char** argv) {
         int flags, cluster, prefetch, spin, patterns;  // patterns: bit k runs kPatterns[k]
     };
     // copier-16 was measured in the first call and left out since: one copier lane per 15
-    // ranks streamed at half the rate (bench/NOTES.md).
+    // ranks streamed at half the rate (docs/journal/NOTES.md).
     const Variant layout[] = {{"arrival", 0, 1, 0, 0, 7},
                               {"early", F_EARLY, 1, 0, 0, 7},
                               {"relaxed", F_EARLY | F_RELAXED, 1, 0, 0, 7},

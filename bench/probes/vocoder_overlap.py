@@ -2,7 +2,7 @@
 
 The frame kernel on 128 of the H200's 132 SMs costs +0.02 ms a frame (megakernel_grid_scaling);
 a vocoder call on a second CUDA stream could then use the 4 SMs left free while the next frames
-decode, instead of taking 0.12-0.13 ms a frame between them (bench/NOTES.md, fourteenth session).
+decode, instead of taking 0.12-0.13 ms a frame between them (docs/journal/NOTES.md, fourteenth session).
 This measures it on a random full-size 0.6B talker and the released vocoder config with random
 weights (as bench/megakernel_check.py and bench/probes/vocoder_graph_profile.py build them), the vocoder in
 bfloat16 with channels-last weights and its compiled 16-frame graph, as the engine runs it:
