@@ -14,6 +14,11 @@ Request: ``{"cases": [case, ...]}``; every case has ``id`` and ``op``:
   ``sample_rate``, ``eos`` (whether the talker sampled EOS), ``text_ids`` / ``instruct_ids`` /
   ``ref_ids`` (the token ids the wrapper fed, where used).
 * ``decode``: ``codes`` [[16 ints], ...] -> the official speech-tokenizer ``decode``; writes ``wav``.
+* ``clone`` (Base): ``audio`` (a file path), ``ref_text`` (null: x-vector-only mode) ->
+  ``create_voice_clone_prompt``; writes ``x_vector`` and, in ICL mode, ``ref_codes`` [T_ref,16]. With
+  ``text``, ``language``, ``non_streaming_mode`` and ``max_new_tokens`` also ``generate_voice_clone``
+  from the same file (fp32 greedy), writing ``codes`` and ``wav``. Other keys (a content hash of
+  the file, say) only enter the cache key.
 * ``inspect``: writes ``state_dict`` (name -> shape of the official model) and ``loading``
   (missing / unexpected / mismatched keys that ``from_pretrained`` reported, per loaded class) as
   JSON inside the npz (key ``json``).
@@ -165,6 +170,31 @@ def generate_case(tts, case: dict) -> dict:
     return out
 
 
+def clone_case(tts, case: dict) -> dict:
+    ref_text = case.get("ref_text")
+    x_vector_only = ref_text is None
+    (item,) = tts.create_voice_clone_prompt(case["audio"], ref_text=ref_text, x_vector_only_mode=x_vector_only)
+    out = {"x_vector": item.ref_spk_embedding.float().cpu().numpy()}
+    if item.ref_code is not None:
+        out["ref_codes"] = item.ref_code.cpu().numpy().astype(np.int64)
+    if not case.get("text"):
+        return out
+    generated: list = []
+    record_calls(tts.model, "generate", generated)
+    try:
+        wavs, sr = tts.generate_voice_clone(
+            case["text"], language=case["language"], ref_audio=case["audio"], ref_text=ref_text,
+            x_vector_only_mode=x_vector_only, non_streaming_mode=bool(case["non_streaming_mode"]),
+            do_sample=False, subtalker_dosample=False, max_new_tokens=int(case["max_new_tokens"]),
+        )
+    finally:
+        tts.model.__dict__.pop("generate", None)
+    (codes_list, _), = [g[2] for g in generated]
+    out.update(codes=codes_list[0].cpu().numpy().astype(np.int64), wav=np.asarray(wavs[0], dtype=np.float32),
+               sample_rate=np.int64(sr))
+    return out
+
+
 def decode_case(tts, case: dict) -> dict:
     codes = torch.tensor(case["codes"], dtype=torch.long)
     wavs, sr = tts.model.speech_tokenizer.decode([{"audio_codes": codes}])
@@ -213,6 +243,7 @@ def main() -> int:
     ops = {
         "generate": lambda c: generate_case(tts, c),
         "decode": lambda c: decode_case(tts, c),
+        "clone": lambda c: clone_case(tts, c),
         "inspect": lambda c: inspect_case(tts, reports),
     }
     for case in cases:
