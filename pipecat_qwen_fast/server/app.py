@@ -1,0 +1,123 @@
+"""The ASGI app: one engine per process, OpenAI's speech API, the stream WebSocket, probes.
+
+``build_app`` returns a plain FastAPI app, so the same app runs under uvicorn (``qwen-fast-tts
+serve``, :mod:`.run`) and as a Ray Serve ingress (:mod:`.ray_serve`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from . import openai_api, ws
+from .api_errors import ApiError
+from .context import ServerContext, context_of
+from .logs import install_log_redaction
+from .metrics import CONTENT_TYPE
+from .settings import ServerSettings
+
+logger = logging.getLogger("pipecat_qwen_fast.server")
+
+
+def build_app(settings: ServerSettings, service: Any = None,
+              on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The server app. Without ``service`` it loads and warms its own engine at startup (and
+    closes it at shutdown); a given ``EngineService`` is used as it is and left open."""
+    install_log_redaction()
+    ctx = ServerContext(settings, service)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if ctx.service is None:
+            ctx.service = start_engine(settings)
+        watcher = asyncio.create_task(report_load(ctx, on_load_failure))
+        if settings.wait_ready_on_startup:
+            await ctx.service.wait_ready()
+        try:
+            yield
+        finally:
+            ctx.gate.begin_drain()
+            watcher.cancel()
+            if ctx.owns_service:
+                await ctx.service.aclose()
+
+    app = FastAPI(title="pipecat-qwen-fast TTS server", lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url=None)
+    app.state.qwen_tts = ctx
+    app.include_router(openai_api.router)
+    app.include_router(ws.router)
+    app.add_exception_handler(ApiError, answer_api_error)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/ready", ready, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    return app
+
+
+def start_engine(settings: ServerSettings) -> Any:
+    """An EngineService that loads the model on its own thread and warms it up before it is
+    ready (on CPU too, where loading alone would skip warm-up)."""
+    from pipecat_qwen_fast import EngineService, QwenTTSEngine
+
+    def load() -> Any:
+        return QwenTTSEngine.from_pretrained(settings.model, device=settings.device,
+                                             dtype=settings.dtype, backend=settings.backend,
+                                             warmup=True, progress=False)
+
+    return EngineService(load, name=settings.model_name)
+
+
+async def report_load(ctx: ServerContext,
+                      on_failure: Callable[[BaseException], None] | None) -> None:
+    started = time.monotonic()
+    try:
+        await ctx.service.wait_ready()
+    except Exception as exc:  # noqa: BLE001 - reported here; /health says it too
+        logger.error("engine failed to load: %s: %s", type(exc).__name__, exc)
+        if on_failure is not None:
+            on_failure(exc)
+        return
+    service = ctx.service
+    logger.info("engine ready after %.1f s: %s model, %d voices; serving up to %d streams",
+                time.monotonic() - started, service.model_type, len(service.voices),
+                ctx.settings.max_streams)
+
+
+async def answer_api_error(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, ApiError)
+    context_of(request).count_failure(error)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+
+
+def state_of(ctx: ServerContext) -> str:
+    if not ctx.alive:
+        return "failed"
+    if ctx.gate.draining:
+        return "draining"
+    return "ready" if ctx.ready else "loading"
+
+
+async def health(request: Request) -> JSONResponse:
+    """Liveness: 200 while the process can still serve (loading and draining included); 503
+    once the engine failed to load or died, which only a restart cures."""
+    ctx = context_of(request)
+    state = state_of(ctx)
+    return JSONResponse({"status": state}, status_code=503 if state == "failed" else 200)
+
+
+async def ready(request: Request) -> JSONResponse:
+    """Readiness: 200 only once the engine is loaded and warm, and not while draining."""
+    ctx = context_of(request)
+    state = state_of(ctx)
+    body = {"ready": state == "ready", "status": state}
+    return JSONResponse(body, status_code=200 if state == "ready" else 503)
+
+
+async def metrics(request: Request) -> Response:
+    return Response(context_of(request).metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,93 @@
+"""Prometheus metrics of one server process, and the playout clock that judges chunk lateness.
+
+Each app has its own registry, so several apps in one process (tests, a Ray Serve replica beside
+its proxy) never clash over metric names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# First audio sits between ~10 ms (megakernel, H200) and seconds (CPU, or a full engine).
+FIRST_AUDIO_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                       0.75, 1.0, 2.0, 5.0)
+# 0 is its own bucket: the share of chunks that arrived before the listener needed them.
+LATENESS_BUCKETS = (0.0, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+class ServerMetrics:
+    """The server's metrics. ``active``/``queued``/``in_use`` are read when scraped."""
+
+    def __init__(self, *, active: Callable[[], int], queued: Callable[[], int],
+                 in_use: Callable[[], int], capacity: int, ready: Callable[[], bool]) -> None:
+        r = self.registry = CollectorRegistry()
+        Gauge("qwen_tts_streams_active", "Engine streams being decoded now.", registry=r
+              ).set_function(active)
+        Gauge("qwen_tts_streams_queued", "Engine streams waiting for a free engine slot.",
+              registry=r).set_function(queued)
+        Gauge("qwen_tts_admitted_streams", "Streams admitted by the server's bound (HTTP "
+              "requests and WebSocket turns in progress).", registry=r).set_function(in_use)
+        Gauge("qwen_tts_max_streams", "The server's bound on admitted streams.", registry=r
+              ).set(capacity)
+        Gauge("qwen_tts_ready", "1 once the engine is loaded and warm, 0 while loading or "
+              "draining.", registry=r).set_function(lambda: float(ready()))
+        self.first_audio = Histogram(
+            "qwen_tts_first_audio_seconds", "From a request (or a WebSocket flush) to its first "
+            "audio chunk.", ["endpoint"], buckets=FIRST_AUDIO_BUCKETS, registry=r)
+        self.lateness = Histogram(
+            "qwen_tts_chunk_lateness_seconds", "How long after the audio sent before it had "
+            "finished playing each later chunk was ready (0: in time).", ["endpoint"],
+            buckets=LATENESS_BUCKETS, registry=r)
+        self.underruns = Counter(
+            "qwen_tts_underruns_total", "Chunks that came after a listener playing from the "
+            "first chunk would have run out of audio.", ["endpoint"], registry=r)
+        self.audio_seconds = Counter(
+            "qwen_tts_audio_seconds_total", "Seconds of audio sent.", ["endpoint"], registry=r)
+        self.refusals = Counter(
+            "qwen_tts_refusals_total", "Requests refused with 503 or a WebSocket error event.",
+            ["reason"], registry=r)
+        self.errors = Counter(
+            "qwen_tts_errors_total", "Requests that failed: bad_request, unauthorized, protocol "
+            "(WebSocket garbage), engine.", ["kind"], registry=r)
+        self.streams = Counter(
+            "qwen_tts_streams_total", "Engine streams ended, by how: completed, cancelled "
+            "(client left), failed.", ["endpoint", "outcome"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class PlayoutClock:
+    """When a listener who starts playing at the first chunk runs out of the audio sent so far.
+
+    A chunk that comes after that moment is late by the difference (an underrun: the listener
+    hears a gap); the listener then resumes from that chunk.
+    """
+
+    def __init__(self) -> None:
+        self._end: float | None = None
+
+    def restart_if_played(self, now: float) -> None:
+        """Start afresh if the listener has already played everything sent: the next chunk then
+        opens a new stretch of audio instead of counting as late (a WebSocket turn waiting for
+        its next sentence's text, which the server cannot speak before it arrives)."""
+        if self._end is not None and now >= self._end:
+            self._end = None
+
+    @property
+    def started(self) -> bool:
+        return self._end is not None
+
+    def add(self, now: float, seconds: float) -> float | None:
+        """Record a chunk of ``seconds`` ready at ``now``; its lateness (None for a first chunk)."""
+        if self._end is None:
+            self._end = now + seconds
+            return None
+        late = max(0.0, now - self._end)
+        self._end = max(self._end, now) + seconds
+        return late

@@ -1,0 +1,142 @@
+"""Request fields shared by both endpoints: type checks, voices, languages and the text bound.
+
+Every check names the field and the valid choices; none repeats the text to speak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pipecat_qwen_fast import SynthesisRequest
+
+from .api_errors import bad_request
+
+# Chunk sizes a request may ask for, as the engine's default schedule grows to (1, 3, ..., 32).
+MAX_FIRST_CHUNK_FRAMES = 32
+
+
+def optional_str(body: dict, name: str) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise bad_request(f"'{name}' must be a string, got {json_type(value)}", name)
+    return value
+
+
+def required_str(body: dict, name: str) -> str:
+    value = optional_str(body, name)
+    if value is None:
+        raise bad_request(f"'{name}' is required", name)
+    return value
+
+
+def optional_int(body: dict, name: str, *, low: int, high: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"'{name}' must be an integer, got {json_type(value)}", name)
+    if value < low or (high is not None and value > high):
+        bounds = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise bad_request(f"'{name}' must be {bounds}, got {value}", name)
+    return value
+
+
+def optional_bool(body: dict, name: str) -> bool | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise bad_request(f"'{name}' must be true or false, got {json_type(value)}", name)
+    return value
+
+
+def check_speed(body: dict) -> None:
+    """Only natural speed: the engine has no rate control, and resampling would change pitch."""
+    value = body.get("speed")
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise bad_request(f"'speed' must be a number, got {json_type(value)}", "speed")
+    if value != 1.0:
+        raise bad_request(f"'speed' must be 1.0 (this server speaks at natural speed), got "
+                          f"{value}", "speed")
+
+
+def check_fields(body: dict, known: frozenset[str], what: str) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise bad_request(f"unknown field(s) in {what}: {', '.join(map(repr, unknown))}; "
+                          f"valid fields: {', '.join(sorted(known))}", unknown[0])
+
+
+def json_type(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+             int: "a number", float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+@dataclass
+class VoiceBook:
+    """The engine's voices and the server's aliases for them."""
+
+    voices: list[str]
+    aliases: dict[str, str]
+    languages: list[str]
+
+    def resolve_voice(self, voice: str | None) -> str | None:
+        if voice is None:
+            return None
+        name = voice.strip().lower()
+        name = self.aliases.get(name, name).lower()
+        if self.voices and name not in self.voices:
+            choices = ", ".join(self.voices)
+            if self.aliases:
+                choices += "; aliases: " + ", ".join(sorted(self.aliases))
+            raise bad_request(f"unknown voice {voice!r}; valid voices: {choices}", "voice")
+        return name
+
+    def resolve_language(self, language: str | None) -> str:
+        if language is None:
+            return "auto"
+        name = language.strip().lower()
+        if name not in self.languages:
+            raise bad_request(f"unknown language {language!r}; valid languages: "
+                              f"{', '.join(self.languages)}", "language")
+        return name
+
+
+def frame_cap(requested: int | None, server_cap: int | None) -> int | None:
+    """A request's frame cap (vLLM-Omni's max_new_tokens), never above the server's."""
+    if requested is None or server_cap is None:
+        return requested if server_cap is None else server_cap
+    return min(requested, server_cap)
+
+
+def check_text(text: str, limit: int, name: str = "input") -> str:
+    if len(text) > limit:
+        raise bad_request(f"'{name}' is {len(text)} characters; the limit is {limit}", name)
+    if not text.strip():
+        raise bad_request(f"'{name}' is empty; there is nothing to say", name)
+    return text
+
+
+@dataclass
+class SpeechOptions:
+    """Everything of a request but its text."""
+
+    voice: str | None = None
+    language: str = "auto"
+    instruct: str | None = None
+    seed: int | None = None
+    text_mode: str | None = None
+    first_chunk_frames: int | None = None
+    max_frames: int | None = None
+
+    def request(self, text: str) -> Any:
+        extra: dict[str, Any] = {}
+        if self.first_chunk_frames is not None:
+            extra["first_chunk_frames"] = self.first_chunk_frames
+        return SynthesisRequest(text, voice=self.voice, language=self.language,
+                                instruct=self.instruct, seed=self.seed, text_mode=self.text_mode,
+                                max_frames=self.max_frames, **extra)

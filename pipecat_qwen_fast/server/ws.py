@@ -1,0 +1,463 @@
+"""WebSocket ``/v1/audio/speech/stream``: vLLM-Omni's Qwen3-TTS streaming protocol.
+
+It is the protocol LiveKit's ``Qwen3TTS`` client (livekit-plugins-baseten) speaks, so that client
+works against this server unchanged::
+
+    client -> {"type": "session.config", "voice": ..., ...}   sticky for the socket's life
+    client -> {"type": "input.text", "text": "Hel"} ...      pieces of a turn's text
+    client -> {"type": "input.done"}                          a flush, not a close
+    server <- {"type": "audio.start", "sentence_index": 0, "sentence_text": ..., "format": "pcm",
+               "sample_rate": 24000}
+    server <- binary frames: int16 little-endian mono PCM, as the engine makes it
+    server <- {"type": "audio.done", "sentence_index": 0, "total_bytes": n, "error": false}
+    server <- {"type": "session.done", "total_sentences": k}  one per input.done
+    server <- {"type": "error", "message": ..., "code": ...}
+    client -> {"type": "session.close"}                       the socket is closed
+
+An ``input.done`` with no text before it answers ``session.done`` at once (the client's
+keepalive). Text is buffered and cut at sentence ends; each finished sentence is spoken while the
+rest of the turn's text still arrives. :class:`SentenceBuffer` is the seam for the engine's
+streaming-text session: when the engine can take text as it comes, a turn becomes one engine
+stream fed piece by piece, and only the buffering changes here.
+
+A socket that sends something that is not this protocol (binary, broken JSON, an unknown
+message type, a field of the wrong type) gets an error event and is closed, and whatever it had
+in flight is cancelled in the engine. A request the server cannot serve (unknown voice,
+overload, a turn too long) gets an error event and the socket stays open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, WebSocket
+from fastapi.responses import JSONResponse
+from starlette.websockets import WebSocketDisconnect, WebSocketState
+
+from .api_errors import ApiError, bad_request, from_engine_error
+from .context import ServerContext, context_of
+from .metrics import PlayoutClock
+from .speech import (
+    MAX_FIRST_CHUNK_FRAMES,
+    SpeechOptions,
+    check_fields,
+    check_speed,
+    frame_cap,
+    optional_bool,
+    optional_int,
+    optional_str,
+)
+from .streams import AudioStream, Slot
+
+logger = logging.getLogger("pipecat_qwen_fast.server")
+
+router = APIRouter()
+
+MESSAGE_TYPES = ("session.config", "input.text", "input.done", "session.close")
+# Every field vLLM-Omni's session.config takes, and those LiveKit's client adds for word timings.
+# Unknown fields are refused, as vLLM-Omni does, so a misspelt option is not silently ignored.
+CONFIG_FIELDS = frozenset({
+    "type", "model", "voice", "task_type", "language", "instructions", "response_format", "speed",
+    "max_new_tokens", "initial_codec_chunk_frames", "stream_audio", "non_streaming_mode",
+    "streaming_mode", "word_timestamps", "timestamp_type", "timestamp_transport_strategy",
+    "ref_audio", "ref_text", "x_vector_only_mode", "speaker_embedding", "seed",
+})
+CLONE_FIELDS = ("ref_audio", "ref_text", "speaker_embedding")
+TASK_TYPES = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
+# Close codes (RFC 6455): 1003 a data type not accepted, 1007 data inconsistent with its type,
+# 1008 a policy violation, 1009 a message too big, 1001 going away (the server is draining).
+CLOSE_BINARY, CLOSE_BAD_DATA, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_GOING_AWAY = (
+    1003, 1007, 1008, 1009, 1001)
+# Sentence ends: terminal punctuation followed by a space, CJK terminal punctuation, a newline.
+SENTENCE_END = re.compile(r"(?<=[.!?;…])\s+|(?<=[。！？；])|\n+")
+
+
+class ProtocolError(Exception):
+    """The client broke the protocol: it is told why, then the socket is closed."""
+
+    def __init__(self, close_code: int, message: str) -> None:
+        super().__init__(message)
+        self.close_code = close_code
+
+
+class ClientGone(Exception):
+    """The client closed the socket (or asked to, with session.close)."""
+
+
+class SentenceBuffer:
+    """A turn's text not yet spoken; hands out whole sentences as soon as they are complete."""
+
+    def __init__(self) -> None:
+        self._text = ""
+
+    def __len__(self) -> int:
+        return len(self._text)
+
+    def push(self, text: str) -> list[str]:
+        self._text += text
+        parts = SENTENCE_END.split(self._text)
+        # The last part has no end after it yet: more of its sentence may come.
+        self._text = parts.pop()
+        return [p.strip() for p in parts if p.strip()]
+
+    def flush(self) -> list[str]:
+        text, self._text = self._text.strip(), ""
+        return [text] if text else []
+
+
+@dataclass
+class Turn:
+    """The text between two input.done messages, and what it holds while it is spoken."""
+
+    options: SpeechOptions
+    slot: Slot | None  # None: refused (the client was told why)
+    clock: PlayoutClock = field(default_factory=PlayoutClock)
+    sentences: int = 0
+    dropped: bool = False  # cut short (too long): its remaining text and sentences are not spoken
+
+    @property
+    def speaking(self) -> bool:
+        return self.slot is not None and not self.dropped
+
+    def end(self) -> None:
+        if self.slot is not None:
+            self.slot.release()
+            self.slot = None
+
+
+@dataclass
+class Sentence:
+    turn: Turn
+    index: int
+    text: str
+    queued_at: float
+
+
+@dataclass
+class TurnDone:
+    turn: Turn | None  # None: an input.done with no text before it
+
+
+@router.websocket("/v1/audio/speech/stream")
+async def speech_stream(websocket: WebSocket) -> None:
+    ctx = context_of(websocket)
+    try:
+        ctx.authorize(websocket.headers)
+    except ApiError as error:
+        ctx.count_failure(error)
+        # Refused before the handshake completes: the client sees an HTTP 403 (or 401 where the
+        # server supports denial responses), and no socket is opened.
+        if "websocket.http.response" in websocket.scope.get("extensions", {}):
+            await websocket.send_denial_response(
+                JSONResponse(error.body(), status_code=error.status, headers=error.headers()))
+        else:
+            await websocket.close(code=CLOSE_POLICY, reason=error.message)
+        return
+    await websocket.accept()
+    await SpeechSocket(websocket, ctx).run()
+
+
+class SpeechSocket:
+    """One client connection: reads messages, buffers text, speaks sentences in order."""
+
+    def __init__(self, websocket: WebSocket, ctx: ServerContext) -> None:
+        self.ws = websocket
+        self.ctx = ctx
+        self.options: SpeechOptions | None = None
+        self.buffer = SentenceBuffer()
+        self.turn: Turn | None = None
+        self.queue: asyncio.Queue[Sentence | TurnDone] = asyncio.Queue()
+        self.unfinished = 0  # queued items the speaker has not finished
+        self._send_lock = asyncio.Lock()
+        limit = ctx.settings.max_input_chars
+        # Room for a whole turn's text in one message, JSON-escaped, plus the other fields.
+        self.max_message_chars = limit * 6 + 16 * 1024
+
+    @property
+    def idle(self) -> bool:
+        return self.turn is None and self.unfinished == 0
+
+    async def run(self) -> None:
+        speaker = asyncio.create_task(self.speak_queued(), name="qwen-tts-ws-speaker")
+        try:
+            await self.receive_messages(speaker)
+        except ProtocolError as error:
+            self.ctx.metrics.errors.labels("protocol").inc()
+            await self.send_error(str(error), "protocol_error")
+            await self.close(error.close_code, "protocol error")
+        except (ClientGone, WebSocketDisconnect):
+            pass
+        except Exception as exc:  # noqa: BLE001 - a failed send or receive ends only this socket
+            logger.warning("stream socket ended by %s", type(exc).__name__)
+        finally:
+            speaker.cancel()
+            # The speaker's own finally closes the engine stream it was reading.
+            with contextlib.suppress(BaseException):
+                await speaker
+            for turn in self.unfinished_turns():
+                turn.end()
+            await self.close(1000, "")
+
+    # -- reading --------------------------------------------------------------------------------
+
+    async def receive_messages(self, speaker: asyncio.Task) -> None:
+        settings = self.ctx.settings
+        drain = asyncio.ensure_future(self.ctx.gate.drain_event.wait())
+        receive: asyncio.Future | None = None
+        try:
+            while True:
+                if receive is None:
+                    receive = asyncio.ensure_future(self.ws.receive())
+                timeout = (settings.ws_config_timeout_s if self.options is None
+                           else settings.ws_idle_timeout_s)
+                done, _ = await asyncio.wait({receive, drain, speaker}, timeout=timeout,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if speaker in done:
+                    speaker.result()  # its error ends the connection
+                    return
+                if receive in done:
+                    message, receive = receive.result(), None
+                    await self.handle(self.parse(message))
+                    continue
+                if drain in done and self.idle:
+                    await self.send_error("the server is shutting down; reconnect to another "
+                                          "server", "draining")
+                    await self.close(CLOSE_GOING_AWAY, "server draining")
+                    return
+                if drain in done:
+                    # Finish this turn first; look again once the speaker has moved on.
+                    drain = asyncio.ensure_future(asyncio.sleep(0.05))
+                    continue
+                if not done and self.idle:
+                    what = "session.config" if self.options is None else "a message"
+                    await self.send_error(f"no {what} within {timeout:g} s; closing", "timeout")
+                    await self.close(1000, "idle timeout")
+                    return
+        finally:
+            for task in (receive, drain):
+                if task is not None:
+                    task.cancel()
+
+    def parse(self, message: dict) -> dict:
+        if message["type"] == "websocket.disconnect":
+            raise ClientGone()
+        if message.get("bytes") is not None:
+            raise ProtocolError(CLOSE_BINARY, "binary messages are not part of this protocol; "
+                                "send JSON text messages")
+        text = message.get("text") or ""
+        if len(text) > self.max_message_chars:
+            raise ProtocolError(CLOSE_TOO_BIG, f"a message of {len(text)} characters is over the "
+                                f"limit of {self.max_message_chars}")
+        try:
+            msg = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProtocolError(CLOSE_BAD_DATA, f"a message is not valid JSON ({exc.msg})") from None
+        if not isinstance(msg, dict):
+            raise ProtocolError(CLOSE_BAD_DATA, "messages must be JSON objects")
+        kind = msg.get("type")
+        if kind not in MESSAGE_TYPES:
+            shown = repr(kind) if isinstance(kind, str) and len(kind) <= 40 else "missing or invalid"
+            raise ProtocolError(CLOSE_POLICY, f"message type {shown} is not part of this protocol; "
+                                f"valid types: {', '.join(MESSAGE_TYPES)}")
+        return msg
+
+    async def handle(self, msg: dict) -> None:
+        kind = msg["type"]
+        if kind == "session.close":
+            raise ClientGone()
+        if kind == "session.config":
+            await self.configure(msg)
+        elif kind == "input.text":
+            await self.take_text(msg)
+        else:
+            self.finish_turn()
+
+    async def configure(self, msg: dict) -> None:
+        if not self.idle or len(self.buffer):
+            await self.send_error("session.config cannot change a turn in progress; send it "
+                                  "after session.done", "turn_in_progress")
+            return
+        try:
+            self.options = parse_config(msg, self.ctx)
+        except ApiError as error:
+            self.ctx.count_failure(error)
+            await self.send_error(error.message, error.code or error.kind)
+
+    async def take_text(self, msg: dict) -> None:
+        if self.options is None:
+            raise ProtocolError(CLOSE_POLICY, "send session.config before input.text")
+        text = msg.get("text")
+        if not isinstance(text, str):
+            raise ProtocolError(CLOSE_BAD_DATA, "input.text needs a string 'text'")
+        if not text:
+            return
+        if self.turn is None:
+            self.turn = await self.start_turn(self.options)
+        if not self.turn.speaking:
+            return  # refused or cut short: the client was told; text is dropped until input.done
+        limit = self.ctx.settings.max_input_chars
+        if len(self.buffer) + len(text) > limit:
+            # Cut the turn short rather than hold unbounded text.
+            self.ctx.count_failure(bad_request("turn too long"))
+            await self.send_error(f"the text waiting to be spoken would be over {limit} "
+                                  "characters; the rest of this turn is dropped", "input_too_long")
+            self.buffer = SentenceBuffer()
+            self.turn.dropped = True
+            return
+        for sentence in self.buffer.push(text):
+            self.enqueue(sentence)
+
+    async def start_turn(self, options: SpeechOptions) -> Turn:
+        try:
+            self.ctx.require_ready()
+            return Turn(options, self.ctx.gate.admit())
+        except ApiError as error:
+            self.ctx.count_failure(error)
+            await self.send_error(error.message, error.code or error.kind)
+            return Turn(options, None)
+
+    def enqueue(self, text: str) -> None:
+        turn = self.turn
+        assert turn is not None
+        self.queue.put_nowait(Sentence(turn, turn.sentences, text, time.monotonic()))
+        turn.sentences += 1
+        self.unfinished += 1
+
+    def finish_turn(self) -> None:
+        turn = self.turn
+        if turn is not None and turn.speaking:
+            for sentence in self.buffer.flush():
+                self.enqueue(sentence)
+        self.buffer = SentenceBuffer()
+        self.queue.put_nowait(TurnDone(turn))
+        self.unfinished += 1
+        self.turn = None
+
+    def unfinished_turns(self) -> list[Turn]:
+        turns = [self.turn] if self.turn is not None else []
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            if isinstance(item, TurnDone) and item.turn is not None:
+                turns.append(item.turn)
+        return turns
+
+    # -- speaking -------------------------------------------------------------------------------
+
+    async def speak_queued(self) -> None:
+        while True:
+            waited = self.queue.empty()
+            item = await self.queue.get()
+            if isinstance(item, TurnDone):
+                turn = item.turn
+                await self.send_json({"type": "session.done",
+                                      "total_sentences": turn.sentences if turn else 0})
+                if turn is not None:
+                    turn.end()
+            elif item.turn.speaking:
+                if waited:
+                    item.turn.clock.restart_if_played(time.monotonic())
+                await self.speak(item)
+            self.unfinished -= 1
+
+    async def speak(self, sentence: Sentence) -> None:
+        turn = sentence.turn
+        await self.send_json({"type": "audio.start", "sentence_index": sentence.index,
+                              "sentence_text": sentence.text, "format": "pcm",
+                              "sample_rate": self.ctx.require_ready().sample_rate})
+        # First audio is timed for a turn's first sentence, which the listener is waiting for.
+        waited_since = sentence.queued_at if sentence.index == 0 else None
+        stream: AudioStream | None = None
+        failed = False
+        try:
+            stream = self.ctx.open_audio(turn.options.request(sentence.text), "ws", turn.clock,
+                                         waited_since)
+            while (pcm := await stream.next_pcm()) is not None:
+                await self.send_bytes(pcm)
+        except (WebSocketDisconnect, ClientGone, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            failed = True
+            error = exc if isinstance(exc, ApiError) else from_engine_error(
+                exc, self.ctx.settings.retry_after_s)
+            self.ctx.count_failure(error)
+            logger.warning("stream socket: sentence %d failed: %s", sentence.index, error.message)
+            await self.send_error(error.message, error.code or error.kind)
+        finally:
+            if stream is not None:
+                await stream.aclose()
+        await self.send_json({"type": "audio.done", "sentence_index": sentence.index,
+                              "total_bytes": stream.bytes_sent if stream else 0, "error": failed})
+
+    # -- sending --------------------------------------------------------------------------------
+
+    async def send_json(self, event: dict) -> None:
+        async with self._send_lock:
+            await self.ws.send_text(json.dumps(event))
+
+    async def send_bytes(self, data: bytes) -> None:
+        async with self._send_lock:
+            await self.ws.send_bytes(data)
+
+    async def send_error(self, message: str, code: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.send_json({"type": "error", "message": message, "code": code})
+
+    async def close(self, code: int, reason: str) -> None:
+        if self.ws.application_state == WebSocketState.DISCONNECTED:
+            return
+        with contextlib.suppress(Exception):
+            await self.ws.close(code=code, reason=reason)
+
+
+def parse_config(msg: dict, ctx: ServerContext) -> SpeechOptions:
+    """A session.config's fields as synthesis options; an ApiError names what cannot be served."""
+    check_fields(msg, CONFIG_FIELDS, "session.config")
+    service = ctx.require_ready()
+    expected = TASK_TYPES.get(service.model_type, service.model_type)
+    task_type = optional_str(msg, "task_type")
+    if task_type is not None and task_type.lower() != expected.lower():
+        raise bad_request(f"task_type {task_type!r} does not match this server's model, a "
+                          f"{expected} model", "task_type")
+    optional_str(msg, "model")  # one model per process: any name is served by it
+    response_format = optional_str(msg, "response_format")
+    if response_format not in (None, "pcm"):
+        raise bad_request(f"response_format {response_format!r} is not supported on the stream "
+                          "endpoint; valid choices: pcm", "response_format")
+    if optional_bool(msg, "stream_audio") is False:
+        raise bad_request("stream_audio=false is not supported: audio always streams as PCM",
+                          "stream_audio")
+    check_speed(msg)
+    streaming_mode = optional_str(msg, "streaming_mode")
+    if streaming_mode not in (None, "sentence"):
+        raise bad_request(f"streaming_mode {streaming_mode!r} is not supported; valid choices: "
+                          "sentence", "streaming_mode")
+    timestamp_type = optional_str(msg, "timestamp_type")
+    optional_str(msg, "timestamp_transport_strategy")
+    if optional_bool(msg, "word_timestamps") or timestamp_type not in (None, "none"):
+        raise bad_request("word timestamps are not available from this server; leave "
+                          "word_timestamps off", "word_timestamps")
+    cloning = [name for name in CLONE_FIELDS if msg.get(name) is not None]
+    if optional_bool(msg, "x_vector_only_mode"):
+        cloning.append("x_vector_only_mode")
+    if cloning:
+        raise bad_request(f"voice cloning ({', '.join(cloning)}) is not available on this "
+                          "server; use a preset voice (GET /v1/audio/voices)", cloning[0])
+    non_streaming = optional_bool(msg, "non_streaming_mode")
+    book = ctx.voice_book()
+    return SpeechOptions(
+        voice=book.resolve_voice(optional_str(msg, "voice")),
+        language=book.resolve_language(optional_str(msg, "language")),
+        instruct=optional_str(msg, "instructions") or None,
+        seed=optional_int(msg, "seed", low=0, high=2**63 - 1),
+        # The official model's non_streaming_mode: True puts the whole text in the prompt.
+        text_mode=None if non_streaming is None else ("prefill" if non_streaming else "dual_track"),
+        first_chunk_frames=optional_int(msg, "initial_codec_chunk_frames", low=1,
+                                        high=MAX_FIRST_CHUNK_FRAMES),
+        max_frames=frame_cap(optional_int(msg, "max_new_tokens", low=1), ctx.settings.max_frames),
+    )
