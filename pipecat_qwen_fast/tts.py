@@ -79,6 +79,7 @@ class QwenFastTTSSettings(TTSSettings):
         model: Hugging Face id or local folder of a Qwen3-TTS checkpoint. Changing it at runtime
             loads (or reuses) that model's shared engine on the next utterance.
         voice: CustomVoice speaker name ("ryan", "serena", ...); None picks the model's default.
+            On a Base model: a cloned voice's library name or its .voice file path.
         language: Qwen3-TTS language name or Pipecat ``Language``; "auto" lets the model decide.
         instruct: Style instruction (VoiceDesign, 1.7B CustomVoice); None for none.
     """

@@ -62,6 +62,7 @@ class TTS(tts.TTS):
         Args:
             model: Hugging Face id or local folder of a Qwen3-TTS checkpoint.
             voice: CustomVoice speaker ("ryan", "serena", ...); None picks the model's default.
+                On a Base model: a cloned voice's library name or its .voice file path.
             language: Qwen3-TTS language name; "auto" lets the model decide.
             instruct: Style instruction (VoiceDesign and 1.7B CustomVoice models).
             device: "auto", "cuda", "cuda:N" or "cpu".
