@@ -47,7 +47,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 def _torch_backend(net: Qwen3TTSModel, device: torch.device, dtype: torch.dtype) -> DecodeBackend:
     if device.type == "cuda":
-        from .graph_backend import GraphBackend
+        from pipecat_qwen_fast.backends.graph import GraphBackend
 
         return GraphBackend.for_device(net.talker, device, dtype)
     return TorchBackend(net.talker, device, dtype)
@@ -55,8 +55,8 @@ def _torch_backend(net: Qwen3TTSModel, device: torch.device, dtype: torch.dtype)
 
 def _hybrid_backend(net: Qwen3TTSModel, device: torch.device, dtype: torch.dtype) -> DecodeBackend:
     """`auto` on a supported GPU: the megakernel for a few calls, batched graphs for more."""
-    from .hybrid_backend import HybridBackend
-    from .megakernel import MegakernelBackend
+    from pipecat_qwen_fast.backends.hybrid import HybridBackend
+    from pipecat_qwen_fast.backends.megakernel import MegakernelBackend
 
     # The graph backend first: it fuses the q/k/v and gate/up weights in place, and the megakernel
     # must take its weight addresses after that. The two share the captured prefills.
@@ -77,7 +77,7 @@ def select_backend(name: str, net: Qwen3TTSModel, device: torch.device, dtype: t
         reason = "the megakernel needs a CUDA device"
     else:
         try:
-            from .megakernel import MegakernelBackend, megakernel_unsupported_reason
+            from pipecat_qwen_fast.backends.megakernel import MegakernelBackend, megakernel_unsupported_reason
 
             reason = megakernel_unsupported_reason(net, device, dtype)
             if reason is None and name == "megakernel":
