@@ -12,6 +12,7 @@ import numpy as np
 
 from pipecat_qwen_fast.config import DEFAULT_MODEL
 from pipecat_qwen_fast.errors import QwenTTSError
+from pipecat_qwen_fast.server.cli import add_serve_parser
 from pipecat_qwen_fast.voices.cli import add_voice_parser
 
 
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     prep.set_defaults(func=cmd_prepare)
 
     add_voice_parser(sub)
+    add_serve_parser(sub)
 
     build = sub.add_parser("build-checkpoint", help="write a random-weight checkpoint (tests, benchmarks)",
                            add_help=False)

@@ -36,6 +36,8 @@ class ServerMetrics:
               ).set(capacity)
         Gauge("qwen_tts_ready", "1 once the engine is loaded and warm, 0 while loading or "
               "draining.", registry=r).set_function(lambda: float(ready()))
+        self.sockets = Gauge("qwen_tts_websockets_open", "Open stream WebSockets (a warm idle "
+                             "socket counts: one per connected agent).", registry=r)
         self.first_audio = Histogram(
             "qwen_tts_first_audio_seconds", "From a request (or a WebSocket flush) to its first "
             "audio chunk.", ["endpoint"], buckets=FIRST_AUDIO_BUCKETS, registry=r)

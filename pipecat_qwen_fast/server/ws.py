@@ -185,6 +185,7 @@ class SpeechSocket:
 
     async def run(self) -> None:
         speaker = asyncio.create_task(self.speak_queued(), name="qwen-tts-ws-speaker")
+        self.ctx.metrics.sockets.inc()
         try:
             await self.receive_messages(speaker)
         except ProtocolError as error:
@@ -203,6 +204,7 @@ class SpeechSocket:
             for turn in self.unfinished_turns():
                 turn.end()
             await self.close(1000, "")
+            self.ctx.metrics.sockets.dec()
 
     # -- reading --------------------------------------------------------------------------------
 
