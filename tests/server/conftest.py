@@ -34,6 +34,7 @@ SERVER_MAX_FRAMES = 24
 class RunningServer:
     server: DrainingServer
     port: int
+    thread: threading.Thread
 
     @property
     def base_url(self) -> str:
@@ -65,9 +66,10 @@ def running(settings: ServerSettings, service: Any = None) -> Iterator[RunningSe
         if time.monotonic() > deadline:
             raise TimeoutError("the server did not start")
         time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    sockets = server.servers[0].sockets if server.servers else []
+    port = sockets[0].getsockname()[1] if sockets else 0  # 0: it has stopped already
     try:
-        yield RunningServer(server, port)
+        yield RunningServer(server, port, thread)
     finally:
         server.should_exit = True
         thread.join(30)

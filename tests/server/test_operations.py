@@ -1,0 +1,270 @@
+"""What operators rely on: /health and /ready through loading and failure, /metrics, draining
+on SIGTERM, and logs that never hold the text spoken."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import aiohttp
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pipecat_qwen_fast import EngineService, QwenTTSEngine
+
+from .conftest import (
+    CPU,
+    FRAME_SAMPLES,
+    LOAD_TIMEOUT,
+    VOICE,
+    running,
+    settings_for,
+    settled,
+    wait_until,
+)
+from .test_ws import CONFIG, LONG_TEXT, read_until_done
+
+pytestmark = pytest.mark.timeout(240)
+
+TIMEOUT = 60
+MARKER = "Zebracorn"  # a word no log line has any other reason to contain
+
+
+def metric_samples(text: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+async def test_ready_only_once_the_engine_is_loaded_and_warm(endless_path):
+    release = threading.Event()
+
+    def load_when_released() -> QwenTTSEngine:
+        # The real engine; the test only decides when its load begins.
+        release.wait(LOAD_TIMEOUT)
+        return QwenTTSEngine.from_pretrained(endless_path, **CPU, warmup=True, progress=False)
+
+    service = EngineService(load_when_released, name="delayed")
+    try:
+        with running(settings_for(endless_path, retry_after_s=3), service) as srv:
+            async with httpx.AsyncClient(base_url=srv.base_url, timeout=TIMEOUT) as http:
+                health, ready = await http.get("/health"), await http.get("/ready")
+                speech = await http.post("/v1/audio/speech", json={"input": "Early?",
+                                                                   "voice": VOICE})
+                assert (health.status_code, health.json()) == (200, {"status": "loading"})
+                assert ready.status_code == 503 and ready.json()["ready"] is False
+                assert speech.status_code == 503 and speech.headers["retry-after"] == "3"
+                assert speech.json()["error"]["code"] == "not_ready"
+                release.set()
+                for _ in range(int(LOAD_TIMEOUT / 0.1)):
+                    if (ready := await http.get("/ready")).status_code == 200:
+                        break
+                    time.sleep(0.1)
+                assert ready.json() == {"ready": True, "status": "ready"}
+                speech = await http.post("/v1/audio/speech", json={
+                    "input": "Now?", "voice": VOICE, "response_format": "pcm",
+                    "max_new_tokens": 6})
+                assert speech.status_code == 200
+                assert len(speech.content) == 6 * FRAME_SAMPLES * 2
+    finally:
+        release.set()
+        service.close()
+
+
+def test_server_exits_when_its_model_fails_to_load(tmp_path):
+    # The server loads its own engine here; the folder does not exist.
+    settings = settings_for(tmp_path / "no-such-model")
+    with running(settings) as srv:
+        srv.thread.join(LOAD_TIMEOUT)
+        assert not srv.thread.is_alive() and srv.server.load_failed
+
+
+async def test_metrics_count_streams_audio_first_audio_refusals_and_errors(endless_service,
+                                                                          endless_path):
+    with running(settings_for(endless_path), endless_service) as srv:
+        async with httpx.AsyncClient(base_url=srv.base_url, timeout=TIMEOUT) as http:
+            ok = await http.post("/v1/audio/speech", json={
+                "input": "Count me.", "voice": VOICE, "response_format": "pcm",
+                "max_new_tokens": 12})
+            bad = await http.post("/v1/audio/speech", json={"input": "Count me.", "voice": 3})
+            async with aiohttp.ClientSession() as session, session.ws_connect(srv.ws_url) as ws:
+                await ws.send_json(CONFIG)  # 12 frames
+                await ws.send_json({"type": "input.text", "text": "Count me too."})
+                await ws.send_json({"type": "input.done"})
+                await read_until_done(ws)
+            wait_until(lambda: settled(srv) and not srv.ctx.metrics.sockets._value.get(),
+                       what="the streams and the socket to close")
+            response = await http.get("/metrics")
+        assert ok.status_code == 200 and bad.status_code == 400
+        assert response.headers["content-type"].startswith("text/plain")
+        m = metric_samples(response.text)
+        for endpoint in ("http", "ws"):
+            e = (("endpoint", endpoint),)
+            assert m[("qwen_tts_first_audio_seconds_count", e)] == 1
+            assert m[("qwen_tts_audio_seconds_total", e)] == pytest.approx(12 * 0.08)
+            assert m[("qwen_tts_streams_total", (("endpoint", endpoint),
+                                                  ("outcome", "completed")))] == 1
+            # Every chunk after the first is judged against the playout clock.
+            assert 1 <= m[("qwen_tts_chunk_lateness_seconds_count", e)] <= 11
+            assert m[("qwen_tts_underruns_total", e)] <= m[("qwen_tts_chunk_lateness_seconds_count", e)]
+        assert m[("qwen_tts_errors_total", (("kind", "bad_request"),))] == 1
+        assert m[("qwen_tts_streams_active", ())] == 0 and m[("qwen_tts_streams_queued", ())] == 0
+        assert m[("qwen_tts_admitted_streams", ())] == 0
+        assert m[("qwen_tts_max_streams", ())] == 32 and m[("qwen_tts_ready", ())] == 1
+        assert m[("qwen_tts_websockets_open", ())] == 0
+
+
+class Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(level=1)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+async def test_no_user_text_in_any_log_at_trace_level(endless_service, endless_path):
+    collect = Collect()
+    names = ["", "uvicorn", "uvicorn.error", "uvicorn.access", "pipecat_qwen_fast", "websockets"]
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    text = f"The {MARKER} speaks. Another {MARKER} sentence."
+    with running(settings_for(endless_path, log_level="trace", max_input_chars=200),
+                 endless_service) as srv:
+        # After the server configured uvicorn's loggers (which replaces their handlers).
+        for lg in loggers:
+            lg.addHandler(collect)
+            lg.setLevel(1)
+        try:
+            async with httpx.AsyncClient(base_url=srv.base_url, timeout=TIMEOUT) as http:
+                for body in ({"input": text, "voice": VOICE, "max_new_tokens": 6},
+                             {"input": text, "voice": f"{MARKER}"},
+                             {"input": MARKER * 100, "voice": VOICE},
+                             {"input": text, "voice": VOICE, MARKER: 1}):
+                    await http.post("/v1/audio/speech", json=body)
+                await http.post("/v1/audio/speech", content=f'{{"input": "{MARKER}'.encode())
+            async with aiohttp.ClientSession() as session, session.ws_connect(srv.ws_url) as ws:
+                await ws.send_json({**CONFIG, "max_new_tokens": 6})
+                await ws.send_json({"type": "input.text", "text": text})
+                await ws.send_json({"type": "input.done"})
+                await read_until_done(ws)
+                await ws.send_str(f"{{{MARKER}")
+                await read_until_done(ws)
+            wait_until(lambda: settled(srv), what="the streams to close")
+        finally:
+            for lg, level in zip(loggers, levels):
+                lg.removeHandler(collect)
+                lg.setLevel(level)
+    lines = collect.lines
+    # The logs did record these requests (so the check below looks at something)...
+    assert any("speech request: " in line for line in lines)
+    assert any("POST /v1/audio/speech" in line for line in lines)
+    assert any("WebSocket" in line for line in lines)
+    # ...and never their text.
+    assert not [line for line in lines if MARKER.lower() in line.lower()]
+
+
+async def test_drain_finishes_streams_in_flight_and_refuses_new_ones(endless_service,
+                                                                    endless_path):
+    with running(settings_for(endless_path), endless_service) as srv:
+        async with httpx.AsyncClient(base_url=srv.base_url, timeout=TIMEOUT) as http, \
+                aiohttp.ClientSession() as session:
+            async with http.stream("POST", "/v1/audio/speech", json={
+                    "input": LONG_TEXT, "voice": VOICE, "response_format": "pcm",
+                    "max_new_tokens": 30}) as holding:
+                pieces = holding.aiter_raw()
+                received = len(await anext(pieces))
+                idle = await session.ws_connect(srv.ws_url)
+                await idle.send_json(CONFIG)
+                busy = await session.ws_connect(srv.ws_url)
+                await busy.send_json({**CONFIG, "max_new_tokens": 30})
+                await busy.send_json({"type": "input.text", "text": LONG_TEXT})
+                await busy.send_json({"type": "input.done"})
+                first = await busy.receive(timeout=TIMEOUT)
+                assert json.loads(first.data)["type"] == "audio.start"
+
+                srv.server.request_drain()  # what SIGTERM does
+                wait_until(lambda: srv.ctx.gate.draining, what="the drain")
+                ready = await http.get("/ready")
+                refused = await http.post("/v1/audio/speech", json={"input": "Hi.",
+                                                                    "voice": VOICE})
+                assert (ready.status_code, ready.json()["status"]) == (503, "draining")
+                assert refused.status_code == 503 and "retry-after" in refused.headers
+                assert refused.json()["error"]["code"] == "draining"
+
+                idle_items = await read_until_done(idle)
+                assert idle_items[0]["code"] == "draining" and idle_items[-1] == ("closed", 1001)
+                # The whole turn: its six sentences, 30 frames each.
+                busy_items = await read_until_done(busy)
+                assert busy_items[-1] == {"type": "session.done", "total_sentences": 6}
+                assert sum(len(i) for i in busy_items if isinstance(i, bytes)) == \
+                    6 * 30 * FRAME_SAMPLES * 2
+                async for piece in pieces:
+                    received += len(piece)
+            assert received == 30 * FRAME_SAMPLES * 2
+        # Drained: the server shuts itself down.
+        srv.thread.join(TIMEOUT)
+        assert not srv.thread.is_alive()
+
+
+def test_serve_cli_drains_on_sigterm_and_logs_no_text(endless_path):
+    env = {**os.environ, "QWEN_FAST_API_KEY": "cli-key", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "pipecat_qwen_fast.cli", "serve", "--model",
+               str(endless_path), "--device", "cpu", "--dtype", "float32", "--backend", "torch",
+               "--host", "127.0.0.1", "--port", "0", "--log-level", "debug"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
+                              daemon=True)
+    reader.start()
+    try:
+        port = None
+        deadline = time.monotonic() + LOAD_TIMEOUT
+        while port is None and time.monotonic() < deadline and proc.poll() is None:
+            found = [re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
+                     for line in list(lines)]
+            port = next((int(m.group(1)) for m in found if m), None)
+            time.sleep(0.05)
+        assert port, "".join(lines)
+        key = {"Authorization": "Bearer cli-key"}
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=TIMEOUT) as http:
+            while http.get("/ready").status_code != 200:
+                assert time.monotonic() < deadline, "".join(lines)
+                time.sleep(0.1)
+            assert http.post("/v1/audio/speech", json={"input": "Hi.", "voice": VOICE}
+                             ).status_code == 401
+            body = {"input": f"A {MARKER} in flight. " * 4, "voice": VOICE,
+                    "response_format": "pcm", "max_new_tokens": 30}
+            with http.stream("POST", "/v1/audio/speech", json=body, headers=key) as holding:
+                pieces = holding.iter_raw()
+                received = len(next(pieces))
+                proc.send_signal(signal.SIGTERM)
+                for _ in range(200):
+                    if http.get("/ready").status_code == 503:
+                        break
+                    time.sleep(0.05)
+                assert http.get("/ready").json()["status"] == "draining"
+                refused = http.post("/v1/audio/speech", json=body, headers=key)
+                assert refused.status_code == 503
+                received += sum(len(piece) for piece in pieces)
+            assert received == 30 * FRAME_SAMPLES * 2
+        assert proc.wait(TIMEOUT) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        reader.join(10)
+    log = "".join(lines)
+    assert "draining" in log and "speech request: " in log
+    assert MARKER not in log
