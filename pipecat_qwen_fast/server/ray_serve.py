@@ -28,6 +28,7 @@ from .settings import ServerSettings, parse_voice_aliases
 REPLICA_HEADER = "x-qwen-fast-replica"
 
 
+@serve.deployment
 @serve.ingress()
 class QwenTTSDeployment:
     """One replica: loads its engine at startup and is routed to only once it is warm."""
