@@ -6,6 +6,7 @@ engine only once something is cloned), always in float32 (see model/speech_encod
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,18 @@ from pipecat_qwen_fast.errors import ModelLoadError
 from pipecat_qwen_fast.model.speaker_encoder import SpeakerEncoder
 from pipecat_qwen_fast.model.speech_encoder import SpeechEncoder, parse_speech_encoder_config
 from pipecat_qwen_fast.voices.audio import TARGET_RATE
+
+
+@contextlib.contextmanager
+def cudnn_without_tf32():
+    """Only the TF32 switch (cudnn.flags() would also reset benchmark mode, process-wide, under
+    the engine thread's feet)."""
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = before
 
 
 @dataclass
@@ -55,6 +68,10 @@ class VoiceEncoders:
         transfer each, at the end.
         """
         x = torch.from_numpy(np.ascontiguousarray(wav, dtype=np.float32)).to(self.device)
-        x_vector = self.speaker.embed(x)
-        codes = self.speech.encode(x) if with_codes else None
+        # cuDNN runs float32 convs in TF32 by default (10-bit mantissa); the codes are nearest-
+        # neighbour picks, so a voice made on a GPU should equal one made on the CPU. The encoders'
+        # ~65 GFLOP for 10 s of audio cost a few ms in true float32.
+        with cudnn_without_tf32():
+            x_vector = self.speaker.embed(x)
+            codes = self.speech.encode(x) if with_codes else None
         return x_vector.cpu(), None if codes is None else codes.cpu()
