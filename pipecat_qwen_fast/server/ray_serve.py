@@ -117,7 +117,8 @@ DEPLOYMENT_ARGS = {"num_replicas": int, "min_replicas": int, "max_replicas": int
                    "max_ongoing_requests": int, "max_queued_requests": int,
                    "health_check_period_s": float}
 SETTINGS_ARGS = {"model": str, "device": str, "dtype": str, "backend": str, "api_key": str,
-                 "max_streams": int, "max_input_chars": int, "retry_after_s": int,
+                 "max_streams": int, "max_input_chars": int, "max_frames": int,
+                 "retry_after_s": int,
                  "drain_timeout_s": float, "ws_config_timeout_s": float,
                  "ws_idle_timeout_s": float, "served_model_name": str,
                  "voice_aliases": lambda v: parse_voice_aliases(v.split(","))}

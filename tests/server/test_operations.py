@@ -19,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipecat_qwen_fast import EngineService, QwenTTSEngine
+from pipecat_qwen_fast.server.api_errors import from_engine_error
 
 from .conftest import (
     CPU,
@@ -79,6 +80,17 @@ async def test_ready_only_once_the_engine_is_loaded_and_warm(endless_path):
     finally:
         release.set()
         service.close()
+
+
+def test_the_engines_overload_error_is_a_503_with_its_retry_after():
+    # The engine's admission control (the fleet issue) is matched by the error's name.
+    class EngineOverloadedError(RuntimeError):
+        retry_after_s = 4.0
+
+    error = from_engine_error(EngineOverloadedError("48 streams running"), retry_after_s=1)
+    assert (error.status, error.code, error.headers()) == (503, "overloaded", {"Retry-After": "4"})
+    assert "48 streams running" in error.message
+    assert from_engine_error(RuntimeError("boom"), retry_after_s=1).status == 500
 
 
 def test_server_exits_when_its_model_fails_to_load(tmp_path):

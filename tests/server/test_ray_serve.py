@@ -137,3 +137,22 @@ async def test_two_replicas_share_requests_and_survive_one_being_killed(ray_app)
             if len(seen - {survivor}) >= 1:
                 break
         assert victim not in seen and len(seen - {survivor}) == 1, seen
+
+
+def test_app_builder_reads_serve_run_arguments():
+    from pipecat_qwen_fast.server.ray_serve import app_builder
+
+    app = app_builder({"model": "/models/tts", "max_streams": "8", "max_frames": "600",
+                       "voice_aliases": "alloy=ryan,nova=vivian", "max_replicas": "4",
+                       "num_gpus": "1"})
+    deployment = app._bound_deployment
+    (settings,) = deployment.init_args
+    assert (settings.model, settings.max_streams, settings.max_frames) == ("/models/tts", 8, 600)
+    assert settings.voice_aliases == {"alloy": "ryan", "nova": "vivian"}
+    config = deployment._deployment_config
+    assert config.autoscaling_config.max_replicas == 4
+    assert config.autoscaling_config.target_ongoing_requests == 8
+    assert config.max_ongoing_requests == 16 and config.max_queued_requests == 8
+    assert deployment.ray_actor_options["num_gpus"] == 1
+    with pytest.raises(ValueError, match="unknown arguments: modle"):
+        app_builder({"modle": "/models/tts"})
