@@ -15,7 +15,8 @@ def add_serve_parser(sub) -> None:
         description="POST /v1/audio/speech (OpenAI), WebSocket /v1/audio/speech/stream "
                     "(vLLM-Omni's Qwen3-TTS protocol), /health, /ready, /metrics. SIGTERM drains: "
                     "streams in flight finish, new ones get 503. See docs/SERVER.md.")
-    serve.add_argument("--model", default=DEFAULT_MODEL, help="local checkpoint folder or Hugging Face hub id")
+    serve.add_argument("--model", default=DEFAULT_MODEL,
+                       help="local checkpoint folder or Hugging Face hub id")
     serve.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     serve.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
     serve.add_argument("--backend", default="auto", help="auto | torch | megakernel | eager")
@@ -25,16 +26,21 @@ def add_serve_parser(sub) -> None:
                        help="require this key (default: $QWEN_FAST_API_KEY; unset: no key)")
     serve.add_argument("--max-streams", type=int, default=32,
                        help="streams served at once; more are refused with 503 (default 32)")
-    serve.add_argument("--max-input-chars", type=int, default=4096, help="longest input text (default 4096)")
+    serve.add_argument("--max-input-chars", type=int, default=4096,
+                       help="longest input text (default 4096)")
     serve.add_argument("--max-frames", type=int, default=None,
-                       help="longest audio a stream may make, in 80 ms frames (default: the engine's cap)")
+                       help="longest audio a stream may make, in 80 ms frames "
+                            "(default: the engine's cap)")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
-                       help="seconds streams in flight may take to finish after SIGTERM (default 30)")
+                       help="seconds streams in flight may take to finish after SIGTERM "
+                            "(default 30)")
     serve.add_argument("--voice-alias", action="append", default=[], metavar="NAME=VOICE",
                        help="another name for a voice, e.g. alloy=ryan for clients that only send "
                             "OpenAI voice names (repeatable)")
-    serve.add_argument("--served-model-name", default=None, help="the model id /v1/models reports")
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model id /v1/models reports")
+    serve.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"])
     serve.set_defaults(func=cmd_serve)
 
 

@@ -27,10 +27,12 @@ class ServerContext:
         self.owns_service = service is None
         self.gate = AdmissionGate(settings.max_streams, settings.retry_after_s)
         self.live: set[AudioStream] = set()
+        self.open_sockets = 0
         self.metrics = ServerMetrics(
             active=lambda: count_live(self.live, lambda s: s.active),
             queued=lambda: count_live(self.live, lambda s: s.queued),
             in_use=lambda: self.gate.in_use,
+            sockets=lambda: self.open_sockets,
             capacity=settings.max_streams,
             ready=lambda: self.ready,
         )

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -24,7 +30,8 @@ class ServerMetrics:
     """The server's metrics. ``active``/``queued``/``in_use`` are read when scraped."""
 
     def __init__(self, *, active: Callable[[], int], queued: Callable[[], int],
-                 in_use: Callable[[], int], capacity: int, ready: Callable[[], bool]) -> None:
+                 in_use: Callable[[], int], sockets: Callable[[], int], capacity: int,
+                 ready: Callable[[], bool]) -> None:
         r = self.registry = CollectorRegistry()
         Gauge("qwen_tts_streams_active", "Engine streams being decoded now.", registry=r
               ).set_function(active)
@@ -36,8 +43,8 @@ class ServerMetrics:
               ).set(capacity)
         Gauge("qwen_tts_ready", "1 once the engine is loaded and warm, 0 while loading or "
               "draining.", registry=r).set_function(lambda: float(ready()))
-        self.sockets = Gauge("qwen_tts_websockets_open", "Open stream WebSockets (a warm idle "
-                             "socket counts: one per connected agent).", registry=r)
+        Gauge("qwen_tts_websockets_open", "Open stream WebSockets (a warm idle socket counts: "
+              "one per connected agent).", registry=r).set_function(sockets)
         self.first_audio = Histogram(
             "qwen_tts_first_audio_seconds", "From a request (or a WebSocket flush) to its first "
             "audio chunk.", ["endpoint"], buckets=FIRST_AUDIO_BUCKETS, registry=r)

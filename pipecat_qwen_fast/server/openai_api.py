@@ -1,11 +1,11 @@
 """OpenAI's speech API: ``POST /v1/audio/speech``, plus ``GET /v1/audio/voices`` and ``/v1/models``.
 
 Beyond OpenAI's fields it takes vLLM-Omni's ``language`` and ``max_new_tokens`` (a cap in 80 ms
-frames) and a ``seed``. The body is parsed by hand rather than by a pydantic model so that no error message can carry the
-input back (a validation error would quote it), and so that a 1 MB body is refused before it is
-read whole. Audio streams back chunk by chunk as the engine makes it: raw PCM, a WAV whose header
-announces an open length, or OpenAI's server-sent events (``stream_format="sse"``, which LiveKit's
-OpenAI TTS asks for by default).
+frames) and a ``seed``. The body is parsed by hand rather than by a pydantic model so that no
+error message can carry the input back (a validation error would quote it), and so that a 1 MB
+body is refused before it is read whole. Audio streams back chunk by chunk as the engine makes
+it: raw PCM, a WAV whose header announces an open length, or OpenAI's server-sent events
+(``stream_format="sse"``, which LiveKit's OpenAI TTS asks for by default).
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ class ServerSettings:
             or ``Api-Key <key>``); ``/health``, ``/ready`` and ``/metrics`` stay open.
         max_streams: synthesis streams served at once (HTTP requests plus WebSocket turns);
             one more is refused with 503 / an error event rather than queued behind them.
-        max_input_chars: longest text one request (or one WebSocket turn's unspoken buffer) may hold.
+        max_input_chars: longest text one request (or one WebSocket turn's unspoken buffer) may
+            hold.
         max_frames: longest audio one stream may make, in 80 ms frames, below the engine's own
             cap from the text's length (a guard against runaway generation); None: the engine's.
         retry_after_s: the Retry-After a refusal suggests.

@@ -70,8 +70,9 @@ class AudioStream:
 
     ``clock`` is the listener's playout clock: an HTTP response has its own, a WebSocket turn
     shares one across its sentences. ``started_at`` is when the listener began waiting for this
-    stream's first chunk (None: it was not waiting, as for a turn's later sentences). Close it with :meth:`aclose`, which frees the engine session
-    (cancelling it if it has not finished) and counts how the stream ended.
+    stream's first chunk (None: it was not waiting, as for a turn's later sentences). Close it
+    with :meth:`aclose`, which frees the engine session (cancelling it if it has not finished)
+    and counts how the stream ended.
     """
 
     def __init__(self, service: Any, request: Any, *, metrics: ServerMetrics, endpoint: str,

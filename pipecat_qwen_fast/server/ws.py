@@ -185,7 +185,7 @@ class SpeechSocket:
 
     async def run(self) -> None:
         speaker = asyncio.create_task(self.speak_queued(), name="qwen-tts-ws-speaker")
-        self.ctx.metrics.sockets.inc()
+        self.ctx.open_sockets += 1
         try:
             await self.receive_messages(speaker)
         except ProtocolError as error:
@@ -204,7 +204,7 @@ class SpeechSocket:
             for turn in self.unfinished_turns():
                 turn.end()
             await self.close(1000, "")
-            self.ctx.metrics.sockets.dec()
+            self.ctx.open_sockets -= 1
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -259,12 +259,14 @@ class SpeechSocket:
         try:
             msg = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ProtocolError(CLOSE_BAD_DATA, f"a message is not valid JSON ({exc.msg})") from None
+            raise ProtocolError(CLOSE_BAD_DATA,
+                                f"a message is not valid JSON ({exc.msg})") from None
         if not isinstance(msg, dict):
             raise ProtocolError(CLOSE_BAD_DATA, "messages must be JSON objects")
         kind = msg.get("type")
         if kind not in MESSAGE_TYPES:
-            shown = repr(kind) if isinstance(kind, str) and len(kind) <= 40 else "missing or invalid"
+            named = isinstance(kind, str) and len(kind) <= 40
+            shown = repr(kind) if named else "missing or invalid"
             raise ProtocolError(CLOSE_POLICY, f"message type {shown} is not part of this protocol; "
                                 f"valid types: {', '.join(MESSAGE_TYPES)}")
         return msg

@@ -8,6 +8,7 @@ the server's own loading path build one without a service.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -115,12 +116,13 @@ def server(endless_service, endless_path) -> Iterator[RunningServer]:
         yield srv
 
 
-def wait_until(predicate, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
+async def eventually(predicate, within: float = 30.0, what: str = "condition") -> None:
+    """Wait (without blocking the test's event loop) until ``predicate()`` holds."""
+    deadline = time.monotonic() + within
     while not predicate():
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+        await asyncio.sleep(0.02)
 
 
 def settled(srv: RunningServer) -> bool:

@@ -17,7 +17,15 @@ import pytest
 
 from pipecat_qwen_fast import SynthesisRequest
 
-from .conftest import FRAME_SAMPLES, SERVER_MAX_FRAMES, VOICE, running, settings_for, settled, wait_until
+from .conftest import (
+    FRAME_SAMPLES,
+    SERVER_MAX_FRAMES,
+    VOICE,
+    eventually,
+    running,
+    settings_for,
+    settled,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -29,7 +37,15 @@ def records_after(service, before: int) -> list:
     return service.records_since(before)
 
 
-async def reference_pcm(service, text: str, seed: int, max_frames: int = SERVER_MAX_FRAMES) -> bytes:
+async def one_record_after(service, before: int):
+    """The record of the one stream opened after stream ``before``, once it has closed."""
+    await eventually(lambda: len(service.records_since(before)) == 1, what="the stream's record")
+    (record,) = service.records_since(before)
+    return record
+
+
+async def reference_pcm(service, text: str, seed: int,
+                        max_frames: int = SERVER_MAX_FRAMES) -> bytes:
     """The same request run in-process on the same engine: what the server must send."""
     request = SynthesisRequest(text, voice=VOICE, seed=seed, max_frames=max_frames)
     pcm = await asyncio.wait_for(service.synthesize(request), TIMEOUT)
@@ -99,8 +115,7 @@ async def test_livekit_openai_tts_with_base_url(server, endless_service):
             await tts.aclose()
         assert {(f.sample_rate, f.num_channels) for f in frames} == {(24000, 1)}
         data = b"".join(bytes(f.data) for f in frames)
-        wait_until(lambda: len(records_after(endless_service, before)) == 1, what="the record")
-        (record,) = records_after(endless_service, before)
+        record = await one_record_after(endless_service, before)
         assert record.stop_reason == "frame_cap"  # the whole utterance (EOS never comes here)
         sent = record.frames_decoded * FRAME_SAMPLES * 2
         # All of it, plus at most the 10 ms of silence LiveKit marks a segment's end with.
@@ -121,7 +136,7 @@ async def test_pipecat_openai_tts_service_with_base_url(server, endless_service)
         run_test(tts, frames_to_send=[TTSSpeakFrame(TEXT)], start_timeout=30), TIMEOUT)
     assert not [f for f in up + down if isinstance(f, ErrorFrame)]
     audio = b"".join(f.audio for f in down if isinstance(f, TTSAudioRawFrame))
-    (record,) = records_after(endless_service, before)
+    record = await one_record_after(endless_service, before)
     assert record.stop_reason == "frame_cap"
     assert len(audio) == record.frames_decoded * FRAME_SAMPLES * 2
 
@@ -189,7 +204,8 @@ async def test_api_key_is_required_when_set(endless_service, endless_path):
             missing = await http.post(url, json=body)
             wrong = await http.post(url, json=body, headers={"Authorization": "Bearer nope"})
             bearer = await http.post(url, json=body, headers={"Authorization": "Bearer sekret"})
-            api_key = await http.post(url, json=body, headers={"Authorization": "Api-Key sekret"})
+            api_key = await http.post(url, json=body,
+                                      headers={"Authorization": "Api-Key sekret"})
             probes = [await http.get(srv.base_url + p) for p in ("/health", "/ready", "/metrics")]
         assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
         assert missing.json()["error"]["code"] == "missing_api_key"
@@ -202,7 +218,8 @@ async def test_api_key_is_required_when_set(endless_service, endless_path):
                 await client.audio.speech.create(model="tts-1", voice=VOICE, input="Hello?",
                                                  extra_body={"max_new_tokens": 12})
         async with sdk(srv, api_key="sekret") as client:
-            assert [m.id for m in (await client.models.list()).data] == [srv.ctx.settings.model_name]
+            models = await client.models.list()
+            assert [m.id for m in models.data] == [srv.ctx.settings.model_name]
 
 
 async def test_full_server_refuses_with_503_and_retry_after_then_recovers(endless_service,
@@ -225,7 +242,7 @@ async def test_full_server_refuses_with_503_and_retry_after_then_recovers(endles
                 async with sdk(srv) as client:
                     with pytest.raises(openai.InternalServerError):
                         await client.audio.speech.create(model="tts-1", voice=VOICE, input=TEXT)
-            wait_until(lambda: settled(srv), what="the slot to free")
+            await eventually(lambda: settled(srv), what="the slot to free")
             again = await http.post(url, json={**body, "max_new_tokens": 12})
             metrics = (await http.get(srv.base_url + "/metrics")).text
         assert again.status_code == 200 and len(again.content) > 0
@@ -242,7 +259,7 @@ async def test_client_that_hangs_up_mid_stream_frees_its_engine_session(server, 
             pieces = response.aiter_raw()
             await anext(pieces)
         # Leaving the block closes the connection with most of the utterance unsent.
-    wait_until(lambda: settled(server) and records_after(endless_service, before),
+    await eventually(lambda: settled(server) and records_after(endless_service, before),
                what="the stream to be freed")
     (record,) = records_after(endless_service, before)
     assert record.stop_reason == "cancelled"

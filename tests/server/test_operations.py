@@ -3,6 +3,7 @@ on SIGTERM, and logs that never hold the text spoken."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -26,10 +27,10 @@ from .conftest import (
     FRAME_SAMPLES,
     LOAD_TIMEOUT,
     VOICE,
+    eventually,
     running,
     settings_for,
     settled,
-    wait_until,
 )
 from .test_ws import CONFIG, LONG_TEXT, read_until_done
 
@@ -70,7 +71,7 @@ async def test_ready_only_once_the_engine_is_loaded_and_warm(endless_path):
                 for _ in range(int(LOAD_TIMEOUT / 0.1)):
                     if (ready := await http.get("/ready")).status_code == 200:
                         break
-                    time.sleep(0.1)
+                    await asyncio.sleep(0.1)
                 assert ready.json() == {"ready": True, "status": "ready"}
                 speech = await http.post("/v1/audio/speech", json={
                     "input": "Now?", "voice": VOICE, "response_format": "pcm",
@@ -114,7 +115,7 @@ async def test_metrics_count_streams_audio_first_audio_refusals_and_errors(endle
                 await ws.send_json({"type": "input.text", "text": "Count me too."})
                 await ws.send_json({"type": "input.done"})
                 await read_until_done(ws)
-            wait_until(lambda: settled(srv) and not srv.ctx.metrics.sockets._value.get(),
+            await eventually(lambda: settled(srv) and not srv.ctx.open_sockets,
                        what="the streams and the socket to close")
             response = await http.get("/metrics")
         assert ok.status_code == 200 and bad.status_code == 400
@@ -127,8 +128,8 @@ async def test_metrics_count_streams_audio_first_audio_refusals_and_errors(endle
             assert m[("qwen_tts_streams_total", (("endpoint", endpoint),
                                                   ("outcome", "completed")))] == 1
             # Every chunk after the first is judged against the playout clock.
-            assert 1 <= m[("qwen_tts_chunk_lateness_seconds_count", e)] <= 11
-            assert m[("qwen_tts_underruns_total", e)] <= m[("qwen_tts_chunk_lateness_seconds_count", e)]
+            judged = m[("qwen_tts_chunk_lateness_seconds_count", e)]
+            assert 1 <= judged <= 11 and m[("qwen_tts_underruns_total", e)] <= judged
         assert m[("qwen_tts_errors_total", (("kind", "bad_request"),))] == 1
         assert m[("qwen_tts_streams_active", ())] == 0 and m[("qwen_tts_streams_queued", ())] == 0
         assert m[("qwen_tts_admitted_streams", ())] == 0
@@ -172,9 +173,9 @@ async def test_no_user_text_in_any_log_at_trace_level(endless_service, endless_p
                 await read_until_done(ws)
                 await ws.send_str(f"{{{MARKER}")
                 await read_until_done(ws)
-            wait_until(lambda: settled(srv), what="the streams to close")
+            await eventually(lambda: settled(srv), what="the streams to close")
         finally:
-            for lg, level in zip(loggers, levels):
+            for lg, level in zip(loggers, levels, strict=True):
                 lg.removeHandler(collect)
                 lg.setLevel(level)
     lines = collect.lines
@@ -206,7 +207,7 @@ async def test_drain_finishes_streams_in_flight_and_refuses_new_ones(endless_ser
                 assert json.loads(first.data)["type"] == "audio.start"
 
                 srv.server.request_drain()  # what SIGTERM does
-                wait_until(lambda: srv.ctx.gate.draining, what="the drain")
+                await eventually(lambda: srv.ctx.gate.draining, what="the drain")
                 ready = await http.get("/ready")
                 refused = await http.post("/v1/audio/speech", json={"input": "Hi.",
                                                                     "voice": VOICE})

@@ -1,4 +1,4 @@
-"""The server on Ray Serve (CPU): two replicas on the tiny checkpoint behind Ray's proxy on loopback.
+"""The server on Ray Serve (CPU): two replicas of the tiny checkpoint behind Ray's loopback proxy.
 
 Requests spread over both replicas; one replica is killed while streams are in flight on both.
 Streams on the dead replica end with an error the client sees (a cut transfer, never a short

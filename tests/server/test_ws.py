@@ -17,10 +17,10 @@ from pipecat_qwen_fast import SynthesisRequest
 from .conftest import (
     FRAME_SAMPLES,
     VOICE,
+    eventually,
     running,
     settings_for,
     settled,
-    wait_until,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -33,10 +33,10 @@ LONG_TEXT = " ".join(["This sentence keeps the engine busy for a while."] * 6)
 MAX_MESSAGES = 5000
 
 
-async def read_until_done(ws: aiohttp.ClientWebSocketResponse, timeout: float = TIMEOUT) -> list:
+async def read_until_done(ws: aiohttp.ClientWebSocketResponse, within: float = TIMEOUT) -> list:
     """Events (dicts) and audio (bytes) up to and including session.done, or ("closed", code)."""
     items: list = []
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + within
     for _ in range(MAX_MESSAGES):
         msg = await ws.receive(timeout=max(0.01, deadline - time.monotonic()))
         if msg.type is aiohttp.WSMsgType.BINARY:
@@ -91,18 +91,18 @@ async def test_livekit_qwen3tts_client_speaks_two_turns_on_one_warm_socket(serve
                 assert {(f.sample_rate, f.num_channels) for f in frames} == {(24000, 1)}
                 samples.append(sum(f.samples_per_channel for f in frames))
             # The client parks its socket between turns: one connection served both.
-            assert server.ctx.metrics.sockets._value.get() == 1
+            assert server.ctx.open_sockets == 1
         finally:
             await tts.aclose()
-    wait_until(lambda: len(endless_service.records_since(before)) == 3, what="three streams")
+    await eventually(lambda: len(endless_service.records_since(before)) == 3, what="three streams")
     records = endless_service.records_since(before)
     frames = [r.frames_decoded for r in records]
     assert [r.stop_reason for r in records] == ["frame_cap"] * 3 and frames == [12, 12, 12]
     # Turn 1 was two sentences ("Hello there." and "How are you today?"), turn 2 one. LiveKit may
     # end a segment with 10 ms of silence.
-    for got, sent in zip(samples, (2 * 12 * FRAME_SAMPLES, 12 * FRAME_SAMPLES)):
+    for got, sent in zip(samples, (2 * 12 * FRAME_SAMPLES, 12 * FRAME_SAMPLES), strict=True):
         assert got in (sent, sent + 240)
-    wait_until(lambda: server.ctx.metrics.sockets._value.get() == 0, what="the socket to close")
+    await eventually(lambda: server.ctx.open_sockets == 0, what="the socket to close")
 
 
 async def test_protocol_messages_in_order_and_audio_equal_to_in_process(server, endless_service):
@@ -187,7 +187,7 @@ async def test_socket_that_leaves_mid_stream_frees_its_engine_session(server, en
             items = await read_until_done(ws)
             assert items[-1] == ("closed", 1007)
             assert any(e["type"] == "error" for e in events(items))
-    wait_until(lambda: settled(server) and endless_service.records_since(before),
+    await eventually(lambda: settled(server) and endless_service.records_since(before),
                what="the stream to be freed")
     (record,) = endless_service.records_since(before)
     assert record.stop_reason == "cancelled" and record.frames_decoded < 400
@@ -254,7 +254,7 @@ async def test_full_server_answers_a_turn_with_an_error_event_then_serves_the_ne
                     assert items[-1] == {"type": "session.done", "total_sentences": 0}
                     async for _ in pieces:  # the HTTP stream ends and frees its slot
                         pass
-                    wait_until(lambda: settled(srv), what="the slot")
+                    await eventually(lambda: settled(srv), what="the slot")
                     await ws.send_json({"type": "input.text", "text": "Now?"})
                     await ws.send_json({"type": "input.done"})
                     items = await read_until_done(ws)
@@ -268,7 +268,8 @@ async def test_turn_over_the_input_bound_is_cut_short_and_the_socket_goes_on(end
         async with aiohttp.ClientSession() as http, http.ws_connect(srv.ws_url) as ws:
             await ws.send_json(CONFIG)
             for _ in range(3):  # 120 characters and no sentence end: nothing can be spoken yet
-                await ws.send_json({"type": "input.text", "text": "forty characters without an ending here "})
+                await ws.send_json({"type": "input.text",
+                                    "text": "forty characters without an ending here "})
             await ws.send_json({"type": "input.done"})
             items = await read_until_done(ws)
             assert events(items)[0]["code"] == "input_too_long"
@@ -279,7 +280,7 @@ async def test_turn_over_the_input_bound_is_cut_short_and_the_socket_goes_on(end
             await ws.send_json({"type": "input.done"})
             assert (await read_until_done(ws))[-1] == {"type": "session.done",
                                                        "total_sentences": 1}
-        wait_until(lambda: settled(srv), what="the slot")
+        await eventually(lambda: settled(srv), what="the slot")
 
 
 async def test_idle_socket_is_closed_after_the_idle_timeout(endless_service, endless_path):
@@ -290,6 +291,6 @@ async def test_idle_socket_is_closed_after_the_idle_timeout(endless_service, end
                 async with http.ws_connect(srv.ws_url) as ws:
                     if first is not None:
                         await ws.send_json(first)
-                    items = await read_until_done(ws, timeout=10)
+                    items = await read_until_done(ws, within=10)
                 assert events(items)[0]["code"] == "timeout"
                 assert items[-1] == ("closed", 1000)
