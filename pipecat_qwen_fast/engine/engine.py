@@ -33,7 +33,8 @@ from pipecat_qwen_fast.engine.request import (
     schedule_sizes,
 )
 from pipecat_qwen_fast.engine.session import EarlyChunk, Session, VocoderJob, to_host, to_pcm
-from pipecat_qwen_fast.engine.text import MAX_SEGMENT_TOKENS, normalize_text, split_text
+from pipecat_qwen_fast.engine.text import MAX_SEGMENT_TOKENS, Segments, normalize_text
+from pipecat_qwen_fast.engine.validation import checked_request
 from pipecat_qwen_fast.errors import EngineClosedError, InvalidInputError, UnsupportedFeatureError
 from pipecat_qwen_fast.model.prompt import (
     DUAL_TRACK,
@@ -292,6 +293,7 @@ class QwenTTSEngine:
 
     def _new_session(self, request: SynthesisRequest) -> Session:
         """A validated session with no backend state yet."""
+        request = checked_request(request)
         text = normalize_text(request.text)
         cfg = self.config
         cloned = None
@@ -315,19 +317,13 @@ class QwenTTSEngine:
         text_mode = request.text_mode or (DUAL_TRACK if cfg.model_type == "base" else PREFILL)
         if text_mode not in TEXT_MODES:
             raise InvalidInputError(f"unknown text_mode {text_mode!r}; valid: {', '.join(TEXT_MODES)}")
-        if request.first_chunk_frames < 1 or request.chunk_frames < 1:
-            raise InvalidInputError("first_chunk_frames and chunk_frames must be >= 1")
-        if request.max_chunk_frames is not None and request.max_chunk_frames < 1:
-            raise InvalidInputError("max_chunk_frames must be >= 1, or None for fixed chunks")
-        if request.max_frames is not None and request.max_frames < 1:
-            raise InvalidInputError("max_frames must be >= 1")
         params = (request.sampling or SamplingParams.from_defaults(self.generation)).validated()
         if request.greedy:
             params = params.greedy()
         seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(6), "little")
         return Session(
             request=request, speaker=speaker, language=language, text_mode=text_mode, params=params,
-            segments=split_text(text, self.tokenizer, MAX_SEGMENT_TOKENS), seed=seed, voice=cloned,
+            segments=Segments(text, self.tokenizer, MAX_SEGMENT_TOKENS), seed=seed, voice=cloned,
         )
 
     def _start_vocoder(self, s: Session) -> None:
@@ -572,7 +568,7 @@ class QwenTTSEngine:
         return []
 
     def _end_segment(self, s: Session, reason: str) -> list[AudioChunk]:
-        if s.segment_index + 1 < len(s.segments):
+        if s.segments.has(s.segment_index + 1):
             s.segment_index += 1
             self._start_segment(s)
             return []

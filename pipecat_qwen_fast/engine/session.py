@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from pipecat_qwen_fast.engine.request import SynthesisRequest
+from pipecat_qwen_fast.engine.text import Segments
 from pipecat_qwen_fast.model.sampling import SamplingParams
 from pipecat_qwen_fast.vocoder.stream import VocoderStream
 
@@ -39,7 +40,7 @@ class Session:
     language: str
     text_mode: str
     params: SamplingParams
-    segments: list[str]
+    segments: Segments  # made as the session reaches each one (engine/text.py)
     seed: int
     segment_index: int = 0
     state: object | None = None
