@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 from pipecat_qwen_fast import ModelLoadError, QwenTTSEngine
 from pipecat_qwen_fast.backends import megakernel as mk
@@ -115,3 +116,29 @@ def test_failed_load_names_its_phase(tiny_checkpoint, tmp_path):
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(ModelLoadError, match="loading failed while loading the weights"):
         QwenTTSEngine.from_pretrained(broken, device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+@pytest.mark.parametrize("file,prefix", [("model.safetensors", "talker."),
+                                         ("speech_tokenizer/model.safetensors", "decoder.")])
+def test_staged_weight_load_equals_the_per_tensor_load(tiny_checkpoint, file, prefix, dtype):
+    from pipecat_qwen_fast.checkpoints.load import load_state_dict, load_state_dict_staged
+
+    path = tiny_checkpoint() / file
+    ref = load_state_dict(path, dtype=dtype, device="cpu", prefix=prefix, progress=False)
+    fast = load_state_dict_staged(path, dtype=dtype, device="cpu", prefix=prefix)
+    assert list(fast) == list(ref)
+    for name, t in ref.items():
+        assert fast[name].dtype == t.dtype and fast[name].shape == t.shape, name
+        assert torch.equal(fast[name], t), name
+        assert fast[name].is_contiguous()
+
+
+def test_staged_load_of_a_truncated_file_is_a_load_error(tiny_checkpoint, tmp_path):
+    from pipecat_qwen_fast.checkpoints.load import load_state_dict_staged
+
+    broken = tmp_path / "model.safetensors"
+    data = (tiny_checkpoint() / "model.safetensors").read_bytes()
+    broken.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="cannot load weights"):
+        load_state_dict_staged(broken, device="cpu", prefix="talker.")

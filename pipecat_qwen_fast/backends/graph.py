@@ -296,6 +296,10 @@ class GraphBackend:
     def max_positions(self) -> int:
         return self.capacity
 
+    @property
+    def batch_buckets(self) -> tuple[int, ...]:
+        return tuple(b for b in BATCH_BUCKETS if b <= self.max_batch)
+
     # -------------------------------------------------------------- protocol
 
     def new_state(
@@ -514,7 +518,7 @@ class GraphBackend:
             return
         with phase("capturing the prefill graphs"):
             self.prefills.capture_all()
-        batches = batches or tuple(b for b in BATCH_BUCKETS if b <= self.max_batch)
+        batches = batches or self.batch_buckets
         attn = (0, *sorted({self._attn_bucket(b) for b in ATTN_BUCKETS}))
         rows = self.rows_host
         for params in params_list:

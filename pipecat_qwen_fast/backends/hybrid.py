@@ -69,6 +69,9 @@ class HybridBackend:
         self.started = {"fast": 0, "bulk": 0}  # calls placed on each side since load
         self.moved = 0  # calls moved from fast into the batch since load
         self.burst = 0  # calls of a burst being opened together (opening()) not placed yet
+        # False while the batch path's graphs are still being captured (engine/warmup.py): every
+        # call goes to the megakernel until then.
+        self.bulk_ready = True
 
     @property
     def live_fast(self) -> int:
@@ -89,7 +92,8 @@ class HybridBackend:
         else:
             # A burst larger than the megakernel's share goes to the batch whole: no megakernel
             # prefill just to move the call a frame later.
-            to_bulk = self.live_bulk > 0 or self.live_fast + max(1, self.burst) > self.fast_sessions
+            to_bulk = self.bulk_ready and (
+                self.live_bulk > 0 or self.live_fast + max(1, self.burst) > self.fast_sessions)
         self.burst = max(0, self.burst - 1)  # the calls of the burst still to place, this one excluded
         if to_bulk:
             try:

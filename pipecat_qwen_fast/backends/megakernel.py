@@ -14,6 +14,7 @@ bf16 weight bandwidth, so its reference is `TorchBackend` on an fp32 copy of the
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -24,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,9 +137,45 @@ def cache_key(arch: str, src_hash: str | None = None, torch_version: str | None 
     return f"{src_hash or source_hash()}-{arch}-torch{torch_version.replace('+', '_')}"
 
 
+_BUILDS: dict[str, concurrent.futures.Future] = {}
+
+
+def arch_of(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def start_build(arch: str) -> None:
+    """Build `arch`'s library on a thread while the load goes on (weights, vocoder compiles): nvcc
+    is a process of its own, so its ~27 s on a cold H200 overlap the rest of the load instead of
+    adding to it. `build_library` then waits for it. Nothing starts where the cache already holds
+    it or no nvcc is found (the load then says why, as before)."""
+    if arch in _BUILDS or digest_matches(cache_root() / cache_key(arch) / "libqwen_mk.so") or find_nvcc() is None:
+        return
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def build() -> None:
+        try:
+            future.set_result(_build(arch))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting load, which reports it
+            future.set_exception(e)
+
+    _BUILDS[arch] = future
+    # A daemon: a load that fails meanwhile must not keep the process alive for nvcc.
+    threading.Thread(target=build, name=f"qwen-mk-build-{arch}", daemon=True).start()
+
+
 def build_library(arch: str) -> Path:
     """Compile (or reuse) libqwen_mk.so for `arch`; returns its path. A cached file is used only
     while its recorded digest matches (a truncated or overwritten entry is rebuilt)."""
+    pending = _BUILDS.pop(arch, None)
+    if pending is not None:
+        with phase(f"waiting for the megakernel build for {arch}"):
+            return pending.result()
+    return _build(arch)
+
+
+def _build(arch: str) -> Path:
     target = cache_root() / cache_key(arch) / "libqwen_mk.so"
     if digest_matches(target):
         return target
@@ -245,8 +283,7 @@ _LIBS: dict[str, ctypes.CDLL] = {}
 
 
 def library_for(device: torch.device) -> ctypes.CDLL:
-    major, minor = torch.cuda.get_device_capability(device)
-    arch = f"sm_{major}{minor}"
+    arch = arch_of(device)
     if arch not in _LIBS:
         path = build_library(arch)
         with phase("loading the megakernel library"):

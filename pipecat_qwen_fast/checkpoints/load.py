@@ -152,6 +152,8 @@ def load_state_dict(
     from safetensors import safe_open
 
     path = require_file(Path(path))
+    if torch.device(device).type == "cuda":
+        return load_state_dict_staged(path, dtype, device, prefix)
     out: dict[str, torch.Tensor] = {}
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -177,6 +179,57 @@ def load_state_dict(
     if not out:
         raise ModelLoadError(f"{path} holds no tensors starting with {prefix!r}")
     return out
+
+
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                 "BOOL": torch.bool}
+
+
+def load_state_dict_staged(
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cuda",
+    prefix: str | tuple[str, ...] | None = None,
+) -> dict[str, torch.Tensor]:
+    """`load_state_dict`'s result, moved in one copy: the file's bytes go to the device whole, and
+    each tensor is cut from them there into an allocation of its own (aligned as any, which the
+    megakernel's bulk copies need). One tensor at a time from the host took 4.7 s for the 0.6B's
+    2.5 GB on the H200 (bench startup, warm); the file in one copy is bounded by the page cache
+    and one host-to-device transfer. Peak device memory: the file once more, briefly."""
+    path = require_file(Path(path))
+    try:
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_len))
+        header.pop("__metadata__", None)
+        names = [k for k in header if prefix is None or k.startswith(prefix)]
+        if not names:
+            raise ModelLoadError(f"{path} holds no tensors starting with {prefix!r}")
+        base = 8 + header_len
+        lo = min(header[k]["data_offsets"][0] for k in names)
+        hi = max(header[k]["data_offsets"][1] for k in names)
+        blob = torch.from_file(str(path), shared=False, size=base + hi, dtype=torch.uint8)[base + lo : base + hi]
+        staged = blob.to(device)
+        del blob
+        out: dict[str, torch.Tensor] = {}
+        for k in names:
+            info = header[k]
+            start, end = info["data_offsets"]
+            raw = staged[start - lo : end - lo]
+            try:
+                t = raw.view(_TORCH_DTYPES[info["dtype"]]).reshape(info["shape"])
+            except RuntimeError:  # an offset not aligned to its element size: copy the bytes first
+                raw = raw.clone()
+                t = raw.view(_TORCH_DTYPES[info["dtype"]]).reshape(info["shape"])
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            out[k] = t.clone() if t.data_ptr() == raw.data_ptr() else t
+        return out
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"cannot load weights from {path}: {type(e).__name__}: {e}") from e
 
 
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,

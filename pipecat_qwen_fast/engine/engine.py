@@ -35,6 +35,7 @@ from pipecat_qwen_fast.engine.request import (
 from pipecat_qwen_fast.engine.session import EarlyChunk, Session, VocoderJob, to_host, to_pcm
 from pipecat_qwen_fast.engine.text import MAX_SEGMENT_TOKENS, Segments, normalize_text
 from pipecat_qwen_fast.engine.validation import checked_request
+from pipecat_qwen_fast.engine.warmup import Warmup
 from pipecat_qwen_fast.errors import EngineClosedError, InvalidInputError, UnsupportedFeatureError
 from pipecat_qwen_fast.model.prompt import (
     DUAL_TRACK,
@@ -97,6 +98,7 @@ class QwenTTSEngine:
         # True once loaded and warmed up (load_engine); a hand-built engine is ready as built.
         self.ready = True
         self.load_phases: PhaseLog | None = None
+        self._warmup = Warmup(self)
         self._prepared_threads: set[int] = set()  # prepare_thread() done in these threads
         # On a GPU, `step` launches the next frame before it reads this one's codes, so the GPU
         # never waits for the host's EOS check and bookkeeping between two frames. A frame that
@@ -153,52 +155,29 @@ class QwenTTSEngine:
         (hybrid_backend.py); elsewhere it logs why and uses "torch"; "megakernel" runs every call on the megakernel;
         "torch" is the PyTorch path (one batched CUDA graph per frame on a GPU); "eager" is the
         plain PyTorch reference without graphs.
-        warmup (default: on for CUDA) runs every run-time path once so the first request is fast.
+        warmup (default: on for CUDA) warms what a single call needs before returning, so the first
+        request is fast (`ready`); the batch path's graphs follow in small steps that EngineService
+        runs while idle (`fully_warm`; `finish_warmup()` runs them at once).
         """
         return load_engine(cls, model, device=device, dtype=dtype, backend=backend, warmup=warmup,
                            progress=progress)
 
-    @torch.no_grad()
-    def warmup(self) -> None:
-        """Run greedy and sampled sessions through both chunk sizes (kernels, allocator, graphs)."""
-        capture = getattr(self.backend, "capture_all", None)
-        if capture is not None:
-            defaults = SamplingParams.from_defaults(self.generation)
-            with phase("capturing the batch graphs"):
-                capture([defaults, defaults.greedy()])
-        with phase("preparing the engine thread"):
-            self.prepare_thread()
-        if self.vocoder_graphs is not None:
-            # Every size a default stream can send (1, 3, 6, 12, 32 and the tails it may end on)
-            # and synthesize()'s 25: a size first seen mid-stream would be captured right then.
-            with phase("capturing the vocoder graphs"):
-                self.vocoder_graphs.capture([*range(1, SynthesisRequest.max_chunk_frames + 1), 25])
-            rows = getattr(self.backend, "max_batch", 1)
-            if getattr(self.backend, "decode_frames", None) is not None and rows > 1:
-                # Sessions decoded in one batch finish chunks in the same rounds: their calls
-                # share batched graphs for the sizes a default stream sends.
-                with phase("capturing the batched vocoder graphs"):
-                    self.vocoder_graphs.capture_batched(list(schedule_sizes(SynthesisRequest(""))), rows)
-        voice = self.voices[0] if self.voices else None
-        vc = None
-        if self.config.model_type == "base":
-            vc = VoiceClonePrompt(x_vector=torch.zeros(self.config.talker.hidden_size))
-        # A backend that places sessions on one of two paths (the auto backend) warms up both.
-        placed = getattr(self.backend, "placed", None)
-        for place in (True, False) if placed is not None else (None,):
-            path = "warm-up sessions" if place is None else f"warm-up sessions ({'megakernel' if place else 'batch'})"
-            with phase(path), placed(place) if placed is not None else contextlib.nullcontext():
-                for greedy in (True, False):
-                    req = SynthesisRequest(
-                        "Hello there, this warms the engine up.", voice=voice, greedy=greedy, seed=0,
-                        voice_clone=vc, max_frames=6,
-                    )
-                    s = self.open_session(req)
-                    try:
-                        while not s.done:
-                            self.step(s)
-                    finally:
-                        self.close_session(s)
+    def warmup(self, defer: bool = False) -> None:
+        """Warm every run-time path (kernels, allocator, graphs). With `defer`, only what a single
+        call needs runs now and the rest is queued for `warm_step` (engine/warmup.py)."""
+        self._warmup.start(defer)
+
+    def warm_step(self) -> bool:
+        """Run one queued warm-up step; False when none is left. EngineService calls it while idle."""
+        return self._warmup.step()
+
+    def finish_warmup(self) -> None:
+        """Run every queued warm-up step now."""
+        self._warmup.finish()
+
+    @property
+    def fully_warm(self) -> bool:
+        return self._warmup.done
 
     @torch.no_grad()
     def prepare_thread(self) -> None:

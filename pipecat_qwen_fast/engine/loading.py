@@ -40,6 +40,7 @@ def load_engine(
     backend: str,
     warmup: bool | None,
     progress: bool,
+    defer_warmup: bool = True,
     log: PhaseLog | None = None,
 ) -> QwenTTSEngine:
     dev = resolve_device(device)
@@ -48,6 +49,10 @@ def load_engine(
         raise InvalidInputError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
     use_compile_caches()
     log = log or PhaseLog(on_start=show_phase if progress else None)
+    if dev.type == "cuda" and backend in ("auto", "megakernel"):
+        from pipecat_qwen_fast.backends.megakernel import arch_of, start_build
+
+        start_build(arch_of(dev))
     with log.activate():
         with phase("reading the checkpoint"):
             model_dir = checkpoint.resolve_model_dir(model)
@@ -81,7 +86,7 @@ def load_engine(
         )
         if warmup if warmup is not None else dev.type == "cuda":
             with phase("warming up"):
-                engine.warmup()
+                engine.warmup(defer=defer_warmup)
     engine.load_phases = log
     engine.ready = True
     return engine
@@ -112,6 +117,6 @@ def prepare(model: str | os.PathLike[str] | None, *, device: str = "auto", backe
         from pipecat_qwen_fast.engine.engine import QwenTTSEngine
 
         engine = load_engine(QwenTTSEngine, model, device=device, dtype="auto", backend=backend, warmup=True,
-                             progress=True, log=log)
+                             progress=True, defer_warmup=False, log=log)
         engine.close()
     return log

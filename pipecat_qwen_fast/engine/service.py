@@ -435,7 +435,9 @@ class EngineService:
             else:
                 if timer is not None:
                     timer.end(0)
-                self._wake.wait()
+                # Idle: a step of the deferred warm-up (each well under a second), then look again.
+                if not self._engine.warm_step():
+                    self._wake.wait(text_service.wait_timeout(self))
 
     def _switch_round_timer(self) -> None:
         if self._round_timer is not None:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from pipecat_qwen_fast.errors import ModelLoadError
+from pipecat_qwen_fast.errors import ModelLoadError, QwenTTSError
 
 _ACTIVE: contextvars.ContextVar[PhaseLog | None] = contextvars.ContextVar("qwen_fast_phase_log", default=None)
 
@@ -78,8 +78,9 @@ def phase(name: str) -> Iterator[None]:
                 e.qwen_fast_phase = path
         if depth == 0:
             where = getattr(e, "qwen_fast_phase", path)
-            cause = str(e) if isinstance(e, ModelLoadError) else f"{type(e).__name__}: {e}"
-            raise ModelLoadError(f"loading failed while {where}: {cause}") from e
+            if isinstance(e, QwenTTSError):  # our own errors keep their type (ConfigError, ...)
+                raise type(e)(f"loading failed while {where}: {e}") from e
+            raise ModelLoadError(f"loading failed while {where}: {type(e).__name__}: {e}") from e
         raise
     finally:
         log._stack.pop()
