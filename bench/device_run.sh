@@ -17,6 +17,8 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFOR
     HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONPATH="$PWD:$PWD/livekit_plugin${PYTHONPATH:+:$PYTHONPATH}"
 export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 ck=/tmp/qwen-fast-ck-0.6b-cv
+# The start-up runs leave a complete cache folder here; later steps load from it.
+export QWEN_FAST_CACHE=${QWEN_FAST_CACHE:-/tmp/qwen-fast-startup/cache}
 left() { echo $(( ${DEVICE_SECONDS:-570} - ($(date +%s) - t0) )); }
 {
     echo "== $(date -u '+%F %T UTC') commit $BENCH_COMMIT steps: $*"

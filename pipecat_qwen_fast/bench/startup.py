@@ -4,8 +4,9 @@ Each start runs in a fresh process, so nothing of an earlier load is in memory; 
 is only what a real restart would find on disk:
 - cold: an empty cache folder (the megakernel is built, every compile runs);
 - warm: the same folder again, as a restarted server finds it;
-- prepared: `qwen-fast-tts prepare` fills a folder in its own process, the folder is copied (as
-  to a container image or a bare GPU machine) and the engine starts from the copy.
+- prepared: `qwen-fast-tts prepare` completes the folder in its own process (every warm-up step,
+  the deferred ones too), the folder is copied (as to a container image or a bare GPU machine) and
+  the engine starts from the copy.
 The checkpoint's files are read once before the runs, so every start finds them in the page cache.
 Each run writes its phases (engine.load_phases), the seconds from process start to engine ready
 and to the first audio of one request, and the warm first-audio p50 of the requests after it.
@@ -140,10 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     for run in runs:
         result = args.work / f"{run}.json"
         if run == "prepared":
-            made = args.work / "prepared-src"
-            report["prepare"] = prepare_into(args.model, made, args)
+            # prepare completes the folder the earlier runs started (all of the warm-up, not only
+            # the single-call part), and a copy of it stands for the image or the bare machine.
+            report["prepare"] = prepare_into(args.model, shared, args)
             copy = args.work / "prepared-copy"
-            shutil.copytree(made, copy)
+            shutil.copytree(shared, copy)
             report["runs"][run] = run_child(args.model, copy, result, args)
         else:
             report["runs"][run] = run_child(args.model, shared, result, args)
