@@ -253,6 +253,18 @@ class QwenTextTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode(text)` and each token's span of characters in `text` (a token holding part of
+        a character's bytes spans that whole character)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
+    @property
+    def added_tokens(self) -> list[str]:
+        """The added tokens' texts (`<|im_start|>`, `<tts_pad>`, ...): the tokenizer finds them
+        in the text before anything else."""
+        return [t.content for t in self._tok.get_added_tokens_decoder().values()]
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
