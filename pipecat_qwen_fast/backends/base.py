@@ -24,6 +24,10 @@ class DecodeBackend(Protocol):
 
     def release(self, state: object) -> None: ...
 
+    # Streamed text (engine/text_session.py): the state's text vectors replaced by a longer
+    # tensor whose rows already read are unchanged.
+    def set_trailing(self, state: object, trailing: Tensor) -> None: ...
+
 
 @dataclass
 class SessionSnapshot:

@@ -122,6 +122,11 @@ class TorchBackend:
             seen=state.seen, params=state.params, seed=seed, trailing=state.trailing, pad_vec=state.pad_vec,
         )
 
+    def set_trailing(self, state: TorchDecodeState, trailing: Tensor) -> None:
+        """Replace the text vectors the state's frames add (streamed text grows them as it
+        arrives); frame t reads row t when it runs, so only rows of frames not yet run may change."""
+        state.trailing = trailing.to(self.device, self.dtype)
+
     def release(self, state: TorchDecodeState) -> None:
         if state.released:
             return

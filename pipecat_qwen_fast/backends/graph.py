@@ -468,6 +468,11 @@ class GraphBackend:
             self._draw_noise(s)
         return codes
 
+    def set_trailing(self, state: GraphState, trailing: Tensor) -> None:
+        """Replace the text vectors the state's frames add (streamed text grows them as it
+        arrives); frame t reads row t when it runs, so only rows of frames not yet run may change."""
+        state.trailing = trailing.to(self.device, self.dtype)
+
     def release(self, state: GraphState) -> None:
         if state.released:
             return

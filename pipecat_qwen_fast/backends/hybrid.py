@@ -184,6 +184,9 @@ class HybridBackend:
                 rows[i] = self.bulk.decode_frame(states[i].inner)
         return torch.stack(rows)
 
+    def set_trailing(self, state: HybridState, trailing: Tensor) -> None:
+        self._of(state).set_trailing(state.inner, trailing)
+
     def release(self, state: HybridState) -> None:
         if state.released:
             return

@@ -789,6 +789,11 @@ class MegakernelBackend:
             trailing=state.trailing, pad_vec=state.pad_vec,
         )
 
+    def set_trailing(self, state: MegakernelState, trailing: Tensor) -> None:
+        """Replace the text vectors the state's frames add (streamed text grows them as it
+        arrives); frame t reads row t when it runs, so only rows of frames not yet run may change."""
+        state.trailing = state.buffers["trailing"] = trailing.to(self.device, torch.bfloat16).contiguous()
+
     def release(self, state: MegakernelState) -> None:
         if state.released:
             return

@@ -32,8 +32,10 @@ from pipecat_qwen_fast.engine.request import (
     chunk_target,
     schedule_sizes,
 )
+from pipecat_qwen_fast.engine import text_session
 from pipecat_qwen_fast.engine.session import EarlyChunk, Session, VocoderJob, to_host, to_pcm
 from pipecat_qwen_fast.engine.text import MAX_SEGMENT_TOKENS, Segments, normalize_text
+from pipecat_qwen_fast.engine.text_stream import TurnSegments
 from pipecat_qwen_fast.engine.validation import checked_request
 from pipecat_qwen_fast.engine.warmup import Warmup
 from pipecat_qwen_fast.errors import EngineClosedError, InvalidInputError, UnsupportedFeatureError
@@ -68,7 +70,7 @@ FRAMES_PER_TOKEN_CAP = 15
 FRAME_CAP_MARGIN = 100
 
 
-class QwenTTSEngine:
+class QwenTTSEngine(text_session.TextSessions):
     def __init__(
         self,
         *,
@@ -302,7 +304,8 @@ class QwenTTSEngine:
         seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(6), "little")
         return Session(
             request=request, speaker=speaker, language=language, text_mode=text_mode, params=params,
-            segments=Segments(text, self.tokenizer, MAX_SEGMENT_TOKENS), seed=seed, voice=cloned,
+            segments=(TurnSegments if text_mode == DUAL_TRACK else Segments)(
+                text, self.tokenizer, MAX_SEGMENT_TOKENS), seed=seed, voice=cloned,
         )
 
     def _start_vocoder(self, s: Session) -> None:
@@ -367,6 +370,8 @@ class QwenTTSEngine:
         if s.done:
             return []
         try:
+            if s.feed is not None and (waiting := text_session.poll(self, s)) is not None:
+                return waiting  # its text is not there yet
             codes, host, copied = s.ahead if s.ahead is not None else self._launch(s)
             s.ahead = None
             if self.run_ahead and self._ahead_allowed and (
@@ -392,7 +397,10 @@ class QwenTTSEngine:
 
     def _next_is_certain(self, s: Session) -> bool:
         """Whether the frame just launched is certain to be followed by another of this state,
-        unless it is EOS: it is not the segment's or the request's last allowed frame."""
+        unless it is EOS: it is not the segment's or the request's last allowed frame, and its
+        text is there (streamed text)."""
+        if s.feed is not None and not s.feed.allows(s.segment_frames + 1):
+            return False
         if s.segment_frames + 1 >= s.frame_cap:
             return False
         return s.request.max_frames is None or s.frames_decoded + 1 < s.request.max_frames
@@ -452,6 +460,9 @@ class QwenTTSEngine:
         jobs: list[tuple[int, VocoderJob]] = []
         for i, s in enumerate(sessions):
             if s.done:
+                continue
+            if s.feed is not None and (waiting := text_session.poll_in_round(self, s)) is not None:
+                results[i] = waiting  # its text is not there yet, or it failed
                 continue
             if s.ahead is not None:  # its frame of this round is already running
                 try:
@@ -542,11 +553,13 @@ class QwenTTSEngine:
             # The session goes on, so its next frame is certain: launched between the vocoder's
             # work and the host's wait for the audio, it runs while the host takes the chunk.
             after = (self.run_ahead and self.ahead_at_chunks and self._ahead_allowed and s.ahead is None
-                     and self._ahead_of_chunk(s))
+                     and self._ahead_of_chunk(s) and (s.feed is None or s.feed.allows(s.segment_frames)))
             return self._flush(s, launch_next=after)
         return []
 
     def _end_segment(self, s: Session, reason: str) -> list[AudioChunk]:
+        if s.feed is not None:
+            return text_session.end_segment(self, s, reason)
         if s.segments.has(s.segment_index + 1):
             s.segment_index += 1
             self._start_segment(s)

@@ -60,6 +60,8 @@ class Session:
     # frame before its codes were read (QwenTTSEngine.ahead_at_chunks); kept only if the chunk
     # is flushed as it was guessed.
     early: EarlyChunk | None = None
+    # An open-ended session's text, which arrives while it runs (engine/text_session.py).
+    feed: object | None = None
     # A library voice (Base models, voices/voice.py): an ICL one's vocoder state starts from its
     # primed copy instead of decoding the reference again.
     voice: object | None = None

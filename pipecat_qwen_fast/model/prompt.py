@@ -48,6 +48,7 @@ class Prompt:
     trailing: Tensor  # [N, D] text vectors added at decode steps 0..N-1
     pad_vec: Tensor  # [D] tts_pad vector added after the trailing text is exhausted
     num_text_tokens: int  # target text body length (drives the frame cap)
+    eos_vec: Tensor | None = None  # [D] tts_eos, which ends the trailing text (streamed text appends it)
 
 
 def supported_languages(cfg: ModelConfig) -> list[str]:
@@ -120,6 +121,30 @@ def _target_body(tok: TextTokenizer, cfg: ModelConfig, text: str) -> list[int]:
     if not body:
         raise InvalidInputError("text is empty after tokenization")
     return body
+
+
+# Dual-track text vectors are computed in blocks of this many rows, aligned on the text's first
+# token, each block padded to full size: a row then comes out bit for bit the same whether its
+# block was computed whole or while later tokens were still unknown (streamed text,
+# engine/text_session.py). A matmul's rows depend on the batch size (CPU float32 measured; GPU
+# kernels likewise), not on the other rows' values.
+TEXT_ROW_BLOCK = 32
+
+
+def text_rows(talker: Talker, ids: list[int], fill_id: int, start: int = 0) -> Tensor:
+    """T(ids[start:]) for dual-track text: [len(ids) - start, D], each row computed in its
+    TEXT_ROW_BLOCK-aligned block, rows past the end of `ids` filled with `fill_id`."""
+    device = talker.codec_head.weight.device
+    out = []
+    first = start - start % TEXT_ROW_BLOCK
+    for b in range(first, len(ids), TEXT_ROW_BLOCK):
+        block = ids[b : b + TEXT_ROW_BLOCK]
+        padded = block + [fill_id] * (TEXT_ROW_BLOCK - len(block))
+        rows = talker.embed_text(torch.tensor(padded, dtype=torch.long, device=device))
+        out.append(rows[max(start - b, 0) : len(block)])
+    if not out:
+        return talker.embed_text(torch.zeros(0, dtype=torch.long, device=device))
+    return torch.cat(out)
 
 
 def _weights_key(modules: tuple[torch.nn.Module, ...]) -> tuple:
@@ -208,7 +233,8 @@ def build_prompt(
     if voice_clone is not None and voice_clone.icl:
         ref_codes = voice_clone.ref_codes.to(device)
         ref_body = _ref_body(tok, cfg, voice_clone.ref_text)
-        text_vecs = torch.cat([T(ref_body + body), eos_vec[None]])  # [R+N+1, D]
+        seq_vecs = T(ref_body + body) if text_mode == PREFILL else text_rows(talker, ref_body + body, cfg.tts_pad_id)
+        text_vecs = torch.cat([seq_vecs, eos_vec[None]])  # [R+N+1, D]
         codec_vecs = torch.cat([codec_bos[None], talker.embed_frames(ref_codes)])  # [T_ref+1, D]
         if text_mode == PREFILL:
             parts.append(text_vecs + codec_pad)
@@ -227,14 +253,16 @@ def build_prompt(
         parts.append((pad_vec + codec_bos)[None])
         trailing = pad_vec[None]
     else:
-        parts.append((T(body[:1])[0] + codec_bos)[None])
-        trailing = torch.cat([T(body[1:]), eos_vec[None]]) if len(body) > 1 else eos_vec[None]
+        rows = text_rows(talker, body, cfg.tts_pad_id)
+        parts.append((rows[0] + codec_bos)[None])
+        trailing = torch.cat([rows[1:], eos_vec[None]])
 
     return Prompt(
         embeds=torch.cat(parts),
         trailing=trailing,
         pad_vec=pad_vec,
         num_text_tokens=len(body),
+        eos_vec=eos_vec,
     )
 
 

@@ -1,0 +1,470 @@
+"""Open-ended dual-track sessions: the text arrives while the turn is spoken (issue 35).
+
+    s = engine.open_text_session(SynthesisRequest("", voice="ryan"))
+    engine.append_text(s, "Hello the")      # any thread, any piece size
+    engine.append_text(s, "re, how are you?")
+    engine.end_text(s)
+    while not s.done:
+        chunks = engine.step(s)               # [] while it waits for text
+
+The session reads one text token per frame (spec §4.5): frame t adds the text vector of token t+1
+(then tts_eos, then tts_pad) to the talker's next input. Tokens come from `TurnText`, which releases
+a token only once no later text can change it, so the session reads exactly the tokens of the
+whole text.
+
+Waiting. Frame t may run only once its text vector is known: token t+1 has arrived, or the text has
+ended (then tts_eos and tts_pad follow). Until then `poll` says the session cannot step: no frame is
+decoded and no pad is fed, `step` and `step_many` skip it, and the EngineService does not count it
+as ready. A turn's codes therefore equal those of its whole text in dual-track mode, whatever the
+pieces and their timing: the same prompt, the same text vectors (computed in aligned blocks,
+`prompt.text_rows`), the same seeds, the same segments (`text_stream.turn_segments`, used by the
+engine for whole dual-track texts too). A text arriving more slowly than the model reads (12.5
+tokens a second) leaves gaps in the audio, never other speech.
+
+While it waits, frames decoded but not yet vocoded are sent at once if no audio has gone out yet,
+else once the audio already sent is about to run out (LOW_WATER_S): a slow text does not also hold
+back audio already decoded.
+
+Segments. Each segment gets a fresh prompt and backend state, as for a whole text. A streamed
+segment whose text is still open has its frame cap set once its text ends; until then its frames
+cannot outrun its tokens, which stay far below any cap. Between segments the old state is kept
+until the next one begins, so the session never loses its KV slot to another stream.
+
+Word timing. A word's time is that of the frame whose talker step reads the word's first token:
+token j of a segment is read at its frame j (the first token in the prefill, at frame 0). The
+model reads text about three times faster than it speaks it, so this is the earliest the word can
+be heard (no frame can depend on text it has not read), not when it is heard: the lag grows
+through a segment, to seconds on long ones. A barge-in transcript built from it may name words
+not yet voiced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pipecat_qwen_fast.engine.request import SAMPLE_RATE, AudioChunk, SynthesisRequest
+from pipecat_qwen_fast.engine.text_stream import TextEndedError, TurnText
+from pipecat_qwen_fast.errors import InvalidInputError
+from pipecat_qwen_fast.model.prompt import DUAL_TRACK, _ref_body, build_prompt, text_rows
+
+FRAME_S = 1920 / SAMPLE_RATE
+# A turn whose text neither grows nor ends for this long is ended (its text so far is spoken, then
+# the session is freed): an adapter that loses the end of a turn must not hold a session forever.
+DEFAULT_IDLE_TIMEOUT_S = 20.0
+# While waiting for text, frames decoded but not yet vocoded are sent once the audio already sent
+# plays out within this long; above it they wait for their chunk to fill.
+LOW_WATER_S = 0.2
+# Any text: the prompt of a dual-track turn has the same length whatever its text (spec §4.5, §4.6),
+# so the session's state can be sized before the first word.
+_PROBE_TEXT = "a"
+
+
+@dataclass
+class WordTiming:
+    """A word of the turn and when it starts in the turn's audio (see the module docstring)."""
+
+    text: str
+    start_s: float
+    frame: int  # the turn's frame that reads the word's first token
+    space_before: bool  # whitespace stood before it in the text
+
+
+class TextFeed:
+    """The text side of an open-ended session: `append` and `end` from any thread, the rest on
+    the engine thread. `on_text` (the service's wake-up) is called after each change."""
+
+    def __init__(self, tokenizer, idle_timeout_s: float | None, max_tokens: int) -> None:
+        if idle_timeout_s is not None and not (
+            isinstance(idle_timeout_s, (int, float)) and idle_timeout_s > 0
+        ):
+            raise InvalidInputError(
+                f"idle_timeout_s must be a number > 0 or None, got {idle_timeout_s!r}"
+            )
+        self.turn = TurnText(tokenizer, max_tokens)
+        self.idle_timeout_s = idle_timeout_s
+        self.last_text_at = time.monotonic()
+        self.ended_by: str | None = None  # "end" | "idle_timeout"
+        self.on_text: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+        # Engine thread.
+        self.segment = 0  # the turn's segment the session is on
+        self.begun = False  # its prompt has been prefilled
+        self.seq: list[
+            int
+        ] = []  # text-track ids of the segment: the reference's (ICL), then its tokens
+        self.k = 1  # text-track positions in the prefill
+        self.rows: Tensor | None = (
+            None  # text vectors of seq[k:] (+ tts_eos), a growing device buffer
+        )
+        self.trailing = 0  # rows handed to the backend state
+        self.closed = False  # the segment's text has ended and tts_eos is in the rows
+        self.need = 1  # tokens of a segment its prefill needs (more for ICL voices)
+        self.ref: list[int] = []  # the ICL reference's text tokens
+        self.prompt_len = 0
+        self.eos_vec: Tensor | None = None
+        self.pad_vec: Tensor | None = None
+        self.last_reason = "eos"
+        self.first_audio_at: float | None = None
+        # (turn frame of its frame 0, frames kept in it or None while it runs) per begun segment.
+        self.spans: list[list[int | None]] = []
+        self.session = (
+            None  # whose frames read the words (its segment_frames, while a segment runs)
+        )
+
+    # ---------------------------------------------------------------- any thread
+
+    def append(self, text: str) -> None:
+        if self.ended_by == "idle_timeout":
+            raise TextEndedError(
+                "text appended after the turn's idle timeout ended it "
+                f"(no text for {self.idle_timeout_s} s)"
+            )
+        self.turn.append(text)
+        self.last_text_at = time.monotonic()
+        self._changed()
+
+    def end(self, by: str = "end") -> None:
+        with self._lock:
+            if self.ended_by is None:
+                self.ended_by = by
+        self.turn.end()
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_text is not None:
+            self.on_text()
+
+    def words(self) -> list[WordTiming]:
+        """The words read so far, each with its start time in the turn's audio."""
+        out: list[WordTiming] = []
+        with self.turn.lock:
+            running = self.session.segment_frames if self.session is not None else 0
+            for i, (start, kept) in enumerate(self.spans):
+                seg = self.turn.segments[i]
+                limit = kept if kept is not None else running
+                for j, w in enumerate(seg.words):
+                    r = self._read_frame(w.token)
+                    if r >= limit:
+                        break
+                    space = seg.text[w.start - 1].isspace() if w.start > 0 else seg.space_before
+                    out.append(
+                        WordTiming(seg.word_text(j), (start + r) * FRAME_S, start + r, space)
+                    )
+        return out
+
+    def spoken_text(self, played_s: float) -> str:
+        """The words that start before `played_s` seconds of the turn's audio: what a listener
+        interrupted there may have heard (see the module docstring for what the times mean)."""
+        text = ""
+        for w in self.words():
+            if w.start_s >= played_s:
+                break
+            text += (" " if w.space_before and text else "") + w.text
+        return text
+
+    def _read_frame(self, token: int) -> int:
+        """The segment frame whose talker step reads the segment's token `token`."""
+        return max(0, len(self.ref) + token - self.k + 1)
+
+    # ---------------------------------------------------------------- engine thread
+
+    def deadline(self, s) -> float | None:
+        """When the session next needs looking at without new text (idle timeout, or audio about
+        to run out while frames wait to be vocoded); None: only new text wakes it."""
+        times = []
+        if self.ended_by is None and self.idle_timeout_s is not None:
+            times.append(self.last_text_at + self.idle_timeout_s)
+        if s.pending and self.first_audio_at is not None:
+            times.append(self.first_audio_at + s.chunk_start * FRAME_S - LOW_WATER_S)
+        return min(times) if times else None
+
+    def allows(self, frame: int) -> bool:
+        """Whether the segment's frame `frame` has its text vector."""
+        return self.closed or frame < self.trailing
+
+
+class TextSessions:
+    """QwenTTSEngine's open-ended sessions (mixed into the engine)."""
+
+    def open_text_session(
+        self,
+        request: SynthesisRequest,
+        *,
+        idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,
+        feed: TextFeed | None = None,
+    ):
+        """A dual-track session for text that arrives later (`append_text`, `end_text`). The
+        request is checked as `open_session` checks it; its own text is ignored. Its backend state
+        is reserved now (NoFreeSlotError when every slot is taken); the prefill runs once the first
+        words are final. A turn that gets no text for `idle_timeout_s` is ended as if by
+        `end_text` (None: never). `feed`: a TextFeed made beforehand, which may already hold text
+        (the service makes one per stream, so text appended before the session opens is kept)."""
+        return open_text_session(self, request, idle_timeout_s, feed)
+
+    def append_text(self, s, text: str) -> None:
+        """Add text to an open-ended session (any thread). Raises TextEndedError after end_text;
+        text for a session already closed (cancelled, say) is dropped."""
+        _feed_of(s).append(text)
+
+    def end_text(self, s) -> None:
+        """No more text for this session (any thread; idempotent): it speaks what it has."""
+        _feed_of(s).end()
+
+    def poll_text(self, s) -> list[AudioChunk] | None:
+        """None when `s` can decode a frame now; else the chunks it sent while it waits (its text
+        is not there yet). Done by `step` itself; the service calls it to skip waiting sessions."""
+        return poll(self, s)
+
+
+def _feed_of(s) -> TextFeed:
+    feed = getattr(s, "feed", None)
+    if feed is None:
+        raise InvalidInputError(
+            "this session takes its whole text up front; open it with open_text_session"
+        )
+    return feed
+
+
+def open_text_session(
+    engine, request: SynthesisRequest, idle_timeout_s: float | None, feed: TextFeed | None = None
+):
+    if not isinstance(request, SynthesisRequest):
+        raise InvalidInputError(
+            f"a request must be a SynthesisRequest, got {type(request).__name__}"
+        )
+    if request.text_mode not in (None, DUAL_TRACK):
+        raise InvalidInputError(
+            f"streamed text needs text_mode='{DUAL_TRACK}' (the model reads one token a frame); "
+            f"got {request.text_mode!r}"
+        )
+    from pipecat_qwen_fast.engine import engine as engine_module
+
+    if feed is None:
+        feed = TextFeed(engine.tokenizer, idle_timeout_s, engine_module.MAX_SEGMENT_TOKENS)
+    # Validated exactly as a whole-text request; only the text is left to come.
+    s = engine._new_session(dataclasses.replace(request, text=_PROBE_TEXT, text_mode=DUAL_TRACK))
+    s.request = dataclasses.replace(s.request, text="")
+    s.segments = []
+    s.feed = feed
+    feed.session = s
+    try:
+        vc = s.request.voice_clone
+        with torch.no_grad():
+            probe = _prompt(engine, s, _PROBE_TEXT)
+        if vc is not None and vc.icl:
+            feed.ref = _ref_body(engine.tokenizer, engine.config, vc.ref_text)
+            feed.k = vc.ref_codes.shape[0] + 1
+            feed.need = max(1, feed.k - len(feed.ref))
+        feed.prompt_len = probe.embeds.shape[0]
+        feed.eos_vec, feed.pad_vec = probe.eos_vec, probe.pad_vec
+        s.state = engine.backend.new_state(
+            max_positions=feed.prompt_len + _budget(engine, s, _cap(engine, s, None)) + 1,
+            params=s.params,
+            seed=s.seed,
+            trailing=probe.pad_vec[None][:0],
+            pad_vec=probe.pad_vec,
+        )
+        engine._start_vocoder(s)
+    except BaseException:
+        engine.close_session(s)
+        raise
+    return s
+
+
+def _prompt(engine, s, text: str):
+    req = s.request
+    return build_prompt(
+        engine.model.talker,
+        engine.tokenizer,
+        engine.config,
+        text=text,
+        speaker=s.speaker,
+        language=s.language,
+        instruct=req.instruct,
+        text_mode=DUAL_TRACK,
+        voice_clone=req.voice_clone,
+    )
+
+
+def _cap(engine, s, tokens: int | None) -> int:
+    """The segment's frame cap as the engine sets it for a whole text of `tokens` tokens; None:
+    the largest a segment can get (its text still open)."""
+    from pipecat_qwen_fast.engine.engine import FRAME_CAP_MARGIN, FRAMES_PER_TOKEN_CAP
+
+    n = s.feed.turn.max_tokens if tokens is None else tokens
+    cap = min(engine.generation.max_new_tokens - 1, FRAMES_PER_TOKEN_CAP * n + FRAME_CAP_MARGIN)
+    capacity = getattr(engine.backend, "max_positions", None)
+    if capacity is not None:
+        cap = max(1, min(cap, capacity - s.feed.prompt_len - 1))
+    return cap
+
+
+def _budget(engine, s, cap: int) -> int:
+    if s.request.max_frames is not None:
+        return min(cap, s.request.max_frames - s.frames_decoded)
+    return cap
+
+
+def poll(engine, s) -> list[AudioChunk] | None:
+    feed = s.feed
+    if s.done:
+        return []
+    if (
+        feed.ended_by is None
+        and feed.idle_timeout_s is not None
+        and (time.monotonic() - feed.last_text_at >= feed.idle_timeout_s)
+    ):
+        feed.end("idle_timeout")
+    if feed.first_audio_at is None and s.chunk_start > 0:
+        feed.first_audio_at = time.monotonic()
+    if not feed.begun and not _begin(engine, s):
+        with feed.turn.lock:
+            over = feed.turn.ended and feed.segment >= len(feed.turn.segments)
+        if over:
+            return engine._finish(s, feed.last_reason if feed.spans else "empty")
+        return _wait(engine, s)
+    _push(engine, s)
+    if feed.allows(s.segment_frames):
+        return None
+    return _wait(engine, s)
+
+
+def _wait(engine, s) -> list[AudioChunk]:
+    feed = s.feed
+    if not s.pending:
+        return []
+    now = time.monotonic()
+    if (
+        feed.first_audio_at is not None
+        and s.chunk_start * FRAME_S - (now - feed.first_audio_at) >= LOW_WATER_S
+    ):
+        return []
+    chunks = engine._flush(s)
+    if feed.first_audio_at is None:
+        feed.first_audio_at = now
+    return chunks
+
+
+def _begin(engine, s) -> bool:
+    """Start the session's current segment if its text allows: the prompt from its first tokens,
+    a fresh state (the first segment's was reserved at open), the prefill. False: not yet."""
+    feed = s.feed
+    turn = feed.turn
+    with turn.lock:
+        if feed.segment >= len(turn.segments):
+            return False
+        seg = turn.segments[feed.segment]
+        text, tokens, closed = seg.text, list(seg.tokens), seg.closed
+    if not closed and len(tokens) < feed.need:
+        return False
+    with torch.no_grad():
+        prompt = _prompt(engine, s, text)
+    if prompt.num_text_tokens != len(tokens):
+        raise RuntimeError("a streamed segment's prompt does not hold the tokens it was cut into")
+    cap = _cap(engine, s, len(tokens) if closed else None)
+    s.segment_index = feed.segment
+    if feed.spans:  # a later segment: a state of its own, seeded as the engine seeds segments
+        engine.backend.release(s.state)
+        s.state = None
+        s.state = engine.backend.new_state(
+            max_positions=feed.prompt_len + _budget(engine, s, _cap(engine, s, None)) + 1,
+            params=s.params,
+            seed=s.seed + 1_000_003 * s.segment_index,
+            trailing=prompt.pad_vec[None][:0],
+            pad_vec=prompt.pad_vec,
+        )
+    s.ahead = None
+    s.early = None
+    s.frame_cap = cap
+    s.segment_frames = 0
+    engine._prefill([s], [prompt.embeds])
+    feed.begun = True
+    feed.seq = list(feed.ref)
+    feed.rows, feed.trailing, feed.closed = None, 0, False
+    if feed.ref and closed and len(feed.ref) + len(tokens) + 1 <= feed.k:
+        # The whole text went into the prefill (spec §4.6); every frame adds tts_pad.
+        engine.backend.set_trailing(s.state, prompt.trailing)
+        feed.closed = True
+    with turn.lock:
+        feed.spans.append([s.frames_decoded, None])
+    return True
+
+
+def _push(engine, s) -> None:
+    """Hand the segment's new tokens (and tts_eos once its text has ended) to the backend state."""
+    feed = s.feed
+    if feed.closed:
+        return
+    with feed.turn.lock:
+        seg = feed.turn.segments[feed.segment]
+        have = len(feed.seq) - len(feed.ref)
+        new, closed = seg.tokens[have:], seg.closed
+    if not new and not closed:
+        return
+    start = len(feed.seq)
+    feed.seq.extend(new)
+    rows = len(feed.seq) - feed.k + (1 if closed else 0)
+    if rows <= feed.trailing:
+        return
+    talker = engine.model.talker
+    buf = feed.rows
+    if buf is None or buf.shape[0] < rows:
+        grown = torch.empty(
+            (max(64, 2 * rows), feed.eos_vec.shape[-1]),
+            dtype=feed.eos_vec.dtype,
+            device=feed.eos_vec.device,
+        )
+        if buf is not None:
+            grown[: feed.trailing].copy_(buf[: feed.trailing])
+        feed.rows = buf = grown
+    first = max(start, feed.k)
+    with torch.no_grad():
+        if len(feed.seq) > first:
+            buf[first - feed.k : len(feed.seq) - feed.k].copy_(
+                text_rows(talker, feed.seq, engine.config.tts_pad_id, start=first)
+            )
+        if closed:
+            buf[len(feed.seq) - feed.k].copy_(feed.eos_vec)
+    engine.backend.set_trailing(s.state, buf[:rows])
+    feed.trailing = rows
+    if closed:
+        feed.closed = True
+        s.frame_cap = _cap(engine, s, len(feed.seq) - len(feed.ref))
+
+
+def end_segment(engine, s, reason: str) -> list[AudioChunk]:
+    """The running segment ended (EOS or its cap): go on to the next one when its text is there,
+    end the session when the turn has no more, else wait keeping the old state."""
+    feed = s.feed
+    with feed.turn.lock:
+        feed.spans[-1][1] = s.segment_frames
+    feed.last_reason = reason
+    s.ahead = None  # a frame launched past the EOS belongs to the old segment
+    s.early = None
+    feed.segment += 1
+    feed.begun = False
+    if _begin(engine, s):
+        return []
+    with feed.turn.lock:
+        over = feed.turn.ended and feed.segment >= len(feed.turn.segments)
+    if over:
+        return engine._finish(s, reason)
+    return []
+
+
+def poll_in_round(engine, s) -> list[AudioChunk] | Exception | None:
+    """`poll` for one session of a batched round: a failure ends that session only (closed, its
+    exception returned for its slot of the round's results)."""
+    try:
+        return poll(engine, s)
+    except Exception as e:  # noqa: BLE001 - reported to that session's caller
+        s.stop_reason = "error"
+        engine.close_session(s)
+        return e
