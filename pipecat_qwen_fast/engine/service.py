@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
+from pipecat_qwen_fast.engine.text_session import DEFAULT_IDLE_TIMEOUT_S
 from pipecat_qwen_fast.errors import EngineClosedError, NoFreeSlotError
 
 if TYPE_CHECKING:
@@ -321,6 +322,12 @@ class EngineService:
 
     # -- requests ----------------------------------------------------------------------------
 
+    def open_text_stream(self, request: Any, *, idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S) -> Any:
+        """Open a turn whose text arrives while it is spoken (engine/text_service.py): returns a
+        TextStream (`append`, `end`, async iteration of AudioChunks, `cancel`). Needs the engine
+        loaded. A turn that gets no text for `idle_timeout_s` is ended (None: never)."""
+        return text_service.open_text_stream(self, request, idle_timeout_s)
+
     def open_stream(self, request: Any) -> SynthesisStream:
         """Queue a request; return the stream its chunks arrive on. Needs a running loop.
 
@@ -421,7 +428,7 @@ class EngineService:
             for stream in list(self._active):
                 if stream.cancel_requested:
                     self._finish(stream, None, reason="cancelled")
-                elif stream._buffered() < self._max_buffered:
+                elif stream._buffered() < self._max_buffered and text_service.can_step(self, stream):
                     ready.append(stream)
             if ready:
                 # One frame for every ready session; the engine batches them where it can.
@@ -459,7 +466,7 @@ class EngineService:
         if not live:
             return
         try:
-            results = self._engine.open_sessions([stream.request for stream in live])
+            results = text_service.open_sessions(self._engine, live)
         except Exception as exc:  # the engine refused them all (closed, say)
             if _is_fatal(exc):
                 raise
@@ -564,6 +571,10 @@ def _is_fatal(exc: BaseException) -> bool:
         return False
     accelerator_error = getattr(torch, "AcceleratorError", None)
     return accelerator_error is not None and isinstance(exc, accelerator_error)
+
+
+# Streamed-text turns (TextStream subclasses SynthesisStream, defined above).
+from pipecat_qwen_fast.engine import text_service  # noqa: E402
 
 
 # -- process-wide registry ----------------------------------------------------------------------
