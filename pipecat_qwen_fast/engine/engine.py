@@ -251,11 +251,8 @@ class QwenTTSEngine(text_session.TextSessions):
                     out[i] = e  # reported to that request's caller
             try:
                 self._prefill([s for _, s, _ in begun], [e for _, _, e in begun])
-            except Exception as e:  # noqa: BLE001 - the shared prefill failed: each of its sessions ends
-                for i, s, _ in begun:
-                    self.close_session(s)
-                    out[i] = e
-                begun = []
+            except Exception as e:  # noqa: BLE001 - the shared prefill failed
+                begun = self._prefill_alone(begun, out, e)
             for i, s, _ in begun:
                 try:
                     self._start_vocoder(s)
@@ -271,6 +268,28 @@ class QwenTTSEngine(text_session.TextSessions):
             if opening is not None:
                 opening(0)
         return out  # type: ignore[return-value]
+
+    def _prefill_alone(self, begun: list[tuple[int, Session, Tensor]], out: list, error: Exception
+                       ) -> list[tuple[int, Session, Tensor]]:
+        """After a shared prefill failed: each session's prefill again on its own, from a fresh
+        state (the failed pass may have written into the old ones), so that one request's fault
+        (too long a prompt for the backend, say) ends only that request. Returns those that
+        opened; the others' errors go into `out`."""
+        if len(begun) == 1:
+            (i, s, _), = begun
+            self.close_session(s)
+            out[i] = error
+            return []
+        kept = []
+        for i, s, _ in begun:
+            try:
+                embeds = self._begin_segment(s)
+                self._prefill([s], [embeds])
+                kept.append((i, s, embeds))
+            except Exception as e:  # noqa: BLE001 - reported to that request's caller
+                self.close_session(s)
+                out[i] = e
+        return kept
 
     def _new_session(self, request: SynthesisRequest) -> Session:
         """A validated session with no backend state yet."""

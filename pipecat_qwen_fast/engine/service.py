@@ -18,6 +18,7 @@ pipeline and a LiveKit agent in one process load the weights once.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import concurrent.futures
 import itertools
@@ -25,6 +26,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Self
@@ -47,6 +49,36 @@ HISTORY_SIZE = 64
 # Round timings kept while timing is on (time_rounds): minutes of rounds at a few hundred a second,
 # a few MB; a reader that drains them (popleft) never reaches the bound.
 ROUND_TIMINGS_KEPT = 200_000
+# How often the engine thread looks at a stream paused by backpressure while nothing else wakes it:
+# one whose consumer's event loop has closed will never be read again, and is released.
+PAUSED_POLL_S = 0.25
+
+# Every service whose thread may still run (the thread holds its service until it ends).
+_live_services: weakref.WeakSet[EngineService] = weakref.WeakSet()
+
+
+def _stop_services_at_exit() -> None:
+    """Stop every engine thread before the interpreter finalizes.
+
+    The engine thread is a daemon, so that a forgotten service never keeps a process alive. But at
+    finalization Python ends a daemon thread that asks for the GIL back with pthread_exit, and when
+    that thread is inside a torch op (which releases the GIL), the forced unwind runs through
+    torch's noexcept gil_scoped_release destructor: std::terminate, "terminate called without an
+    active exception", exit 134. So at exit each service is closed and its thread joined, which
+    takes at most the frame in flight (or a load in progress, to its end).
+    """
+    services = list(_live_services)
+    for service in services:
+        service._closing = True
+        service._wake.set()
+    for service in services:
+        if service._thread is not threading.current_thread():
+            service._thread.join()
+
+
+# threading's exit hooks run before atexit's and before any daemon thread is ended; `atexit`
+# where that (private) hook is missing.
+getattr(threading, "_register_atexit", atexit.register)(_stop_services_at_exit)
 
 
 @dataclass
@@ -225,6 +257,7 @@ class EngineService:
         self._round_timer: Any = None
         self._on_exit: Callable[[EngineService], None] | None = None
         self._thread = threading.Thread(target=self._run, name=f"qwen-fast-{name}", daemon=True)
+        _live_services.add(self)
         self._thread.start()
 
     @classmethod
@@ -426,13 +459,23 @@ class EngineService:
             self._open(waiting + new)
             ready = []
             for stream in list(self._active):
-                if stream.cancel_requested:
+                if stream.cancel_requested or stream._loop.is_closed():
+                    # A closed loop: no consumer will read or close this stream again.
+                    stream.cancel_requested = True
                     self._finish(stream, None, reason="cancelled")
                 elif stream._buffered() < self._max_buffered and text_service.can_step(self, stream):
                     ready.append(stream)
             if ready:
                 # One frame for every ready session; the engine batches them where it can.
-                results = self._engine.step_many([stream.session for stream in ready])
+                try:
+                    results = self._engine.step_many([stream.session for stream in ready])
+                except Exception as exc:
+                    if _is_fatal(exc):
+                        raise
+                    # Not a device fault (an out-of-memory error, say): it ends the requests it
+                    # touched; the engine and the other requests go on.
+                    logger.warning("a batched step failed: %s: %s", type(exc).__name__, exc)
+                    results = [exc] * len(ready)
                 for stream, result in zip(ready, results):
                     self._after_step(stream, result)
                 if timer is not None:
@@ -444,7 +487,13 @@ class EngineService:
                     timer.end(0)
                 # Idle: a step of the deferred warm-up (each well under a second), then look again.
                 if not self._engine.warm_step():
-                    self._wake.wait(text_service.wait_timeout(self))
+                    self._wake.wait(self._idle_timeout())
+
+    def _idle_timeout(self) -> float | None:
+        timeout = text_service.wait_timeout(self)
+        if any(stream._buffered() >= self._max_buffered for stream in self._active):
+            timeout = PAUSED_POLL_S if timeout is None else min(timeout, PAUSED_POLL_S)
+        return timeout
 
     def _switch_round_timer(self) -> None:
         if self._round_timer is not None:
@@ -543,7 +592,10 @@ class EngineService:
         error = self._closed_error()
         waiting, self._waiting = self._waiting, []
         for stream in self._active + waiting + pending:
-            if stream.session is not None and fault is None:
+            # After a fault too: an engine served for its owner (for_engine) may be used again, and
+            # must not keep dead sessions' K/V states. Releasing a state frees memory and launches
+            # nothing, so even a poisoned device allows it; a failure is only logged.
+            if stream.session is not None:
                 try:
                     self._engine.close_session(stream.session)
                 except Exception as exc:  # noqa: BLE001 - shutting down anyway
