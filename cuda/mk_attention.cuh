@@ -26,7 +26,7 @@ struct AttnArgs {
     float eps;
     int out_head0;  // head h's output goes to out + (h - out_head0) * 128
     int append;     // store the new position's k and v (one of the items that compute a head)
-    // 1 (the talker's fused attention + o_proj, qwen_mk.cu run_talker_ao): every item publishes
+    // 1 (the talker's fused attention + o_proj, phases/talker_fused.cuh run_talker_ao): every item publishes
     // its result (the head's output for a single chunk, else its partial softmax) and adds 1 to
     // its head's count with a release; no item merges (the o_proj items do, after an acquire).
     int publish = 0;
@@ -37,7 +37,7 @@ struct AttnArgs {
 
 // QMK_TRACE_ATTN builds (bench/attention_trace.py) stamp the steps of the talker's attention
 // items: a clock read ordered after a value it waits for (a volatile store of the value first,
-// in-order issue does the rest), one row of QMK_DBG_SLOTS per (layer, block); qwen_mk.cu adds the
+// in-order issue does the rest), one row of QMK_DBG_SLOTS per (layer, block); phases/stack.cuh adds the
 // q/k/v and attention barriers' times to the same rows, and every grid barrier's to its own table.
 // QMK_TRACE_ONLY(...) compiles its statement in trace builds only.
 #ifdef QMK_TRACE_ATTN
@@ -239,7 +239,7 @@ __device__ void attention_item(const AttnArgs& a, const float* qkv, int g, int c
     if (w == 0 && lane == 0) a.count[g] = 0u;
 }
 
-// KV head g at positions 0 and 1 of the code predictor, run together (qwen_mk.cu, merge_first),
+// KV head g at positions 0 and 1 of the code predictor, run together (phases/pred_first.cuh, merge_first),
 // on warps 0-3 (others return at once). Warps 0-1: position 0, which attends only to itself, so
 // its heads' output is its V row (what the softmax of a single score gives, exactly); warp 0
 // stores its K/V rows. Warps 2-3: position 1 (query heads 2g, 2g + 1), which attends to position

@@ -23,7 +23,7 @@ struct Operand {
 };
 
 // The residual accumulators that every block adds a hidden-wide partial into (the split down
-// projection, qwen_mk.cu run_gu_split) have QMK_ACC_COPIES copies QMK_ACC_STRIDE floats apart:
+// projection, phases/mlp.cuh run_gu_split) have QMK_ACC_COPIES copies QMK_ACC_STRIDE floats apart:
 // block b adds into copy b % QMK_ACC_COPIES, and readers sum the copies. One copy took 132
 // blocks' 16-byte float atomics on each of its lines, which the L2 performs one after another,
 // and the arrival's release fence waited for them (~0.85 us a phase; bench/NOTES.md, v23).
@@ -250,7 +250,7 @@ __device__ __forceinline__ float row_sum(const float* red, int r) {
     return (red[r * 4] + red[r * 4 + 1]) + (red[r * 4 + 2] + red[r * 4 + 3]);
 }
 
-// Two positions' operands at once (the code predictor's passes 0 and 1, qwen_mk.cu merge_first):
+// Two positions' operands at once (the code predictor's passes 0 and 1, phases/pred_first.cuh):
 // row group 0 stages both vectors and the norm weight (xs: x0 then x1, K floats each; ws), one
 // block barrier, then each thread normalises its chunk of x0 into `o` as load_normed does; x1
 // stays staged and is normalised inside tile_dots_pair (its rsqrt in *r1), so only one operand

@@ -148,7 +148,7 @@ struct Ring {
     }
 
     // The n tiles after the deferred ones go back one grid arrival later than those, so one
-    // arrival does not hand the producer a whole layer's worth of copies (qwen_mk.cu,
+    // arrival does not hand the producer a whole layer's worth of copies (phases/mlp.cuh,
     // run_gu_split). The phase after must need no more than the slots left.
     __device__ void hold(uint32_t n) { hold_next += n; }
 

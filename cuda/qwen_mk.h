@@ -125,7 +125,7 @@ typedef struct {
     int32_t min_new_tokens;
     int32_t suppress_start; /* ids >= this (except EOS) may never be code 0 */
     float rep_penalty;
-    int32_t trace_steps;  /* with `trace`: also stamp the steps inside each phase (see qwen_mk.cu) */
+    int32_t trace_steps;  /* with `trace`: also stamp the steps inside each phase (phases/schedule.cuh STEP_*) */
     qmk_sampler talker_s, pred_s;
     uint64_t seed;
     uint64_t trailing;    /* bf16 [Dt] text vector added to the next talker input */

@@ -42,8 +42,12 @@ from pipecat_qwen_fast.utils.phases import phase
 
 logger = logging.getLogger(__name__)
 
+# Every file of the kernel's one translation unit (cuda/qwen_mk.cu includes the others, the phases
+# in this order): all of them key the build cache, and pyproject.toml's data-files ship them.
+PHASE_FILES = ("schedule", "producer", "consumer", "matvec", "mlp", "attention", "pred_fused", "talker_fused",
+               "pred_first", "stack", "frame", "host")
 SOURCE_FILES = ("qwen_mk.h", "mk_util.cuh", "mk_stream.cuh", "mk_matvec.cuh", "mk_attention.cuh", "mk_sample.cuh",
-                "qwen_mk.cu")
+                *(f"phases/{name}.cuh" for name in PHASE_FILES), "qwen_mk.cu")
 ABI_VERSION = 12
 # MegakernelBackend(long_kernel=...) -> qmk_model.long_kernel
 LONG_KERNEL = {"auto": 0, "always": 1, "never": -1}
