@@ -1,10 +1,29 @@
 """Plain-torch replica of the megakernel's instruction stream, plus random full-size talkers.
 
 The kernel computes in fp32 on the checkpoint's bf16 weights: the same math as the torch modules
-of `pipecat_qwen_fast.layers` run on an fp32 copy of the weights. This file spells that math out
-phase by phase (the phases of `cuda/qwen_mk.cu`), one position at a time, so a mismatch can be
-pinned to one phase of one layer (`stop_after`) instead of only showing up in the logits. Kernel
-and replica differ only in summation order: ~5e-7 relative after a full talker step (H200).
+of `pipecat_qwen_fast.model.layers` run on an fp32 copy of the weights. This file spells that math out
+phase by phase, one position at a time, so a mismatch can be pinned to one phase of one layer
+(`stop_after`) instead of only showing up in the logits. Kernel and replica differ only in
+summation order: ~5e-7 relative after a full talker step (H200).
+
+Its sections follow the kernel's files (`cuda/phases/`, included in this order by
+`cuda/qwen_mk.cu`), and its functions are named after the kernel's phases (`Kind` in
+phases/schedule.cuh):
+
+  phases/matvec.cuh     a matrix phase's operand and dot products   rms_norm, matvec
+  phases/stack.cuh      a layer's phases, one grid barrier each      qkv (K_QKV), o_proj (K_O),
+                                                                     layer_step, stack_step
+  phases/attention.cuh  the attention phase (mk_attention.cuh)       inv_freq, rope, attention (K_ATTN)
+  phases/mlp.cuh        gate/up + SiLU, down                         gate_up (K_GU), down (K_DOWN)
+  phases/pred_fused.cuh, talker_fused.cuh, pred_first.cuh: the same math in fewer phases (fused
+                        attention + o_proj, split down, passes 0 and 1 together): no replica of
+                        their own; tests/test_megakernel.py holds each to the phases it replaces
+  phases/frame.cuh      talker step, codec head (K_HEAD_T), spec section 6 rules, the predictor's
+                        passes (K_PROJ, layers, K_HEAD_P), the next talker input (publish_frame):
+                        ReplicaDecoder
+  mk_sample.cuh         the sampling draw                            kernel_uniform, inverse_cdf_draw
+
+then the harness that runs kernel and fp32 PyTorch path side by side, and random talkers.
 
 Used by tests/test_megakernel.py and bench/megakernel_check.py (imported by path: cuda/ is not a
 package).
@@ -18,7 +37,13 @@ from importlib import resources
 import torch
 from torch import Tensor
 
+# The names `stop_after` accepts: a layer's phases in the order phases/stack.cuh runs them
+# ("mlp_in": gate/up + SiLU, the K_GU phase's output).
 PHASES = ("qkv", "attention", "o_proj", "mlp_in", "down")
+
+
+# ---------------------------------------------------------------------------------------------
+# phases/matvec.cuh (mk_matvec.cuh): a matrix phase's operand, RMSNorm in fp32, and its dot products
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -28,6 +53,25 @@ def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
 
 def matvec(w: Tensor, x: Tensor) -> Tensor:
     return w.float() @ x
+
+
+# ---------------------------------------------------------------------------------------------
+# phases/stack.cuh: the q/k/v phase (K_QKV), a matrix phase on the normed residual
+
+
+def qkv(layer, x_in: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The raw q [H, 128], k and v [KV, 128] projections of the layer's normed input."""
+    a = layer.self_attn
+    H, KV, HD = a.num_heads, a.num_kv_heads, a.head_dim
+    n = rms_norm(x_in, layer.input_layernorm.weight, eps)
+    q = matvec(a.q_proj.weight, n).view(H, HD)
+    k = matvec(a.k_proj.weight, n).view(KV, HD)
+    v = matvec(a.v_proj.weight, n).view(KV, HD)
+    return q, k, v
+
+
+# ---------------------------------------------------------------------------------------------
+# phases/attention.cuh (mk_attention.cuh): QK-norm + RoPE, the K/V append, softmax over the cache
 
 
 def inv_freq(theta: float, device, head_dim: int = 128) -> Tensor:
@@ -43,19 +87,13 @@ def rope(x: Tensor, pos: int, inv_freq: Tensor) -> Tensor:
     return x * ang.cos() + rot * ang.sin()
 
 
-@torch.no_grad()
-def layer_step(layer, x_in: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int, inv_freq: Tensor, eps: float,
-               stop_after: str | None = None) -> Tensor:
-    """One decoder layer at one position. x_in: fp32 [D]; caches fp32 [KV, max_pos, 128] (this
-    layer) are appended at `pos`. Returns the new residual (or the named phase's output)."""
-    a, mlp = layer.self_attn, layer.mlp
+def attention(layer, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int,
+              inv_freq: Tensor, eps: float) -> Tensor:
+    """The attention phase (K_ATTN) at `pos`: QK-norm and RoPE of the raw q/k, k and v appended to
+    the layer's caches [KV, max_pos, 128], softmax attention over positions 0..pos. Returns the
+    heads' outputs, flattened [H * 128]."""
+    a = layer.self_attn
     H, KV, HD = a.num_heads, a.num_kv_heads, a.head_dim
-    n = rms_norm(x_in, layer.input_layernorm.weight, eps)
-    q = matvec(a.q_proj.weight, n).view(H, HD)
-    k = matvec(a.k_proj.weight, n).view(KV, HD)
-    v = matvec(a.v_proj.weight, n).view(KV, HD)
-    if stop_after == "qkv":
-        return torch.cat([q.flatten(), k.flatten(), v.flatten()])
     qn, kn = rms_norm(q, a.q_norm.weight, eps), rms_norm(k, a.k_norm.weight, eps)
     q, k = rope(qn, pos, inv_freq), rope(kn, pos, inv_freq)
     k_cache[:, pos] = k
@@ -63,18 +101,58 @@ def layer_step(layer, x_in: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int, 
     keys, values = k_cache[:, : pos + 1].float(), v_cache[:, : pos + 1].float()
     rep = H // KV
     scores = torch.einsum("hd,htd->ht", q, keys.repeat_interleave(rep, 0)) / HD**0.5
-    attn = torch.einsum("ht,htd->hd", scores.softmax(-1), values.repeat_interleave(rep, 0)).flatten()
-    if stop_after == "attention":
-        return attn
-    resid = x_in + matvec(a.o_proj.weight, attn)
-    if stop_after == "o_proj":
-        return resid
+    return torch.einsum("ht,htd->hd", scores.softmax(-1), values.repeat_interleave(rep, 0)).flatten()
+
+
+# ---------------------------------------------------------------------------------------------
+# phases/stack.cuh: the o_proj phase (K_O), o_proj plus the residual
+
+
+def o_proj(layer, x_in: Tensor, attn: Tensor) -> Tensor:
+    """The residual after attention."""
+    return x_in + matvec(layer.self_attn.o_proj.weight, attn)
+
+
+# ---------------------------------------------------------------------------------------------
+# phases/mlp.cuh: gate/up + SiLU (K_GU) and down (K_DOWN; split over the gate/up units with
+# qmk_stack.split_down, the same sum in another order)
+
+
+def gate_up(layer, resid: Tensor, eps: float) -> Tensor:
+    """The MLP's activations silu(gate) * up of the normed residual after attention."""
+    mlp = layer.mlp
     n = rms_norm(resid, layer.post_attention_layernorm.weight, eps)
     g, u = matvec(mlp.gate_proj.weight, n), matvec(mlp.up_proj.weight, n)
-    act = g * torch.sigmoid(g) * u
+    return g * torch.sigmoid(g) * u
+
+
+def down(layer, resid: Tensor, act: Tensor) -> Tensor:
+    """The layer's output: the residual after attention plus the down projection."""
+    return resid + matvec(layer.mlp.down_proj.weight, act)
+
+
+# ---------------------------------------------------------------------------------------------
+# phases/stack.cuh: a stack's layers at one position, phase after phase (run_stack)
+
+
+@torch.no_grad()
+def layer_step(layer, x_in: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int, inv_freq: Tensor, eps: float,
+               stop_after: str | None = None) -> Tensor:
+    """One decoder layer at one position. x_in: fp32 [D]; caches fp32 [KV, max_pos, 128] (this
+    layer) are appended at `pos`. Returns the new residual (or the named phase's output)."""
+    q, k, v = qkv(layer, x_in, eps)
+    if stop_after == "qkv":
+        return torch.cat([q.flatten(), k.flatten(), v.flatten()])
+    attn = attention(layer, q, k, v, k_cache, v_cache, pos, inv_freq, eps)
+    if stop_after == "attention":
+        return attn
+    resid = o_proj(layer, x_in, attn)
+    if stop_after == "o_proj":
+        return resid
+    act = gate_up(layer, resid, eps)
     if stop_after == "mlp_in":
         return act
-    return resid + matvec(mlp.down_proj.weight, act)
+    return down(layer, resid, act)
 
 
 @torch.no_grad()
@@ -90,11 +168,165 @@ def stack_step(stack, x: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int, inv
     return x, rms_norm(x, stack.norm.weight, eps)
 
 
+# ---------------------------------------------------------------------------------------------
+# phases/frame.cuh: a frame (qmk_frame_kernel): talker step, codec head, code 0, the predictor's
+# passes with their heads, the next talker input
+
+
+class ReplicaDecoder:
+    """Greedy frames through the replica: talker step, codec head, spec §6 processing, 15
+    predictor passes (run as 16 single positions, like the kernel), next input, all fp32. Starts
+    from a prefill (fp32 KV cache + post-norm hidden), as the megakernel backend does. Its methods
+    are the frame's phases, in the kernel's order (decode_frame)."""
+
+    def __init__(self, talker, k_cache: Tensor, v_cache: Tensor, length: int, hidden: Tensor, trailing: Tensor,
+                 pad_vec: Tensor, min_new_tokens: int = 2, repetition_penalty: float = 1.05):
+        self.t = talker
+        self.k = k_cache.to(torch.float32, copy=True)
+        self.v = v_cache.to(torch.float32, copy=True)
+        self.length = length
+        self.hidden = hidden.float()
+        self.trailing, self.pad_vec = trailing, pad_vec
+        cp = talker.code_predictor
+        ps = cp.cfg.stack
+        shape = (ps.num_layers, ps.num_kv_heads, cp.cfg.num_code_groups, ps.head_dim)
+        self.pk = torch.zeros(shape, device=k_cache.device, dtype=torch.float32)
+        self.pv = torch.zeros_like(self.pk)
+        self.freq_t = inv_freq(talker.cfg.stack.rope_theta, k_cache.device)
+        self.freq_p = inv_freq(ps.rope_theta, k_cache.device)
+        self.seen = torch.zeros(talker.cfg.vocab_size, dtype=torch.bool, device=k_cache.device)
+        self.frame = 0
+        self.pending: Tensor | None = None
+        self.min_new, self.penalty = min_new_tokens, repetition_penalty
+        self.pred_hidden = torch.zeros((cp.cfg.num_code_groups, ps.hidden_size), device=k_cache.device)
+
+    def talker_step(self) -> None:
+        """The talker's layers at the next position (run_stack / run_talker_fused), from the
+        previous frame's next input; the first frame's hidden is the prefill's."""
+        if self.frame > 0:
+            _, self.hidden = stack_step(self.t.model, self.pending, self.k, self.v, self.length, self.freq_t)
+            self.length += 1
+
+    def codec_head(self) -> Tensor:
+        """The codec head phase (K_HEAD_T): code 0's logits."""
+        return matvec(self.t.codec_head.weight, self.hidden)
+
+    def talker_rules(self, logits: Tensor) -> Tensor:
+        """Spec §6 on code 0's logits, as the kernel's sampling applies them (mk_sample.cuh
+        TalkerRules): repetition penalty on seen ids, no EOS before min_new_tokens, the control ids
+        other than EOS suppressed."""
+        cfg = self.t.cfg
+        logits = torch.where(self.seen, torch.where(logits < 0, logits * self.penalty, logits / self.penalty), logits)
+        if self.frame < self.min_new:
+            logits[cfg.codec_eos_id] = float("-inf")
+        logits[cfg.vocab_size - 1024:] = torch.where(
+            torch.arange(cfg.vocab_size - 1024, cfg.vocab_size, device=logits.device) == cfg.codec_eos_id,
+            logits[cfg.vocab_size - 1024:], torch.full_like(logits[cfg.vocab_size - 1024:], float("-inf")))
+        return logits
+
+    def project(self, x: Tensor) -> Tensor:
+        """The projection phase (K_PROJ): a pass's input to the predictor's width (the 1.7B's)."""
+        proj = self.t.code_predictor.small_to_mtp_projection
+        if isinstance(proj, torch.nn.Identity):
+            return x
+        return matvec(proj.weight, x) + proj.bias.float()
+
+    def predictor_pass(self, p: int, fed: list[int]) -> Tensor:
+        """Predictor pass p at position p: its input (the talker hidden for pass 0, else the
+        embedding of the code fed back for group p - 1), projected, through the predictor's layers;
+        returns the post-norm hidden."""
+        t, cp = self.t, self.t.code_predictor
+        if p == 0:
+            src = self.hidden
+        elif p == 1:
+            src = t.model.codec_embedding.weight[fed[0]].float()
+        else:
+            src = cp.model.codec_embedding[p - 2].weight[fed[p - 1]].float()
+        _, h = stack_step(cp.model, self.project(src), self.pk, self.pv, p, self.freq_p)
+        return h
+
+    def lm_head(self, p: int, h: Tensor) -> Tensor:
+        """Pass p's head phase (K_HEAD_P): code group p's logits."""
+        return matvec(self.t.code_predictor.lm_head[p - 1].weight, h)
+
+    def publish_frame(self, fed: list[int]) -> None:
+        """The next talker input (publish_frame): the fed codes' embeddings summed in
+        Talker.embed_frames' order (code 0's row, then groups 1..15), then the text vector."""
+        t, cp = self.t, self.t.code_predictor
+        total = t.model.codec_embedding.weight[fed[0]].float()
+        for g in range(1, t.cfg.num_code_groups):
+            total = total + cp.model.codec_embedding[g - 1].weight[fed[g]].float()
+        text = self.trailing[self.frame] if self.frame < self.trailing.shape[0] else self.pad_vec
+        self.pending = total + text.float()
+
+    @torch.no_grad()
+    def decode_frame(self, force: Tensor | None = None) -> Tensor:
+        self.talker_step()
+        logits = self.talker_rules(self.codec_head())
+        codes = [int(torch.argmax(logits))]
+        fed = [int(force[0]) if force is not None else codes[0]]
+        self.seen[fed[0]] = True
+        for p in range(self.t.cfg.num_code_groups):
+            h = self.predictor_pass(p, fed)
+            if p == 0:
+                continue
+            self.pred_hidden[p] = h
+            c = int(torch.argmax(self.lm_head(p, h)))
+            codes.append(c)
+            fed.append(int(force[p]) if force is not None else c)
+        self.publish_frame(fed)
+        self.frame += 1
+        return torch.tensor(codes, device=self.hidden.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# mk_sample.cuh (and mk_util.cuh: uniform01): the kernel's sampling draw
+
+M64 = (1 << 64) - 1
+
+
+def splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def kernel_uniform(seed: int, frame: int, group: int) -> float:
+    """The counter-based uniform every block draws for (seed, frame, group): exact in float64."""
+    z = splitmix64((seed & M64) ^ splitmix64((frame << 8) | group))
+    return (z >> 40) / 16777216.0
+
+
+def inverse_cdf_draw(warped: Tensor, u: float) -> tuple[int, float]:
+    """The first id, in id order, whose running mass exceeds u * total, over softmax weights of
+    the finite entries of `warped` (logits after temperature and top-k), in float64. Also returns
+    how close u * total lies to the nearest running-mass boundary, as a fraction of the total: the
+    kernel sums in float32, so only a draw that close to a boundary may land one id over."""
+    x = warped.double()
+    keep = torch.isfinite(x)
+    p = torch.where(keep, torch.exp(x - x[keep].max()), torch.zeros_like(x))
+    cum = torch.cumsum(p, 0)
+    total = float(cum[-1])
+    r = u * total
+    idx = int(torch.searchsorted(cum, torch.tensor([r], dtype=cum.dtype, device=cum.device), right=True)[0])
+    idx = min(idx, int(keep.nonzero().max()))
+    margin = float((cum[keep] - r).abs().min()) / total
+    return idx, margin
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel against the fp32 PyTorch path (shared by tests/test_megakernel.py and
+# bench/megakernel_check.py)
+
+PROMPT_LEN = 12
+
+
 @torch.no_grad()
 def torch_predictor_hidden(talker, h: Tensor, codes: Tensor) -> Tensor:
     """The torch modules' own post-norm predictor hidden states [16, Dp] for a frame with the given
     codes, computed in h's dtype (the fp32 reference of the kernel's `pred_hidden`)."""
-    from pipecat_qwen_fast.layers import KVCache
+    from pipecat_qwen_fast.model.layers import KVCache
 
     cp = talker.code_predictor
     cache = KVCache(cp.cfg.stack, cp.cfg.num_code_groups, h.device, h.dtype)
@@ -104,13 +336,6 @@ def torch_predictor_hidden(talker, h: Tensor, codes: Tensor) -> Tensor:
         e = cp.model.codec_embedding[g - 2](codes[g - 1].view(1))
         outs.append(cp.model(cp.small_to_mtp_projection(e), cache))
     return torch.cat(outs)
-
-
-# ---------------------------------------------------------------------------------------------
-# Kernel against the fp32 PyTorch path (shared by tests/test_megakernel.py and
-# bench/megakernel_check.py)
-
-PROMPT_LEN = 12
 
 
 def rel_err(a: Tensor, b: Tensor) -> float:
@@ -170,116 +395,6 @@ def teacher_forced(tb, mb, talker32, params, frames: int) -> dict:
             "predictor_hidden_rel_err_max": worst_p, "argmax_agreement": agree / total}
 
 
-class ReplicaDecoder:
-    """Greedy frames through the replica: talker step, codec head, spec §6 processing, 15
-    predictor passes (run as 16 single positions, like the kernel), next input, all fp32. Starts
-    from a prefill (fp32 KV cache + post-norm hidden), as the megakernel backend does."""
-
-    def __init__(self, talker, k_cache: Tensor, v_cache: Tensor, length: int, hidden: Tensor, trailing: Tensor,
-                 pad_vec: Tensor, min_new_tokens: int = 2, repetition_penalty: float = 1.05):
-        self.t = talker
-        self.k = k_cache.to(torch.float32, copy=True)
-        self.v = v_cache.to(torch.float32, copy=True)
-        self.length = length
-        self.hidden = hidden.float()
-        self.trailing, self.pad_vec = trailing, pad_vec
-        cp = talker.code_predictor
-        ps = cp.cfg.stack
-        shape = (ps.num_layers, ps.num_kv_heads, cp.cfg.num_code_groups, ps.head_dim)
-        self.pk = torch.zeros(shape, device=k_cache.device, dtype=torch.float32)
-        self.pv = torch.zeros_like(self.pk)
-        self.freq_t = inv_freq(talker.cfg.stack.rope_theta, k_cache.device)
-        self.freq_p = inv_freq(ps.rope_theta, k_cache.device)
-        self.seen = torch.zeros(talker.cfg.vocab_size, dtype=torch.bool, device=k_cache.device)
-        self.frame = 0
-        self.pending: Tensor | None = None
-        self.min_new, self.penalty = min_new_tokens, repetition_penalty
-        self.pred_hidden = torch.zeros((cp.cfg.num_code_groups, ps.hidden_size), device=k_cache.device)
-
-    def project(self, x: Tensor) -> Tensor:
-        proj = self.t.code_predictor.small_to_mtp_projection
-        if isinstance(proj, torch.nn.Identity):
-            return x
-        return matvec(proj.weight, x) + proj.bias.float()
-
-    @torch.no_grad()
-    def decode_frame(self, force: Tensor | None = None) -> Tensor:
-        t, cfg = self.t, self.t.cfg
-        if self.frame > 0:
-            _, self.hidden = stack_step(t.model, self.pending, self.k, self.v, self.length, self.freq_t)
-            self.length += 1
-        logits = matvec(t.codec_head.weight, self.hidden)
-        logits = torch.where(self.seen, torch.where(logits < 0, logits * self.penalty, logits / self.penalty), logits)
-        if self.frame < self.min_new:
-            logits[cfg.codec_eos_id] = float("-inf")
-        logits[cfg.vocab_size - 1024:] = torch.where(
-            torch.arange(cfg.vocab_size - 1024, cfg.vocab_size, device=logits.device) == cfg.codec_eos_id,
-            logits[cfg.vocab_size - 1024:], torch.full_like(logits[cfg.vocab_size - 1024:], float("-inf")))
-        codes = [int(torch.argmax(logits))]
-        fed = [int(force[0]) if force is not None else codes[0]]
-        self.seen[fed[0]] = True
-        cp = t.code_predictor
-        G = cfg.num_code_groups
-        for p in range(G):
-            if p == 0:
-                src = self.hidden
-            elif p == 1:
-                src = t.model.codec_embedding.weight[fed[0]].float()
-            else:
-                src = cp.model.codec_embedding[p - 2].weight[fed[p - 1]].float()
-            _, h = stack_step(cp.model, self.project(src), self.pk, self.pv, p, self.freq_p)
-            if p == 0:
-                continue
-            self.pred_hidden[p] = h
-            c = int(torch.argmax(matvec(cp.lm_head[p - 1].weight, h)))
-            codes.append(c)
-            fed.append(int(force[p]) if force is not None else c)
-        # Talker.embed_frames' order: code 0's row, then groups 1..15, then the text vector.
-        total = t.model.codec_embedding.weight[fed[0]].float()
-        for g in range(1, G):
-            total = total + cp.model.codec_embedding[g - 1].weight[fed[g]].float()
-        text = self.trailing[self.frame] if self.frame < self.trailing.shape[0] else self.pad_vec
-        self.pending = total + text.float()
-        self.frame += 1
-        return torch.tensor(codes, device=self.hidden.device)
-
-
-# ---------------------------------------------------------------------------------------------
-# The kernel's sampling draw (cuda/mk_sample.cuh, cuda/mk_util.cuh: uniform01)
-
-M64 = (1 << 64) - 1
-
-
-def splitmix64(z: int) -> int:
-    z = (z + 0x9E3779B97F4A7C15) & M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
-    return z ^ (z >> 31)
-
-
-def kernel_uniform(seed: int, frame: int, group: int) -> float:
-    """The counter-based uniform every block draws for (seed, frame, group): exact in float64."""
-    z = splitmix64((seed & M64) ^ splitmix64((frame << 8) | group))
-    return (z >> 40) / 16777216.0
-
-
-def inverse_cdf_draw(warped: Tensor, u: float) -> tuple[int, float]:
-    """The first id, in id order, whose running mass exceeds u * total, over softmax weights of
-    the finite entries of `warped` (logits after temperature and top-k), in float64. Also returns
-    how close u * total lies to the nearest running-mass boundary, as a fraction of the total: the
-    kernel sums in float32, so only a draw that close to a boundary may land one id over."""
-    x = warped.double()
-    keep = torch.isfinite(x)
-    p = torch.where(keep, torch.exp(x - x[keep].max()), torch.zeros_like(x))
-    cum = torch.cumsum(p, 0)
-    total = float(cum[-1])
-    r = u * total
-    idx = int(torch.searchsorted(cum, torch.tensor([r], dtype=cum.dtype, device=cum.device), right=True)[0])
-    idx = min(idx, int(keep.nonzero().max()))
-    margin = float((cum[keep] - r).abs().min()) / total
-    return idx, margin
-
-
 # ---------------------------------------------------------------------------------------------
 # Random full-size checkpoints (speed does not depend on values; zeros would hide bugs)
 
@@ -297,7 +412,7 @@ def random_talker(size: str = "0.6b", device: str | torch.device = "cuda", seed:
                   scaled_residual: bool = True):
     """A `Talker` with N(0, 0.02) matrices, N(0, 1)-ish embeddings scaled like real ones, and norm
     weights in [0.5, 1.5]. zero_eos zeroes the EOS row of the codec head so greedy runs never stop."""
-    from pipecat_qwen_fast.talker import Talker
+    from pipecat_qwen_fast.model.talker import Talker
 
     cfg = model_config(size)
     with torch.device("meta"):
