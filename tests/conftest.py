@@ -96,6 +96,28 @@ def tiny_checkpoint() -> Callable[..., Path]:
     return make
 
 
+@pytest.fixture(scope="session")
+def megakernel_library() -> Callable[..., Path]:
+    """Factory: megakernel_library(arch, defines=None) -> Path of libqwen_mk.so for `arch` ("sm_80",
+    "sm_90"), built once per session through the backend's own cache (keyed by the kernel's
+    sources and flags), so an unchanged kernel is not rebuilt on the next run either, and a GPU
+    run's first use finds the same file. `defines` sets QWEN_FAST_MK_DEFINES for that build (a
+    variant, with its own cache entry)."""
+    from pipecat_qwen_fast.backends import megakernel as mk
+
+    built: dict[tuple, Path] = {}
+
+    def make(arch: str, defines: str | None = None) -> Path:
+        if (arch, defines) not in built:
+            with pytest.MonkeyPatch.context() as mp:
+                if defines is not None:
+                    mp.setenv("QWEN_FAST_MK_DEFINES", defines)
+                built[arch, defines] = mk.build_library(arch)
+        return built[arch, defines]
+
+    return make
+
+
 @pytest.fixture
 def finite_model(tiny_checkpoint) -> Path:
     """Tiny CustomVoice checkpoint; random weights end utterances at random (EOS)."""
