@@ -28,7 +28,7 @@ try:
     from pipecat.frames.frames import ErrorFrame, Frame, StartFrame, TTSAudioRawFrame
     from pipecat.processors.frame_processor import FrameProcessorSetup
     from pipecat.services.settings import TTSSettings
-    from pipecat.services.tts_service import TTSService
+    from pipecat.services.tts_service import TextAggregationMode, TTSService
     from pipecat.transcriptions.language import Language, resolve_language
     from pipecat.utils.tracing.service_decorators import traced_tts
     from pipecat.utils.types import NOT_GIVEN, NotGiven
@@ -41,7 +41,13 @@ except ModuleNotFoundError as e:  # pragma: no cover - depends on the install
 
 from pipecat_qwen_fast.config import DEFAULT_MODEL
 from pipecat_qwen_fast.engine.service import EngineService, ServiceHandle, SynthesisStream
-from pipecat_qwen_fast.errors import EngineClosedError, ModelLoadError, QwenTTSError
+from pipecat_qwen_fast.errors import (
+    EngineClosedError,
+    InvalidInputError,
+    ModelLoadError,
+    QwenTTSError,
+)
+from pipecat_qwen_fast.tts_turns import TokenTurns
 
 # The first utterance after a cold start can take seconds (CUDA context, kernel warm-up, CPU
 # fallback); Pipecat's 3 s default would close the audio context before its first audio arrives.
@@ -87,13 +93,17 @@ class QwenFastTTSSettings(TTSSettings):
     instruct: str | None | NotGiven = field(default_factory=lambda: NOT_GIVEN)
 
 
-class QwenFastTTSService(TTSService):
+class QwenFastTTSService(TokenTurns, TTSService):
     """Pipecat TTS service running Qwen3-TTS in-process on the pipecat-qwen-fast engine.
 
     Audio is int16 mono, produced at the engine's 24 kHz and resampled to the pipeline's output
     rate. The model loads on the engine's own thread when the pipeline starts, so the event loop
     is never blocked. An interruption stops the engine's work for the interrupted context before
     its next frame.
+
+    With ``text_aggregation_mode=TextAggregationMode.TOKEN`` each assistant turn is one
+    dual-track engine session fed token by token as the LLM writes (tts_turns.py), and word
+    timestamps go through the base class; sentence mode synthesizes each sentence on its own.
     """
 
     Settings = QwenFastTTSSettings
@@ -143,6 +153,17 @@ class QwenFastTTSService(TTSService):
             settings: Runtime-updatable settings (model, voice, language, instruct).
             **kwargs: Passed to Pipecat's ``TTSService`` (sample_rate, text_transforms, ...).
         """
+        token_mode = kwargs.get("text_aggregation_mode") == TextAggregationMode.TOKEN or (
+            kwargs.get("aggregate_sentences") is False
+        )
+        if token_mode and text_mode not in (None, "dual_track"):
+            raise InvalidInputError(
+                "token mode streams each turn into one dual-track session; "
+                f"text_mode={text_mode!r} needs sentence mode"
+            )
+        # Token mode times words through the base class (add_word_timestamps); sentence mode
+        # pushes each sentence's text after its audio.
+        kwargs.setdefault("push_text_frames", not token_mode)
         default_settings = self.Settings(
             model=DEFAULT_MODEL, voice=None, language="auto", instruct=None
         )
@@ -169,6 +190,7 @@ class QwenFastTTSService(TTSService):
         }
         self._services = ServiceHandle(engine_service, device=device, dtype=dtype, backend=backend)
         self._streams: dict[str, set[SynthesisStream]] = {}
+        self._init_token_turns()
 
     @property
     def engine_service(self) -> EngineService | None:
@@ -263,6 +285,10 @@ class QwenFastTTSService(TTSService):
             text: The sentence to speak.
             context_id: The audio context this sentence belongs to.
         """
+        if self._is_streaming_tokens:
+            async for frame in self._run_tts_token(text, context_id):
+                yield frame
+            return
         service = await self._wait_for_service()
         if service is None:
             return
