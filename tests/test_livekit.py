@@ -77,14 +77,15 @@ async def _collect(stream):
 
 
 async def test_stream_flush_closes_a_segment_spoken_sentence_by_sentence(endless_model, caplog):
-    """Each flush closes one segment; sentences inside a segment are separate engine requests.
+    """With streaming_text=False, each flush closes one segment; sentences inside a segment are
+    separate engine requests (streamed text: tests/test_livekit_streamed.py).
 
     LiveKit 1.8.9 accepts one segment per SynthesizeStream: text pushed after the first flush is
     dropped by the framework (with a deprecation warning) before it reaches the plugin. The
     second flush below checks that the plugin then still emits exactly the segments LiveKit
     counted, so the base class's "number of segments mismatch" check passes.
     """
-    tts = await make_tts(endless_model, max_frames=4)
+    tts = await make_tts(endless_model, max_frames=4, streaming_text=False)
     service = await get_shared_service(endless_model, **CPU)
     metrics: list[TTSMetrics] = []
     tts.on("metrics_collected", metrics.append)

@@ -32,6 +32,7 @@ from pipecat_qwen_fast.errors import EngineClosedError, InvalidInputError, QwenT
 
 from .log import logger
 from .models import DEFAULT_MODEL, TTSBackends, TTSLanguages, TTSModels, TTSVoices
+from .streamed import run_streamed_text
 
 NUM_CHANNELS = 1
 
@@ -56,6 +57,7 @@ class TTS(tts.TTS):
         max_frames: int | None = None,
         engine_service: EngineService | None = None,
         sentence_tokenizer: NotGivenOr[tokenize.SentenceTokenizer] = NOT_GIVEN,
+        streaming_text: bool = True,
     ) -> None:
         """Create a Qwen3-TTS text-to-speech for LiveKit Agents.
 
@@ -80,10 +82,20 @@ class TTS(tts.TTS):
                 ``chunk_frames``.
             max_frames: Cap on frames per utterance; None uses the model's limit.
             engine_service: Use this EngineService instead of the process-wide shared one.
-            sentence_tokenizer: Splits streamed text into sentences (default: blingfire).
+            sentence_tokenizer: Splits streamed text into sentences (default: blingfire) when
+                ``streaming_text`` is off.
+            streaming_text: ``stream()`` feeds the pushed text into one dual-track engine session
+                per stream as it arrives, with a timed transcript (``aligned_transcript``);
+                False synthesizes it sentence by sentence, each sentence its own request.
         """
+        if streaming_text and text_mode not in (None, "dual_track"):
+            raise InvalidInputError(
+                f"streaming_text feeds one dual-track session per stream; text_mode={text_mode!r} "
+                "needs streaming_text=False"
+            )
+        self._streaming_text = streaming_text
         super().__init__(
-            capabilities=tts.TTSCapabilities(streaming=True),
+            capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=streaming_text),
             sample_rate=SAMPLE_RATE,
             num_channels=NUM_CHANNELS,
         )
@@ -232,7 +244,9 @@ class ChunkedStream(tts.ChunkedStream):
 
 
 class SynthesizeStream(tts.SynthesizeStream):
-    """Streamed text in; each flush closes one segment, synthesized sentence by sentence."""
+    """Streamed text in: one engine session per stream fed as the text arrives (streamed.py),
+    or with ``streaming_text=False`` each flush closes one segment, synthesized sentence by
+    sentence."""
 
     def __init__(self, *, tts: TTS, conn_options: APIConnectOptions) -> None:
         super().__init__(tts=tts, conn_options=conn_options)
@@ -241,6 +255,9 @@ class SynthesizeStream(tts.SynthesizeStream):
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
         _initialize_output(output_emitter, stream=True)
+        if self._tts._streaming_text:
+            await run_streamed_text(self, output_emitter)
+            return
         segments = utils.aio.Chan[tokenize.SentenceStream]()
         opened: list[tokenize.SentenceStream] = []
 
