@@ -11,6 +11,8 @@ are merged into `results.json` and `results.md` in --out.
 
 `qwen-fast-tts bench fleet ...` is the fleet benchmark instead: many voice-agent callers on one
 engine (pipecat_qwen_fast/bench/fleet.py; `qwen-fast-tts bench fleet --help`).
+`qwen-fast-tts bench streaming-text ...`: first audio after an LLM's first token, sentence mode
+against token mode in Pipecat and LiveKit (pipecat_qwen_fast/bench/streaming_text.py).
 """
 
 from __future__ import annotations
@@ -150,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         from pipecat_qwen_fast.bench.startup import main as startup_main
 
         return startup_main(argv[1:])
+    if argv[:1] == ["streaming-text"]:
+        from pipecat_qwen_fast.bench.streaming_text import main as streaming_text_main
+
+        return streaming_text_main(argv[1:])
     if argv[:1] == ["fleet"]:
         from pipecat_qwen_fast.bench.fleet import main as fleet_main
 
