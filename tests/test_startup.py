@@ -142,3 +142,35 @@ def test_staged_load_of_a_truncated_file_is_a_load_error(tiny_checkpoint, tmp_pa
     broken.write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelLoadError, match="cannot load weights"):
         load_state_dict_staged(broken, device="cpu", prefix="talker.")
+
+
+def test_service_runs_deferred_warmup_while_idle_and_serves_meanwhile(tiny_checkpoint):
+    import threading
+
+    from pipecat_qwen_fast import EngineService, SynthesisRequest
+
+    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint(), device="cpu", progress=False)
+    ran: list[str] = []
+    gate = threading.Event()
+    # Two queued steps: the first waits until a request was served, so the test sees the engine
+    # thread serve a call between two background steps, and finish them once idle again.
+    engine._warmup.pending.extend([("first", lambda: (gate.wait(30), ran.append("first"))),
+                                   ("second", lambda: ran.append("second"))])
+    assert not engine.fully_warm
+    gate.set()
+
+    async def main():
+        async with EngineService.for_engine(engine) as service:
+            pcm = await service.synthesize(SynthesisRequest("Hello.", greedy=True, max_frames=3))
+            for _ in range(300):
+                if engine.fully_warm:
+                    break
+                await asyncio.sleep(0.05)
+            return pcm
+
+    import asyncio
+
+    pcm = asyncio.run(main())
+    assert len(pcm) == 3 * 1920
+    assert ran == ["first", "second"] and engine.fully_warm
+

@@ -24,7 +24,12 @@ from torch import Tensor
 
 from pipecat_qwen_fast.model.layers import DecoderLayer, rotary_cos_sin
 from pipecat_qwen_fast.model.talker import Talker
-from pipecat_qwen_fast.utils.cuda_graphs import GraphCapturer, compile_blocker, recompile_limit
+from pipecat_qwen_fast.utils.cuda_graphs import (
+    GraphCapturer,
+    compile_blocker,
+    plain_only,
+    recompile_limit,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +76,7 @@ class PrefillGraphs:
         self.compile = compile
         self._compiled: Callable | None = None
         self.compile_s = 0.0  # seconds the compiled step took to compile and run, over all buckets
+        self.plain_buckets: set[int] = set()  # captured plain inside plain_first(), to compile later
 
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if n <= b), None)
@@ -120,6 +126,13 @@ class PrefillGraphs:
             if bucket not in self.entries:
                 self._capture(bucket)
 
+    @torch.no_grad()
+    def compile_plain(self) -> None:
+        """Recapture the buckets captured plain (plain_first) from the compiled layer step."""
+        for bucket in sorted(self.plain_buckets):
+            self._capture(bucket)
+        self.plain_buckets.clear()
+
     def _body(self, e: dict, step: Callable = prefill_layer) -> None:
         stack = self.talker.model
         x = e["embeds"]
@@ -142,7 +155,9 @@ class PrefillGraphs:
         e = self.prepare(bucket)
         if self.capturer is not None:
             step: Callable = prefill_layer
-            if self.compile:
+            if self.compile and plain_only():
+                self.plain_buckets.add(bucket)
+            elif self.compile:
                 try:
                     t0 = time.perf_counter()
                     step = self._compiled_layer(e)

@@ -8,6 +8,7 @@ path). A failure names the phase path and the cause (ModelLoadError).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -24,6 +25,7 @@ from pipecat_qwen_fast.checkpoints import load as checkpoint
 from pipecat_qwen_fast.errors import InvalidInputError
 from pipecat_qwen_fast.model.talker import Qwen3TTSModel
 from pipecat_qwen_fast.utils.cache import use_compile_caches
+from pipecat_qwen_fast.utils.cuda_graphs import plain_first
 from pipecat_qwen_fast.utils.phases import PhaseLog, phase
 from pipecat_qwen_fast.vocoder.vocoder import Vocoder
 
@@ -78,7 +80,9 @@ def load_engine(
             # Inference only: parameters loaded with assign=True would otherwise require grad, and
             # a call outside no_grad (graph capture at warm-up) would keep every activation alive.
             net.requires_grad_(False).eval()
-        with phase("building the decode backend"):
+        with phase("building the decode backend"), plain_first() if defer_warmup else contextlib.nullcontext():
+            # Deferred warm-up: the megakernel's prefill graphs are captured plain here and
+            # compiled among the engine's background steps (engine/warmup.py).
             decode_backend = select_backend(backend, net, dev, dt)
         engine = cls(
             config=cfg, generation=gen, model=net, vocoder=voc, tokenizer=tok,

@@ -28,6 +28,7 @@ import torch
 from pipecat_qwen_fast.engine.request import SynthesisRequest, schedule_sizes
 from pipecat_qwen_fast.model.prompt import VoiceClonePrompt
 from pipecat_qwen_fast.model.sampling import SamplingParams
+from pipecat_qwen_fast.utils.cuda_graphs import plain_first
 from pipecat_qwen_fast.utils.phases import phase
 
 if TYPE_CHECKING:
@@ -49,13 +50,15 @@ class Warmup:
 
     @torch.no_grad()
     def start(self, defer: bool) -> None:
-        """Run what the first call needs; queue the rest (or run it too unless `defer`)."""
-        now, later = self.plan()
+        """Run what the first call needs; queue the rest (or run it too unless `defer`). Deferred,
+        the first call's graphs are captured plain (utils/cuda_graphs.plain_first) and their
+        compiled versions come first among the queued steps."""
+        now, later = self.plan(defer)
         backend = self.engine.backend
         if later and hasattr(backend, "bulk_ready"):
             backend.bulk_ready = False
         for name, step in now:
-            with phase(name):
+            with phase(name), plain_first() if defer else contextlib.nullcontext():
                 step()
         self.pending.extend(later)
         if not defer:
@@ -77,7 +80,7 @@ class Warmup:
         while self.step():
             pass
 
-    def plan(self) -> tuple[list[Step], list[Step]]:
+    def plan(self, defer: bool = False) -> tuple[list[Step], list[Step]]:
         e = self.engine
         backend = e.backend
         defaults = SamplingParams.from_defaults(e.generation)
@@ -90,12 +93,19 @@ class Warmup:
             # The batch backend alone (backend="torch"): its batch of one is the single call.
             now.append(("capturing the batch graphs", lambda: capture(params, (1,))))
         now.append(("preparing the engine thread", e.prepare_thread))
+        prefills = next((p for b in (backend, getattr(backend, "fast", None), getattr(backend, "bulk", None))
+                         if (p := getattr(b, "prefills", None)) is not None), None)
+        if defer and prefills is not None:
+            later.append(("compiled prefill graphs", prefills.compile_plain))
         if e.vocoder_graphs is not None:
             first = list(schedule_sizes(SynthesisRequest("")))
             now.append(("capturing the vocoder graphs", lambda: e.vocoder_graphs.capture(first)))
+            if defer:
+                later += [(f"compiled vocoder graph of {n} frames", lambda n=n: e.vocoder_graphs.compile_plain([n]))
+                          for n in first]
             # The tails a default stream may end on, and synthesize()'s 25.
             rest = [n for n in (*range(1, SynthesisRequest.max_chunk_frames + 1), 25) if n not in first]
-            later += [(f"vocoder graph of {n} frames", lambda n=n: e.vocoder_graphs.capture([n])) for n in rest]
+            later += [(f"vocoder graph of {n} frames", lambda n=n: self.vocoder_size(n)) for n in rest]
         if hybrid:
             now.append(("warm-up sessions (megakernel)", lambda: self.sessions(True)))
         else:
@@ -115,6 +125,14 @@ class Warmup:
             later.append(("warm-up sessions (batch)", lambda: self.sessions(False)))
             later.append(("the batch path is ready", lambda: setattr(backend, "bulk_ready", True)))
         return now, later
+
+    def vocoder_size(self, n: int) -> None:
+        """Size n's compiled graph: captured now, or recaptured if a stream captured it plain first."""
+        graphs = self.engine.vocoder_graphs
+        if n in graphs.entries:
+            graphs.compile_plain([n])
+        else:
+            graphs.capture([n])
 
     def sessions(self, place: bool | None) -> None:
         """A greedy and a sampled session, on one path of a backend that places calls (`place`)."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -38,6 +40,26 @@ class GraphCapturer:
         with torch.cuda.graph(graph, pool=self.pool):
             out = fn()
         return graph, out
+
+
+_PLAIN_FIRST: contextvars.ContextVar[bool] = contextvars.ContextVar("qwen_fast_plain_first", default=False)
+
+
+@contextlib.contextmanager
+def plain_first() -> Iterator[None]:
+    """Inside, graphs are captured from the plain (uncompiled) step, with no cuDNN algorithm
+    timing: a capture then costs a few milliseconds instead of seconds of tracing and compiling
+    (warm cache) or a minute (cold). Their owners remember them, and `compile_plain()` replaces
+    them with compiled ones later (engine/warmup.py: a fast start, full speed soon after)."""
+    token = _PLAIN_FIRST.set(True)
+    try:
+        yield
+    finally:
+        _PLAIN_FIRST.reset(token)
+
+
+def plain_only() -> bool:
+    return _PLAIN_FIRST.get()
 
 
 def compile_blocker(device: torch.device, env: str) -> str | None:

@@ -36,7 +36,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pipecat_qwen_fast.utils.cuda_graphs import GraphCapturer, compile_blocker, recompile_limit
+from pipecat_qwen_fast.utils.cuda_graphs import (
+    GraphCapturer,
+    compile_blocker,
+    plain_only,
+    recompile_limit,
+)
 from pipecat_qwen_fast.vocoder.stream import VocoderStream, copy_streams
 from pipecat_qwen_fast.vocoder.vocoder import Vocoder
 
@@ -105,6 +110,7 @@ class GraphedVocoder:
         self.compile_batched = compile_batched and reason is None
         self._batched: Callable | None = None  # batched entries' compiled step (compile_batched)
         self.compiled_sizes: set[int] = set()  # sizes whose graph holds compiled code
+        self.plain_sizes: set[int] = set()  # captured plain inside plain_first(), to compile later
 
     def decode_stream(self, codes: Tensor, stream: VocoderStream) -> Tensor:
         """Same result as `vocoder.decode_stream(codes, stream)` for batch-1 streams."""
@@ -241,10 +247,18 @@ class GraphedVocoder:
         )
         if self.capturer is not None:
             timed = self.cudnn_benchmark if isinstance(self.cudnn_benchmark, bool) else n in self.cudnn_benchmark
-            with _cudnn_benchmark(timed):
+            with _cudnn_benchmark(timed and not plain_only()):
                 self._capture(entry, n, warmup)
         self.entries[n] = entry
         return entry
+
+    @torch.no_grad()
+    def compile_plain(self, sizes: list[int] | None = None) -> None:
+        """Recapture sizes captured plain (plain_first) as warm-up would have: compiled, cuDNN timed."""
+        todo = [n for n in (sizes if sizes is not None else list(self.plain_sizes)) if n in self.plain_sizes]
+        for n in sorted(todo, key=lambda n: n not in self.compile_sizes):
+            self.plain_sizes.discard(n)
+            self._make(n, warmup=True)
 
     def _compiled_step(self, generic: bool) -> Callable:
         if generic:
@@ -262,6 +276,11 @@ class GraphedVocoder:
         per_shape = warmup and n in self.compile_sizes
         # After warm-up a size may only reuse the generic step's code, never compile.
         generic = not per_shape and self.compile_dynamic and n >= 2 and (warmup or self._generic is not None)
+        if plain_only() and (per_shape or generic):
+            self.plain_sizes.add(n)
+            per_shape = generic = False
+        elif not warmup and not generic and self.compile_dynamic and n >= 2:
+            self.plain_sizes.add(n)  # seen before the generic step exists: compiled when idle
         if per_shape or generic:
             stance = contextlib.nullcontext() if warmup else torch.compiler.set_stance("fail_on_recompile")
             try:
