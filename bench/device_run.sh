@@ -34,7 +34,7 @@ left() { echo $(( ${DEVICE_SECONDS:-570} - ($(date +%s) - t0) )); }
                        --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
             fleet-open) python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet-open" \
                             --mode open --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
-            gputests) timeout "$(( $(left) - 10 ))" python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+            gputests) timeout -s INT "$(( $(left) - 10 ))" python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
                           --junitxml "$out/gputests.xml" tests ;;
             *) echo "unknown step $step" ;;
         esac
