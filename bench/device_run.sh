@@ -6,7 +6,7 @@
 #   startup     qwen-fast-tts bench startup: cold, warm (and prepared) starts, phases timed
 #   fleet       qwen-fast-tts bench fleet, closed loop, with what is left of DEVICE_SECONDS
 #   fleet-open  the same, open loop
-#   gputests    the GPU tests (pytest -m gpu), junit XML
+#   gputests    the test files of the GPU paths (GPU_TESTS), junit XML
 # DEVICE_SECONDS (default 570) bounds the whole call from its start; STARTUP_RUNS picks the starts
 # (default cold,warm); FLEET_ARGS adds arguments to the fleet runs. Everything lands in $OUT.
 set -u
@@ -34,8 +34,12 @@ left() { echo $(( ${DEVICE_SECONDS:-570} - ($(date +%s) - t0) )); }
                        --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
             fleet-open) python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet-open" \
                             --mode open --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
-            gputests) timeout -s INT "$(( $(left) - 10 ))" python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
-                          --junitxml "$out/gputests.xml" tests ;;
+            # The test files that exercise the GPU paths (GPU_TESTS to change them); the machine's
+            # image has no pipecat or livekit, so the framework tests stay on the CPU.
+            gputests) timeout -s INT "$(( $(left) - 10 ))" python3 -m pytest -q -rs -p no:cacheprovider \
+                          --junitxml "$out/gputests.xml" ${GPU_TESTS:-tests/test_megakernel.py \
+                          tests/test_vocoder_graphs.py tests/test_prefill_graphs.py tests/test_graph_backend.py \
+                          tests/test_hybrid_backend.py tests/test_startup.py} ;;
             *) echo "unknown step $step" ;;
         esac
         echo "== step $step exit $? at $(( $(date +%s) - t0 )) s"
