@@ -61,7 +61,7 @@ def test_cpu_smoke_run_writes_json(endless_model, tmp_path):
     assert main(args) == 0
     result = json.loads((out / "streaming_text.json").read_text())
     assert result["llm_tokens"] > 20 and result["runs"] == 2
-    for framework in ("pipecat", "livekit"):
+    for framework in ("pipecat", "livekit", "engine"):
         for mode in ("sentence", "token"):
             row = result["frameworks"][framework][mode]["100"]
             assert row["errors"] == 0 and row["first_audio_ms"]["n"] == 2

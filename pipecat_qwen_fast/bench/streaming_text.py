@@ -9,6 +9,8 @@ fed as the tokens arrive):
   ``text_aggregation_mode`` SENTENCE or TOKEN; audio is timed as it leaves the TTS processor.
 * LiveKit: an ``AgentSession`` with a scripted ``llm.LLM`` and an audio output that timestamps
   each frame it receives; ``qwen_fast.TTS(streaming_text=False)`` (sentences) or the default.
+* engine: the EngineService alone (``--frameworks engine``, for a machine without the
+  frameworks): a text stream per turn, or a request per sentence.
 
 Per run: the time from the LLM's first token to the first audio sample at the framework's output,
 and the playback gap: audio played from its first sample in real time, how long the player would
@@ -39,7 +41,10 @@ REPLY = (
     "before noon. Is there anything else I can do for you today?"
 )
 MODES = ("sentence", "token")
-FRAMEWORKS = ("pipecat", "livekit")
+FRAMEWORKS = ("pipecat", "livekit", "engine")
+# Where a sentence ends for the engine-only measure's sentence mode (as a sentence aggregator
+# would see it: the punctuation, then the next token's whitespace).
+SENTENCE_END = (".", "!", "?")
 
 
 @dataclass
@@ -285,6 +290,70 @@ async def livekit_runs(
     return out
 
 
+# ------------------------------------------------------------------------------------ engine only
+
+
+async def engine_runs(
+    model: str,
+    placement: dict,
+    mode: str,
+    rate: float,
+    tokens: list[str],
+    runs: int,
+    max_frames: int | None,
+) -> list[dict]:
+    """The EngineService alone, no framework (for machines without Pipecat or LiveKit): token mode
+    appends each token to one text stream; sentence mode sends each sentence as its own request
+    once the token after its end arrives, one after another, as the frameworks do."""
+    from pipecat_qwen_fast.engine.request import SynthesisRequest
+    from pipecat_qwen_fast.engine.service import get_shared_service
+
+    service = await get_shared_service(model, **placement)
+    out = []
+    for i in range(runs + 1):
+        run = Run()
+        if mode == "token":
+            stream = service.open_text_stream(SynthesisRequest("", seed=1, max_frames=max_frames))
+
+            async def push(token: str, stream=stream) -> None:
+                stream.append(token)
+
+            async def feed(stream=stream, run=run) -> None:
+                await _paced(tokens, rate, run, push)
+                stream.end()
+
+            feeding = asyncio.create_task(feed())
+            async for chunk in stream:
+                run.audio.append((time.perf_counter(), chunk.duration_s))
+            await feeding
+        else:
+            sentences: asyncio.Queue[str | None] = asyncio.Queue()
+            pending = [""]
+
+            async def push(token: str, sentences=sentences, pending=pending) -> None:
+                if pending[0].rstrip().endswith(SENTENCE_END) and token[:1].isspace():
+                    sentences.put_nowait(pending[0].strip())
+                    pending[0] = ""
+                pending[0] += token
+
+            async def feed(run=run, sentences=sentences, pending=pending) -> None:
+                await _paced(tokens, rate, run, push)
+                if pending[0].strip():
+                    sentences.put_nowait(pending[0].strip())
+                sentences.put_nowait(None)
+
+            feeding = asyncio.create_task(feed())
+            while (sentence := await sentences.get()) is not None:
+                async for chunk in service.open_stream(
+                    SynthesisRequest(sentence, seed=1, max_frames=max_frames)
+                ):
+                    run.audio.append((time.perf_counter(), chunk.duration_s))
+            await feeding
+        if i:
+            out.append(run.result())
+    return out
+
+
 # ------------------------------------------------------------------------------------ main
 
 
@@ -308,7 +377,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto")
     p.add_argument("--rates", default="40,100", help="LLM tokens a second, comma list")
     p.add_argument("--runs", type=int, default=10, help="runs per framework, mode and rate")
-    p.add_argument("--frameworks", default=",".join(FRAMEWORKS))
+    p.add_argument(
+        "--frameworks",
+        default="pipecat,livekit,engine",
+        help="comma list of: pipecat, livekit, engine (no framework)",
+    )
     p.add_argument(
         "--max-frames",
         type=int,
@@ -348,7 +421,7 @@ async def measure(args: argparse.Namespace, model: str) -> dict:
         "max_frames": args.max_frames,
         "frameworks": {},
     }
-    measure_one = {"pipecat": pipecat_runs, "livekit": livekit_runs}
+    measure_one = {"pipecat": pipecat_runs, "livekit": livekit_runs, "engine": engine_runs}
     for framework in args.frameworks:
         for mode in MODES:
             for rate in args.rates:
