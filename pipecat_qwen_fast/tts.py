@@ -16,6 +16,7 @@ All services in a process that name the same model share one loaded engine and o
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -49,8 +50,10 @@ from pipecat_qwen_fast.errors import (
 )
 from pipecat_qwen_fast.tts_turns import TokenTurns
 
-# The first utterance after a cold start can take seconds (CUDA context, kernel warm-up, CPU
-# fallback); Pipecat's 3 s default would close the audio context before its first audio arrives.
+# How long Pipecat keeps an audio context open with no new audio. While the engine works on an
+# utterance the context is kept open whatever this is (run_tts refreshes it), so it only bounds the
+# waits for more text: a slow LLM between two sentences, or between two tokens in token mode, where
+# Pipecat's 3 s would close a turn's context in the middle.
 DEFAULT_STOP_FRAME_TIMEOUT_S = 10.0
 
 _LANGUAGE_MAP = {
@@ -97,9 +100,11 @@ class QwenFastTTSService(TokenTurns, TTSService):
     """Pipecat TTS service running Qwen3-TTS in-process on the pipecat-qwen-fast engine.
 
     Audio is int16 mono, produced at the engine's 24 kHz and resampled to the pipeline's output
-    rate. The model loads on the engine's own thread when the pipeline starts, so the event loop
-    is never blocked. An interruption stops the engine's work for the interrupted context before
-    its next frame.
+    rate. The model starts loading on the engine's own thread when the service is constructed, so
+    neither the constructor nor the pipeline's start waits for it and the event loop is never
+    blocked: ``ready`` says whether it is loaded, ``await wait_ready()`` waits for it, and the first
+    utterance waits for it if it must. An interruption stops the engine's work for the interrupted
+    context before its next frame.
 
     With ``text_aggregation_mode=TextAggregationMode.TOKEN`` each assistant turn is one
     dual-track engine session fed token by token as the LLM writes (tts_turns.py), and word
@@ -148,8 +153,8 @@ class QwenFastTTSService(TokenTurns, TTSService):
                 ``chunk_frames``.
             max_frames: Cap on frames per utterance; None uses the model's limit.
             engine_service: Use this EngineService instead of the process-wide shared one.
-            stop_frame_timeout_s: Idle time before a context is considered finished; large
-                enough by default for a cold first utterance.
+            stop_frame_timeout_s: How long a context waits for more text with no new audio
+                before it is closed (never while the engine works on it).
             settings: Runtime-updatable settings (model, voice, language, instruct).
             **kwargs: Passed to Pipecat's ``TTSService`` (sample_rate, text_transforms, ...).
         """
@@ -190,12 +195,29 @@ class QwenFastTTSService(TokenTurns, TTSService):
         }
         self._services = ServiceHandle(engine_service, device=device, dtype=dtype, backend=backend)
         self._streams: dict[str, set[SynthesisStream]] = {}
+        # A context is refreshed this often while its utterance's next chunk is being made.
+        self._keepalive_s = max(0.05, stop_frame_timeout_s / 2)
+        self._load_watch: asyncio.Task | None = None
+        self._load_failure_reported: EngineService | None = None
         self._init_token_turns()
+        # Loading starts now, on the engine thread, as Pipecat's local services load when built;
+        # StartFrame then passes at once (Pipecat gives a processor 1 s by default in tests).
+        self._acquire_service()
 
     @property
     def engine_service(self) -> EngineService | None:
-        """The EngineService this Pipecat service synthesizes with (None before setup)."""
+        """The EngineService this Pipecat service synthesizes with (its model may still be loading)."""
         return self._services.service
+
+    @property
+    def ready(self) -> bool:
+        """Whether the model is loaded (the first utterance then starts without waiting for it)."""
+        service = self._services.service
+        return service is not None and service.ready
+
+    async def wait_ready(self) -> None:
+        """Wait until the model is loaded; raise its load error (ModelLoadError, say) if it failed."""
+        await self._acquire_service().wait_ready()
 
     def can_generate_metrics(self) -> bool:
         """TTFB, TTFA, processing and usage (characters) metrics are all reported."""
@@ -210,14 +232,15 @@ class QwenFastTTSService(TokenTurns, TTSService):
     #
 
     async def setup(self, setup: FrameProcessorSetup):
-        """Start loading the model on the engine thread (returns at once)."""
+        """Make sure the model is loading (it started in the constructor; returns at once)."""
         await super().setup(setup)
         self._acquire_service()
 
     async def start(self, frame: StartFrame):
-        """Wait for the model to load; a load failure is a permanent error for this service."""
+        """Let StartFrame pass at once; a task reports a load failure, a permanent error for this
+        service, as soon as it happens rather than at the first utterance."""
         await super().start(frame)
-        await self._wait_for_service()
+        self._load_watch = self.create_task(self._wait_for_service(), name="qwen_fast.watch_load")
 
     async def on_audio_context_interrupted(self, context_id: str):
         """Stop the engine's work for an interrupted context before its next frame."""
@@ -226,6 +249,9 @@ class QwenFastTTSService(TokenTurns, TTSService):
 
     async def cleanup(self):
         """Stop this service's streams; the shared engine stays loaded for other users."""
+        if self._load_watch is not None:
+            await self.cancel_task(self._load_watch)
+            self._load_watch = None
         for context_id in list(self._streams):
             self._cancel_streams(context_id)
         await super().cleanup()
@@ -243,7 +269,23 @@ class QwenFastTTSService(TokenTurns, TTSService):
                 self._acquire_service()
             else:
                 self._warn_unhandled_updated_settings({"model": changed["model"]})
+        if changed.keys() & {"model", "voice", "language", "instruct"}:
+            await self._check_settings()
         return changed
+
+    async def _check_settings(self) -> None:
+        """Report a voice, language or instruct the model cannot take when it is set, rather than
+        at the next utterance (which would fail the same way, ending its context at once). Not a
+        permanent error: the next update may fix it. Before the model is loaded, each utterance's
+        request is checked by the engine as it opens."""
+        service = self._services.service
+        if service is None or not service.ready:
+            return
+        try:
+            # Off the event loop: a Base model's voice may be a file to read.
+            await asyncio.to_thread(service.check_request, self._build_request("."))
+        except QwenTTSError as e:
+            await self.push_error(f"{self}: {e}", exception=e)
 
     def _acquire_service(self) -> EngineService:
         return self._services.acquire(self._settings.model or DEFAULT_MODEL)
@@ -254,11 +296,13 @@ class QwenFastTTSService(TokenTurns, TTSService):
         try:
             return await service.wait_ready()
         except Exception as e:  # noqa: BLE001 - any load failure leaves the service unusable
-            await self.push_error(
-                f"{self}: could not load the Qwen3-TTS model: {e}",
-                exception=e,
-                force_treat_as_permanent=True,
-            )
+            if self._load_failure_reported is not service:  # once per load attempt
+                self._load_failure_reported = service
+                await self.push_error(
+                    f"{self}: could not load the Qwen3-TTS model: {e}",
+                    exception=e,
+                    force_treat_as_permanent=True,
+                )
             return None
 
     #
@@ -276,6 +320,41 @@ class QwenFastTTSService(TokenTurns, TTSService):
             instruct=self._settings.instruct or None,
             **self._generation,
         )
+
+    async def tts_process_generator(
+        self, context_id: str, generator: AsyncGenerator[Frame | None, None]
+    ):
+        """Run one sentence's run_tts; its context then ends with the turn, audio or not."""
+        await super().tts_process_generator(context_id, generator)
+        if not self._is_streaming_tokens:
+            # Sentence mode yields its audio inline, so the base closes the turn's context when the
+            # turn completes, but only if the turn's last call yielded audio. A call that failed
+            # (an unknown voice, say) left the context open until stop_frame_timeout_s, every later
+            # context queued behind it, and Pipecat counting it as silent only after that.
+            self._is_yielding_frames_synchronously = True
+
+    async def _keeping_context_open(
+        self, stream: SynthesisStream, context_id: str
+    ) -> AsyncGenerator[Any, None]:
+        """The stream's chunks, the audio context refreshed while the engine makes each one: a
+        chunk can take longer than stop_frame_timeout_s (32 frames on a CPU, a cold start), and
+        Pipecat would close the context mid-utterance, its later audio going out with no
+        TTSStartedFrame."""
+        chunks = stream.__aiter__()
+        while True:
+            nxt = asyncio.ensure_future(chunks.__anext__())
+            try:
+                while not (await asyncio.wait({nxt}, timeout=self._keepalive_s))[0]:
+                    # Pipecat's hook for a context still in use (private in 1.14, no public one).
+                    self._refresh_audio_context(context_id)
+            except asyncio.CancelledError:
+                nxt.cancel()  # the stream stops its session (SynthesisStream.__anext__)
+                raise
+            try:
+                chunk = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield chunk
 
     @traced_tts
     async def run_tts(self, text: str, context_id: str) -> AsyncGenerator[Frame | None, None]:
@@ -305,7 +384,7 @@ class QwenFastTTSService(TokenTurns, TTSService):
                 if in_rate != self.sample_rate
                 else None
             )
-            async for chunk in stream:
+            async for chunk in self._keeping_context_open(stream, context_id):
                 audio = chunk.pcm.tobytes()
                 if resampler is not None:
                     audio = await resampler.resample(audio, in_rate, self.sample_rate)

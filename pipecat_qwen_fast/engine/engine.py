@@ -218,6 +218,12 @@ class QwenTTSEngine(text_session.TextSessions):
 
     # ------------------------------------------------------------------ sessions
 
+    def check_request(self, request: SynthesisRequest) -> None:
+        """Raise the error open_session would raise for the request's options, its text aside.
+        Opens nothing and changes no engine state, so any thread may call it: adapters check
+        their settings when they are set, not at the next utterance."""
+        self._new_session(dataclasses.replace(checked_request(request), text="."))
+
     def open_session(self, request: SynthesisRequest) -> Session:
         """Validate the request, build the prompt of its first segment and run the prefill."""
         opened = self.open_sessions([request])[0]

@@ -53,6 +53,9 @@ ROUND_TIMINGS_KEPT = 200_000
 # one whose consumer's event loop has closed will never be read again, and is released.
 PAUSED_POLL_S = 0.25
 
+# At exit, how long a model still loading is waited for (see _stop_services_at_exit).
+LOAD_EXIT_WAIT_S = 10.0
+
 # Every service whose thread may still run (the thread holds its service until it ends).
 _live_services: weakref.WeakSet[EngineService] = weakref.WeakSet()
 
@@ -65,15 +68,21 @@ def _stop_services_at_exit() -> None:
     that thread is inside a torch op (which releases the GIL), the forced unwind runs through
     torch's noexcept gil_scoped_release destructor: std::terminate, "terminate called without an
     active exception", exit 134. So at exit each service is closed and its thread joined, which
-    takes at most the frame in flight (or a load in progress, to its end).
+    takes at most the frame in flight. A load still running is waited for up to LOAD_EXIT_WAIT_S
+    (a download or a long compile must not hold the exit for minutes); past that the process exits
+    as before, with the same risk.
     """
     services = list(_live_services)
     for service in services:
         service._closing = True
         service._wake.set()
     for service in services:
-        if service._thread is not threading.current_thread():
-            service._thread.join()
+        if service._thread is threading.current_thread():
+            continue
+        loading = not service._ready.done()
+        service._thread.join(LOAD_EXIT_WAIT_S if loading else None)
+        if service._thread.is_alive():
+            logger.warning("exiting while the TTS model still loads (after %.0f s)", LOAD_EXIT_WAIT_S)
 
 
 # threading's exit hooks run before atexit's and before any daemon thread is ended; `atexit`
@@ -361,6 +370,12 @@ class EngineService:
         loaded. A turn that gets no text for `idle_timeout_s` is ended (None: never)."""
         return text_service.open_text_stream(self, request, idle_timeout_s)
 
+    def check_request(self, request: Any) -> None:
+        """Raise the InvalidInputError that opening `request` would give for its options (its text
+        aside), opening nothing. Needs the engine loaded; any thread may call it, and it may read a
+        file (a Base model's voice named by path), so keep it off an event loop."""
+        self._require_engine().check_request(request)
+
     def open_stream(self, request: Any) -> SynthesisStream:
         """Queue a request; return the stream its chunks arrive on. Needs a running loop.
 
@@ -627,7 +642,6 @@ def _is_fatal(exc: BaseException) -> bool:
 
 # Streamed-text turns (TextStream subclasses SynthesisStream, defined above).
 from pipecat_qwen_fast.engine import text_service  # noqa: E402
-
 
 # -- process-wide registry ----------------------------------------------------------------------
 

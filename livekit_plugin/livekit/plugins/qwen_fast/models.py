@@ -32,9 +32,10 @@ TTSLanguages = Literal[
     "korean",
     "french",
     "russian",
-    "beijing_dialect",
-    "sichuan_dialect",
 ]
+# Dialects are not languages to choose: the CustomVoice speakers eric and dylan speak theirs when
+# the language is chinese or auto. Codes such as "en", "en-US" or "zh-CN" are taken too
+# (options.qwen_language).
 
 TTSBackends = Literal["auto", "megakernel", "torch", "eager"]
 

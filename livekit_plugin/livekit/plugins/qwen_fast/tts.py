@@ -15,10 +15,12 @@ import os
 import weakref
 from dataclasses import replace
 
+from livekit import rtc
 from livekit.agents import (
     APIConnectionError,
     APIConnectOptions,
     APIError,
+    APITimeoutError,
     tokenize,
     tts,
     utils,
@@ -32,6 +34,7 @@ from pipecat_qwen_fast.errors import EngineClosedError, InvalidInputError, QwenT
 
 from .log import logger
 from .models import DEFAULT_MODEL, TTSBackends, TTSLanguages, TTSModels, TTSVoices
+from .options import checked_request, checked_sample_rate
 from .streamed import run_streamed_text
 
 NUM_CHANNELS = 1
@@ -58,6 +61,7 @@ class TTS(tts.TTS):
         engine_service: EngineService | None = None,
         sentence_tokenizer: NotGivenOr[tokenize.SentenceTokenizer] = NOT_GIVEN,
         streaming_text: bool = True,
+        sample_rate: int = SAMPLE_RATE,
     ) -> None:
         """Create a Qwen3-TTS text-to-speech for LiveKit Agents.
 
@@ -65,7 +69,8 @@ class TTS(tts.TTS):
             model: Hugging Face id or local folder of a Qwen3-TTS checkpoint.
             voice: CustomVoice speaker ("ryan", "serena", ...); None picks the model's default.
                 On a Base model: a cloned voice's library name or its .voice file path.
-            language: Qwen3-TTS language name; "auto" lets the model decide.
+            language: Qwen3-TTS language name ("english"), or a code as LiveKit writes it
+                ("en", "en-US", "zh-CN", "fr", ...); "auto" (or "multi") lets the model decide.
             instruct: Style instruction (VoiceDesign and 1.7B CustomVoice models).
             device: "auto", "cuda", "cuda:N" or "cpu".
             dtype: "auto", "bfloat16", "float16" or "float32".
@@ -87,22 +92,23 @@ class TTS(tts.TTS):
             streaming_text: ``stream()`` feeds the pushed text into one dual-track engine session
                 per stream as it arrives, with a timed transcript (``aligned_transcript``);
                 False synthesizes it sentence by sentence, each sentence its own request.
+            sample_rate: Output rate in Hz. The engine makes 24 kHz; any other rate is resampled
+                in the plugin with LiveKit's own resampler (livekit.rtc.AudioResampler, soxr).
+
+        Every option is checked here (and in ``update_options``): a wrong one raises
+        InvalidInputError (a ValueError) naming it and what it takes.
         """
-        if streaming_text and text_mode not in (None, "dual_track"):
-            raise InvalidInputError(
-                f"streaming_text feeds one dual-track session per stream; text_mode={text_mode!r} "
-                "needs streaming_text=False"
-            )
+        _check_text_mode(streaming_text, text_mode)
         self._streaming_text = streaming_text
         super().__init__(
             capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=streaming_text),
-            sample_rate=SAMPLE_RATE,
+            sample_rate=checked_sample_rate(sample_rate),
             num_channels=NUM_CHANNELS,
         )
         self._model = os.fspath(model)
         # Every field but the text; each sentence's request is a copy with its text filled in.
         # Updates replace it whole, so a stream's reference is a snapshot.
-        self._request = SynthesisRequest(
+        self._request = checked_request(SynthesisRequest(
             "",
             voice=voice,
             language=language,
@@ -114,7 +120,7 @@ class TTS(tts.TTS):
             chunk_frames=chunk_frames,
             max_chunk_frames=max_chunk_frames,
             max_frames=max_frames,
-        )
+        ))
         self._services = ServiceHandle(engine_service, device=device, dtype=dtype, backend=backend)
         self._sentence_tokenizer = (
             sentence_tokenizer
@@ -136,6 +142,11 @@ class TTS(tts.TTS):
         """The EngineService this TTS synthesizes with (None until first use or prewarm)."""
         return self._services.service
 
+    @property
+    def language(self) -> str:
+        """The language requests are made in, as the engine names it ("english", "auto", ...)."""
+        return str(self._request.language)
+
     def update_options(
         self,
         *,
@@ -143,15 +154,37 @@ class TTS(tts.TTS):
         voice: NotGivenOr[TTSVoices | str | None] = NOT_GIVEN,
         language: NotGivenOr[TTSLanguages | str] = NOT_GIVEN,
         instruct: NotGivenOr[str | None] = NOT_GIVEN,
+        seed: NotGivenOr[int | None] = NOT_GIVEN,
+        greedy: NotGivenOr[bool] = NOT_GIVEN,
+        text_mode: NotGivenOr[str | None] = NOT_GIVEN,
+        first_chunk_frames: NotGivenOr[int] = NOT_GIVEN,
+        chunk_frames: NotGivenOr[int] = NOT_GIVEN,
+        max_chunk_frames: NotGivenOr[int | None] = NOT_GIVEN,
+        max_frames: NotGivenOr[int | None] = NOT_GIVEN,
     ) -> None:
-        """Change options for later requests; requests already running keep their snapshot."""
-        if is_given(model) and os.fspath(model) != self._model:
-            self._model = os.fspath(model)
-            self._services.model_changed()
-        given = {"voice": voice, "language": language, "instruct": instruct}
-        self._request = replace(
-            self._request, **{name: value for name, value in given.items() if is_given(value)}
+        """Change options for later requests; requests already running keep their snapshot.
+
+        The options are checked together first (and, once the model is loaded, against it: its
+        voices and languages); a wrong one raises InvalidInputError and changes nothing.
+        """
+        given = {
+            "voice": voice, "language": language, "instruct": instruct, "seed": seed,
+            "greedy": greedy, "text_mode": text_mode, "first_chunk_frames": first_chunk_frames,
+            "chunk_frames": chunk_frames, "max_chunk_frames": max_chunk_frames,
+            "max_frames": max_frames,
+        }
+        request = checked_request(
+            replace(self._request, **{name: value for name, value in given.items() if is_given(value)})
         )
+        _check_text_mode(self._streaming_text, request.text_mode)
+        new_model = os.fspath(model) if is_given(model) else self._model
+        service = self._services.service
+        if new_model == self._model and service is not None and service.ready:
+            service.check_request(request)
+        if new_model != self._model:
+            self._model = new_model
+            self._services.model_changed()
+        self._request = request
 
     def prewarm(self) -> None:
         """Start loading the model on the engine thread without waiting for it."""
@@ -192,16 +225,41 @@ class TTS(tts.TTS):
             ) from None
 
 
+def _check_text_mode(streaming_text: bool, text_mode: str | None) -> None:
+    if streaming_text and text_mode not in (None, "dual_track"):
+        raise InvalidInputError(
+            f"streaming_text feeds one dual-track session per stream; text_mode={text_mode!r} "
+            "needs streaming_text=False"
+        )
+
+
 async def _speak(
-    tts_: TTS, request: SynthesisRequest, text: str, emitter: tts.AudioEmitter
+    tts_: TTS, request: SynthesisRequest, text: str, output: _Output, timeout: float
 ) -> None:
-    """Synthesize one sentence into the emitter, mapping engine errors to LiveKit's APIError."""
+    """Synthesize one sentence into the output, mapping engine errors to LiveKit's APIError.
+
+    Each wait for the engine's next chunk (the first included: queue and prefill) is bounded by
+    `timeout` (conn_options.timeout): past it the session is stopped and APITimeoutError raised,
+    retryable. The model's load is not: a cold start can take minutes, once (prewarm() starts it).
+    """
     service = await tts_._ready_service()
     stream: SynthesisStream | None = None
     try:
         stream = service.open_stream(replace(request, text=text))
-        async for chunk in stream:
-            emitter.push(chunk.pcm.tobytes())
+        chunks = stream.__aiter__()
+        while True:
+            try:
+                # A timeout cancels the wait, and with it the session (SynthesisStream.__anext__).
+                chunk = await asyncio.wait_for(chunks.__anext__(), timeout)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                raise APITimeoutError(
+                    f"the Qwen3-TTS engine made no audio for {timeout:g} s (conn_options.timeout)"
+                ) from None
+            output.push(chunk.pcm.tobytes())
+    except APIError:
+        raise
     except InvalidInputError as e:
         # The engine's message names the bad field and the valid choices, never the text.
         raise APIError(str(e), retryable=False) from None
@@ -211,21 +269,76 @@ async def _speak(
     except QwenTTSError as e:
         raise APIError(str(e), retryable=False) from None
     except Exception as e:  # noqa: BLE001 - an engine fault must reach LiveKit as APIError
-        logger.error("synthesis failed: %s: %s", type(e).__name__, e)
+        logger.error("synthesis failed: %s", type(e).__name__)
         raise APIError(f"synthesis failed: {type(e).__name__}: {e}", retryable=True) from None
     finally:
         if stream is not None:
             stream.cancel()
 
 
-def _initialize_output(emitter: tts.AudioEmitter, *, stream: bool) -> None:
-    emitter.initialize(
-        request_id=utils.shortuuid(),
-        sample_rate=SAMPLE_RATE,
-        num_channels=NUM_CHANNELS,
-        mime_type="audio/pcm",
-        stream=stream,
-    )
+class _Output:
+    """A stream's AudioEmitter, fed the engine's 24 kHz audio: resampled to the TTS's rate where
+    that differs, and counted per segment.
+
+    The resampler is livekit.rtc.AudioResampler, what LiveKit's own TTS FallbackAdapter resamples
+    TTS audio with: soxr in LiveKit's native library, already installed with livekit-agents, and
+    stateful across pushes, so chunk boundaries leave no clicks. A segment's end flushes it (its
+    filter holds the last few milliseconds) and the next segment starts a fresh one.
+    """
+
+    def __init__(self, emitter: tts.AudioEmitter, sample_rate: int, *, stream: bool) -> None:
+        self._emitter = emitter
+        self._rate = sample_rate
+        self._resampler: rtc.AudioResampler | None = None
+        self.segment_samples = 0  # engine samples pushed since the segment started
+        emitter.initialize(
+            request_id=utils.shortuuid(),
+            sample_rate=sample_rate,
+            num_channels=NUM_CHANNELS,
+            mime_type="audio/pcm",
+            stream=stream,
+        )
+
+    def push(self, pcm: bytes) -> None:
+        self.segment_samples += len(pcm) // 2
+        if self._rate == SAMPLE_RATE:
+            self._emitter.push(pcm)
+            return
+        if self._resampler is None:
+            self._resampler = rtc.AudioResampler(
+                SAMPLE_RATE, self._rate, num_channels=NUM_CHANNELS,
+                quality=rtc.AudioResamplerQuality.HIGH,
+            )
+        for frame in self._resampler.push(bytearray(pcm)):
+            self._emitter.push(bytes(frame.data))
+
+    def start_segment(self, *, segment_id: str) -> None:
+        self.segment_samples = 0
+        self._emitter.start_segment(segment_id=segment_id)
+
+    def end_segment(self) -> None:
+        self._drain()
+        self._emitter.end_segment()
+
+    def flush(self) -> None:
+        self._drain()
+        self._emitter.flush()
+
+    def push_timed_transcript(self, delta_text) -> None:  # noqa: ANN001 - LiveKit's own types
+        self._emitter.push_timed_transcript(delta_text)
+
+    def _drain(self) -> None:
+        if self._resampler is not None:
+            for frame in self._resampler.flush():
+                self._emitter.push(bytes(frame.data))
+            self._resampler = None
+
+
+def _no_audio_error() -> APIError:
+    # LiveKit's base class raises its own error here, naming the text (and logs it on every
+    # retry); this says the same without it. No retry helps: the text has nothing to say (lone
+    # surrogates only, say), or the model ends it at once.
+    return APIError("the engine made no audio for this text: nothing to say", retryable=False)
 
 
 class ChunkedStream(tts.ChunkedStream):
@@ -237,10 +350,11 @@ class ChunkedStream(tts.ChunkedStream):
         self._request = tts._request
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
-        _initialize_output(output_emitter, stream=False)
-        logger.debug("synthesizing", extra={"lk.pii.text": self._input_text})
-        await _speak(self._tts, self._request, self._input_text, output_emitter)
-        output_emitter.flush()
+        output = _Output(output_emitter, self._tts.sample_rate, stream=False)
+        await _speak(self._tts, self._request, self._input_text, output, self._conn_options.timeout)
+        if output.segment_samples == 0 and self._input_text.strip():
+            raise _no_audio_error()
+        output.flush()
 
 
 class SynthesizeStream(tts.SynthesizeStream):
@@ -252,12 +366,23 @@ class SynthesizeStream(tts.SynthesizeStream):
         super().__init__(tts=tts, conn_options=conn_options)
         self._tts: TTS = tts
         self._request = tts._request
+        self._has_text = False
+
+    def push_text(self, token: str) -> None:
+        # Whether LiveKit's base class would call a last segment with no audio an error.
+        self._has_text = self._has_text or bool(token.strip())
+        super().push_text(token)
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
-        _initialize_output(output_emitter, stream=True)
+        output = _Output(output_emitter, self._tts.sample_rate, stream=True)
         if self._tts._streaming_text:
-            await run_streamed_text(self, output_emitter)
-            return
+            await run_streamed_text(self, output)
+        else:
+            await self._run_sentences(output)
+        if self._has_text and output.segment_samples == 0:
+            raise _no_audio_error()
+
+    async def _run_sentences(self, output: _Output) -> None:
         segments = utils.aio.Chan[tokenize.SentenceStream]()
         opened: list[tokenize.SentenceStream] = []
 
@@ -280,14 +405,13 @@ class SynthesizeStream(tts.SynthesizeStream):
 
         async def speak_segments() -> None:
             async for sentences in segments:
-                output_emitter.start_segment(segment_id=utils.shortuuid())
+                output.start_segment(segment_id=utils.shortuuid())
                 async for ev in sentences:
                     if not ev.token.strip():
                         continue
                     self._mark_started()
-                    logger.debug("synthesizing sentence", extra={"lk.pii.text": ev.token})
-                    await _speak(self._tts, self._request, ev.token, output_emitter)
-                output_emitter.end_segment()
+                    await _speak(self._tts, self._request, ev.token, output, self._conn_options.timeout)
+                output.end_segment()
 
         tasks = [
             asyncio.create_task(split_segments(), name="qwen_fast.split_segments"),
