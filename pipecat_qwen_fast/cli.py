@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import wave
@@ -27,32 +28,122 @@ def write_wav(path: str | Path, pcm: np.ndarray, sample_rate: int) -> None:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="local checkpoint folder or Hugging Face hub id")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
-    p.add_argument("--backend", default="auto", help="auto | torch | megakernel")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--backend", default="auto",
+                   help="auto | torch | megakernel | eager (eager: plain PyTorch, no CUDA graphs)")
+
+
+class GrowingWav:
+    """A WAV file written chunk by chunk, its header fixed up after every chunk (wave does that
+    on each writeframes) and flushed: readable while it grows, and complete up to the last chunk
+    if the run is interrupted. The file is created with the first chunk, so a run that fails
+    before any audio leaves none."""
+
+    def __init__(self, path: str | Path, sample_rate: int) -> None:
+        self.path = path
+        self.sample_rate = sample_rate
+        self.samples = 0
+        self._file = None
+        self._wav: wave.Wave_write | None = None
+
+    def write(self, pcm: np.ndarray) -> None:
+        if self._wav is None:
+            self._file = open(self.path, "wb")  # noqa: SIM115 - closed by close()
+            self._wav = wave.open(self._file, "wb")
+            self._wav.setnchannels(1)
+            self._wav.setsampwidth(2)
+            self._wav.setframerate(self.sample_rate)
+        self._wav.writeframes(np.ascontiguousarray(pcm, dtype="<i2").tobytes())
+        self._file.flush()
+        self.samples += len(pcm)
+
+    def close(self) -> None:
+        if self._wav is not None:
+            self._wav.close()
+            self._file.close()
+            self._wav = None
+
+
+class Progress:
+    """Audio made so far, on stderr: one line rewritten in place on a terminal; elsewhere (a log)
+    a line at the first audio and then at most one a second."""
+
+    def __init__(self, sample_rate: int) -> None:
+        self.sample_rate = sample_rate
+        self.tty = sys.stderr.isatty()
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self._printed = 0.0
+
+    def update(self, samples: int) -> None:
+        now = time.perf_counter()
+        line = f"{samples / self.sample_rate:.1f} s of audio in {now - self.start:.1f} s"
+        if self.first is None:
+            self.first = now - self.start
+        elif not self.tty and now - self._printed < 1.0:
+            return
+        self._printed = now
+        print(f"\r{line}" if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def end(self) -> None:
+        if self.tty and self.first is not None:
+            print(file=sys.stderr)
+
+
+def output_problem(path: str | Path) -> str | None:
+    """Why a WAV cannot be written at `path` (None if it can): checked before the model loads."""
+    p = Path(path)
+    folder = p.parent
+    if p.is_dir():
+        return "it is a folder"
+    if not folder.exists():
+        return f"the folder {folder} does not exist"
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    if not os.access(folder, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        return "permission denied"
+    return None
 
 
 def cmd_say(args: argparse.Namespace) -> int:
-    from pipecat_qwen_fast.engine.engine import QwenTTSEngine
-
-    engine = QwenTTSEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, backend=args.backend)
     text = args.text if args.text != "-" else sys.stdin.read()
-    t0 = time.perf_counter()
-    chunks = []
-    first = None
-    for chunk in engine.stream(
-        text, voice=args.voice, language=args.language, instruct=args.instruct, seed=args.seed,
-        greedy=args.greedy, text_mode=args.text_mode, max_frames=args.max_frames,
-    ):
-        if first is None:
-            first = time.perf_counter() - t0
-        chunks.append(chunk.pcm)
-    wall = time.perf_counter() - t0
-    pcm = np.concatenate(chunks) if chunks else np.zeros(0, np.int16)
-    write_wav(args.output, pcm, engine.sample_rate)
-    audio_s = len(pcm) / engine.sample_rate
+    problem = output_problem(args.output)
+    if problem is not None:
+        print(f"error: cannot write the audio to {args.output}: {problem}", file=sys.stderr)
+        return 2
+    wav: GrowingWav | None = None
+    progress: Progress | None = None
+    try:
+        from pipecat_qwen_fast.engine.engine import QwenTTSEngine
+
+        engine = QwenTTSEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
+                                               backend=args.backend)
+        wav = GrowingWav(args.output, engine.sample_rate)
+        progress = Progress(engine.sample_rate)
+        for chunk in engine.stream(
+            text, voice=args.voice, language=args.language, instruct=args.instruct, seed=args.seed,
+            greedy=args.greedy, text_mode=args.text_mode, max_frames=args.max_frames,
+        ):
+            wav.write(chunk.pcm)
+            progress.update(wav.samples)
+    except KeyboardInterrupt:
+        if progress is not None:
+            progress.end()
+        kept = f"kept {wav.samples / wav.sample_rate:.2f} s of audio in {args.output}" if wav and wav.samples else (
+            "no audio written")
+        print(f"interrupted: {kept}", file=sys.stderr)
+        return 130
+    finally:
+        if wav is not None:
+            wav.close()
+    progress.end()
+    wall = time.perf_counter() - progress.start
+    if not wav.samples:  # the model ended at once: still a (silent) WAV, as asked
+        write_wav(args.output, np.zeros(0, np.int16), engine.sample_rate)
+    audio_s = wav.samples / engine.sample_rate
     print(
         f"wrote {args.output}: {audio_s:.2f} s of audio in {wall:.2f} s "
-        f"(first audio after {1000 * (first or 0):.0f} ms, RTF {wall / max(audio_s, 1e-9):.3f})",
+        f"(first audio after {1000 * (progress.first or 0):.0f} ms, RTF {wall / max(audio_s, 1e-9):.3f})",
         file=sys.stderr,
     )
     return 0
@@ -87,21 +178,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qwen-fast-tts", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    say = sub.add_parser("say", help="speak text into a WAV file")
+    # Both show each option's default in their help.
+    defaults_shown = argparse.ArgumentDefaultsHelpFormatter
+    say = sub.add_parser("say", help="speak text into a WAV file", formatter_class=defaults_shown,
+                         description="Speak text into a WAV file, written as the audio streams (an "
+                                     "interrupted run keeps what was made), with progress on stderr.")
     say.add_argument("text", help="text to speak ('-' reads standard input)")
     _add_model_args(say)
     say.add_argument("--voice", default=None,
-                     help="speaker (CustomVoice models, see `qwen-fast-tts voices`) or a .voice file (Base models)")
-    say.add_argument("--language", default="auto")
+                     help="speaker (CustomVoice models, see `qwen-fast-tts voices`) or a .voice file (Base "
+                          "models); None: the model's default speaker")
+    say.add_argument("--language", default="auto", help="a language name (see `qwen-fast-tts voices`) or auto")
     say.add_argument("--instruct", default=None, help="voice / style description (VoiceDesign, 1.7B CustomVoice)")
-    say.add_argument("--seed", type=int, default=None)
+    say.add_argument("--seed", type=int, default=None, help="sampling seed (None: a fresh one)")
     say.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
-    say.add_argument("--text-mode", default=None, choices=["prefill", "dual_track"])
-    say.add_argument("--max-frames", type=int, default=None, help="hard cap on 80 ms frames")
-    say.add_argument("-o", "--output", default="out.wav")
+    say.add_argument("--text-mode", default=None, choices=["prefill", "dual_track"],
+                     help="None: the model variant's official default")
+    say.add_argument("--max-frames", type=int, default=None, help="hard cap on 80 ms frames (None: the model's)")
+    say.add_argument("-o", "--output", default="out.wav", help="the WAV file to write (24 kHz, 16-bit mono)")
     say.set_defaults(func=cmd_say)
 
-    voices = sub.add_parser("voices", help="list the voices and languages of a model")
+    voices = sub.add_parser("voices", help="list the voices and languages of a model", formatter_class=defaults_shown)
     _add_model_args(voices)
     voices.set_defaults(func=cmd_voices)
 
