@@ -188,3 +188,36 @@ def test_bad_input(tok):
     # A surrogate pair split across two appends joins as in the whole text; a lone half goes.
     pair = streamed(tok, ["a \ud83d", "\ude00 b \ud800"])
     assert pair.segments[0].text == "a \U0001f600 b "
+
+
+def test_segment_rule_is_the_same_for_any_split(tok):
+    """Small segments (20 tokens, so runs over 160 characters are cut before their end) over
+    texts mixing sentences, held pieces, newlines and long runs with no boundary in them: any
+    split, and the whole text, cut the same segments with the same tokens."""
+    rng = random.Random(9)
+    parts = [
+        "One two three four five.",
+        " Six seven, eight nine ten eleven!",
+        "\n\nTwelve thirteen",
+        " fourteen fifteen sixteen seventeen.",
+        " 你好世界。今天很好。",
+        " x" * 30,
+        " " + "ab" * rng.randint(80, 200),
+        "   " + "q" * rng.randint(150, 400) + ".",
+        " " * 170 + "spaced",
+        " <|im_" + "z" * 170,
+        " 12,345 and 6.5%.",
+        "\t" * 200,
+        "!" * 300 + "\n",
+        "\n" * 400,
+    ]
+    for _ in range(40):
+        text = "".join(rng.choice(parts) for _ in range(rng.randint(1, 9)))
+        whole = streamed(tok, [text], max_tokens=20)
+        assert [s.text for s in whole.segments] == turn_segments(text, tok, 20)
+        for s in whole.segments:
+            assert s.tokens and len(s.tokens) <= 20 and s.tokens == whole_body(tok, s.text), s.text
+        for _ in range(3):
+            turn = streamed(tok, random_split(rng, text), max_tokens=20)
+            assert [s.text for s in turn.segments] == [s.text for s in whole.segments], text
+            assert [s.tokens for s in turn.segments] == [s.tokens for s in whole.segments]

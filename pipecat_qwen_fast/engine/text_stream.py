@@ -35,6 +35,7 @@ around the cut.
 
 from __future__ import annotations
 
+import re
 import threading
 import unicodedata
 from collections.abc import Iterator
@@ -59,6 +60,10 @@ _CJK_TERMINALS = frozenset("。！？；")
 _WHITESPACE = frozenset("\t\n\v\f\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000") | frozenset(
     chr(c) for c in range(0x2000, 0x200B)
 )
+
+# Two letters side by side never have a boundary between them: runs of letters are skipped
+# whole (a run of numerals other than digits is skipped too, which only makes pieces longer).
+_LETTER_RUN = re.compile(r"[^\W\d_]{2,}")
 
 _TEMPLATE_HEAD = "<|im_start|>assistant\n"
 _TEMPLATE_TAIL = "<|im_end|>\n<|im_start|>assistant\n"
@@ -181,6 +186,7 @@ class TurnText:
         self._prefixes = {t[:i] for t in added for i in range(1, len(t))}
         self._prefix_starts = frozenset(t[0] for t in added if t)
         self._longest_prefix = max((len(t) - 1 for t in added), default=0)
+        self._window = _CUT_WINDOW_CHARS_PER_TOKEN * max_tokens
         self.lock = threading.Lock()
         self.segments: list[SegmentText] = []
         self.ended = False
@@ -189,6 +195,7 @@ class TurnText:
         self._carry = ""  # a high surrogate whose low half may come with the next append
         self._open: SegmentText | None = None  # the segment pieces go to; None: the next starts one
         self._held: list[_Piece] = []  # pieces past sentence_min, waiting for the segment's end
+        self._done = 0  # characters of _buf already in segments (a long run cut before its end)
 
     # ---------------------------------------------------------------- input
 
@@ -213,7 +220,9 @@ class TurnText:
             self.ended = True
             rest = self._buf + mend_surrogates(self._carry)
             self._buf, self._carry = "", ""
-            if rest and (self._open is not None or self.segments or rest.strip()):
+            if self._done:
+                self._add_run(rest)
+            elif rest and (self._open is not None or self.segments or rest.strip()):
                 self._add(rest)
             for piece in self._held:
                 self._feed(piece)
@@ -231,12 +240,50 @@ class TurnText:
 
     def _cut_pieces(self) -> None:
         buf, start = self._buf, 0
-        for p in range(max(self._scan, 1), len(buf)):
+        for p in self._candidates(buf, max(self._scan, 1)):
             if p > start and self._safe(buf, p, start):
-                self._add(buf[start:p])
+                self._add_run(buf[start:p])
                 start = p
         self._buf = buf[start:]
         self._scan = len(self._buf)
+        self._cut_early()
+
+    @staticmethod
+    def _candidates(buf: str, lo: int) -> Iterator[int]:
+        """Positions from `lo` on that may be boundaries: all but those inside runs of letters."""
+        p = lo
+        for m in _LETTER_RUN.finditer(buf, max(lo - 1, 0)):
+            a, b = m.span()
+            yield from range(p, a + 1)
+            p = max(p, b)
+        yield from range(p, len(buf))
+
+    def _add_run(self, text: str) -> None:
+        """Place a piece; one whose start was already cut into segments goes on from there."""
+        done, self._done = self._done, 0
+        if done:
+            if text[done:]:
+                self._add(text[done:], cont=True)
+        else:
+            self._add(text)
+
+    def _cut_early(self) -> None:
+        """A run with no boundary in it yet, already longer than a piece tokenized whole: its
+        next segment is cut now. The cut depends only on the run's first window of characters,
+        so it is the one the whole run gets (`_cut_long`), and a long run streams out segment by
+        segment instead of waiting for its end (on a whole text: one segment's work at a time)."""
+        while True:
+            run, cont = self._buf[self._done :], self._done > 0
+            text = run if cont or not self.segments else run.lstrip()
+            if len(text) <= self._window + 1:
+                return
+            while self._open is not None:  # the segment ends before the run, as in _add
+                self._overflow(None)
+            text = run if cont or not self.segments else run.lstrip()
+            space = not cont and bool(self.segments) and run[:1].isspace()
+            cut = self._long_cut(text)
+            self._close_segment(text[:cut], space)
+            self._done += len(run) - len(text) + cut
 
     def _safe(self, buf: str, p: int, start: int) -> bool:
         a, b = buf[p - 1], buf[p]
@@ -268,22 +315,32 @@ class TurnText:
 
     # ---------------------------------------------------------------- segments
 
-    def _add(self, text: str) -> None:
-        """Place the next piece of text: into the open segment, held, or starting a new one."""
+    def _add(self, text: str, cont: bool = False) -> None:
+        """Place the next piece of text: into the open segment, held, or starting a new one.
+        `cont`: the rest of a run whose start is already in segments (taken as it is)."""
         seg = self._open
         if seg is None:
-            space = bool(self.segments) and text[:1].isspace()
-            if self.segments:
+            space = not cont and bool(self.segments) and text[:1].isspace()
+            if self.segments and not cont:
                 text = text.lstrip()
                 if not text:
                     return
+            if len(text) > self._window:  # too long to tokenize whole on the engine thread
+                self._cut_long(text, space)
+                return
             piece = self._encode(text, first=True)
             if len(piece.tokens) > self.max_tokens:
                 self._cut_long(text, space)
                 return
+            if not piece.tokens:  # only newlines, which merge into the prompt's own
+                return
             self._open = seg = SegmentText(space_before=space)
             self.segments.append(seg)
             self._feed(piece)
+            return
+        if len(text) > self._window:
+            # Not tokenized whole: a piece this long ends the segment before it, and is cut.
+            self._overflow(_Piece(text, [], []), whole=False)
             return
         piece = self._encode(text, first=False)
         held = sum(len(p.tokens) for p in self._held)
@@ -296,12 +353,13 @@ class TurnText:
             return
         self._overflow(piece)
 
-    def _overflow(self, piece: _Piece) -> None:
+    def _overflow(self, piece: _Piece | None, whole: bool = True) -> None:
         """The open segment with its held pieces and `piece` is too long: end it at the last
         sentence end past sentence_min that fits, else before the first piece that does not fit,
-        and place the rest again."""
+        and place the rest again. `whole`: `piece` was tokenized (else it counts as too long,
+        and no cut is looked for inside it). None: a run too long for it comes next."""
         seg = self._open
-        pieces = [*self._held, piece]
+        pieces = [*self._held, piece] if piece is not None and whole else list(self._held)
         self._held = []
         count = len(seg.tokens)
         prev = seg.text[-1:]
@@ -320,6 +378,8 @@ class TurnText:
             prev = p.text[-1:]
         if best is None:
             best = (fits, 0)
+        if piece is not None and not whole:
+            pieces.append(piece)
         k, j = best
         for p in pieces[:k]:
             self._feed(p)
@@ -349,33 +409,45 @@ class TurnText:
     def _cut_long(self, text: str, space: bool) -> None:
         """A run of text too long for one segment (no boundary inside that a segment can end at):
         whole segments of the longest prefixes that fit, the rest opening the next segment."""
-        window = _CUT_WINDOW_CHARS_PER_TOKEN * self.max_tokens
         while True:
-            if len(text) <= window:
+            if len(text) <= self._window:
                 piece = self._encode(text, first=True)
+                if not piece.tokens:
+                    return
                 if len(piece.tokens) <= self.max_tokens:
                     self._open = seg = SegmentText(space_before=space)
                     self.segments.append(seg)
                     self._feed(piece)
                     return
-            head = text[:window]
-            if len(self._encode(head, first=True).tokens) <= self.max_tokens:
-                cut = len(head)
-            else:
-                lo, hi = 1, len(head) - 1  # the longest prefix that fits: lo fits, hi + 1 does not
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if len(self._encode(head[:mid], first=True).tokens) <= self.max_tokens:
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                cut = lo
-            self._open = seg = SegmentText(space_before=space)
-            self.segments.append(seg)
-            self._feed(self._encode(text[:cut], first=True))
-            seg.closed = True
-            self._open = None
+            cut = self._long_cut(text)
+            self._close_segment(text[:cut], space)
             text, space = text[cut:], False
+
+    def _long_cut(self, text: str) -> int:
+        """Where a run too long for one segment is cut: the longest prefix of its first window
+        that fits in a segment (a few tokenizer calls on a bounded window)."""
+        head = text[: self._window]
+        if len(self._encode(head, first=True).tokens) <= self.max_tokens:
+            return len(head)
+        lo, hi = 1, len(head) - 1  # lo fits, hi + 1 does not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(self._encode(head[:mid], first=True).tokens) <= self.max_tokens:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _close_segment(self, text: str, space: bool) -> None:
+        """A whole segment of `text` (a cut of a long run); none if it has no tokens."""
+        piece = self._encode(text, first=True)
+        if not piece.tokens:
+            return
+        self._open = seg = SegmentText(space_before=space)
+        self.segments.append(seg)
+        self._feed(piece)
+        seg.closed = True
+        self._open = None
 
     def _feed(self, piece: _Piece) -> None:
         """Append a piece to the open segment: its tokens become final."""
@@ -398,7 +470,7 @@ class TurnSegments:
     the interface of `engine.text.Segments`: the text goes through TurnText a window at a time, as
     far as the segment asked for, so a long text never holds the engine thread for long."""
 
-    WINDOW = 4096
+    WINDOW = 1024
 
     def __init__(self, text: str, tokenizer, max_tokens: int = MAX_SEGMENT_TOKENS) -> None:
         self._turn = TurnText(tokenizer, max_tokens)
