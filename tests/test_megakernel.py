@@ -647,7 +647,7 @@ def test_auto_backend_places_and_moves_calls(backends):
        fp32 -> bf16 exactly) give the codes of calls started in the batch."""
     from types import SimpleNamespace
 
-    from pipecat_qwen_fast.engine.engine import _hybrid_backend
+    from pipecat_qwen_fast.backends.select import _hybrid_backend
 
     talker = copy.deepcopy(backends.talker)
     hb = _hybrid_backend(SimpleNamespace(talker=talker), torch.device("cuda"), torch.bfloat16)

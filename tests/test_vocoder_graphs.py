@@ -152,7 +152,8 @@ def test_cudnn_benchmark_scope_restores_the_setting():
 
 def test_engine_warmup_compiles_the_default_schedule_on_cuda(tiny_checkpoint):
     """Warm-up compiles every size a default stream sends (1, 3, 6, 12, 32) and every tail, so no
-    stream meets a compile or a capture."""
+    stream meets a compile or a capture once it is done (the part after `ready` runs in the
+    background under EngineService; finish_warmup() runs it here)."""
     if not torch.cuda.is_available():
         pytest.skip("CUDA not available: the engine captures vocoder graphs on CUDA only")
     reason = compile_unavailable_reason(torch.device("cuda"))
@@ -160,6 +161,7 @@ def test_engine_warmup_compiles_the_default_schedule_on_cuda(tiny_checkpoint):
         pytest.skip(f"vocoder step not compiled here: {reason}")
     engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", zero_eos=True), device="cuda",
                                            backend="torch")  # EOS row zeroed: the stream runs to max_frames
+    engine.finish_warmup()
     graphs = engine.vocoder_graphs
     assert schedule_sizes(SynthesisRequest("x")) == (1, 3, 6, 12, 32)
     assert graphs.compiled_sizes == set(graphs.entries) and set(range(1, 33)) <= graphs.compiled_sizes

@@ -66,16 +66,20 @@ def load_engine(
             # Built on the meta device, then the loaded tensors are assigned: no second copy.
             with torch.device("meta"):
                 net = Qwen3TTSModel(cfg)
-            weights = checkpoint.load_state_dict(
-                model_dir / "model.safetensors", dtype=dt, device=dev, prefix="talker.", progress=progress
-            )
-            net.load_talker_weights(weights)
+            with phase("reading the talker's file"):
+                weights = checkpoint.load_state_dict(
+                    model_dir / "model.safetensors", dtype=dt, device=dev, prefix="talker.", progress=progress
+                )
+            with phase("assigning the talker's weights"):
+                net.load_talker_weights(weights)
             del weights
-            voc_weights = checkpoint.load_state_dict(
-                model_dir / "speech_tokenizer" / "model.safetensors", dtype=dt, device=dev, prefix="decoder.",
-                progress=progress,
-            )
-            voc = Vocoder.from_state_dict(vcfg, voc_weights, device=dev, dtype=dt)  # frozen, eval
+            with phase("reading the vocoder's file"):
+                voc_weights = checkpoint.load_state_dict(
+                    model_dir / "speech_tokenizer" / "model.safetensors", dtype=dt, device=dev, prefix="decoder.",
+                    progress=progress,
+                )
+            with phase("building the vocoder"):
+                voc = Vocoder.from_state_dict(vcfg, voc_weights, device=dev, dtype=dt)  # frozen, eval
             del voc_weights
             # Inference only: parameters loaded with assign=True would otherwise require grad, and
             # a call outside no_grad (graph capture at warm-up) would keep every activation alive.
