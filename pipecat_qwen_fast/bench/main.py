@@ -148,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     from pipecat_qwen_fast.bench.report import write_reports
 
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["server-latency"]:
+        from pipecat_qwen_fast.bench.server_latency import main as server_latency_main
+
+        return server_latency_main(argv[1:])
     if argv[:1] == ["startup"]:
         from pipecat_qwen_fast.bench.startup import main as startup_main
 
