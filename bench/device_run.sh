@@ -6,6 +6,9 @@
 #   startup     qwen-fast-tts bench startup: cold, warm (and prepared) starts, phases timed
 #   fleet       qwen-fast-tts bench fleet, closed loop, with what is left of DEVICE_SECONDS
 #   fleet-open  the same, open loop
+#   server-latency  first audio through the server (WebSocket, HTTP) against in-process
+#   streaming-text  the LLM-token benchmark, engine level (the image has no Pipecat or LiveKit)
+#   voice-clone     a random 0.6B Base checkpoint: voice creation and cloned first audio
 #   gputests    the test files of the GPU paths (GPU_TESTS), junit XML
 # DEVICE_SECONDS (default 570) bounds the whole call from its start; STARTUP_RUNS picks the starts
 # (default cold,warm); FLEET_ARGS adds arguments to the fleet runs. Everything lands in $OUT.
@@ -13,6 +16,11 @@ set -u
 t0=$(date +%s)
 out=${OUT:-/tmp/device-out}
 mkdir -p "$out"
+# Wheels the image lacks (server, audio I/O, pytest-asyncio), carried in .whl/ where present.
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site
+fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
     HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONPATH="$PWD:$PWD/livekit_plugin${PYTHONPATH:+:$PYTHONPATH}"
 export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
@@ -34,6 +42,13 @@ left() { echo $(( ${DEVICE_SECONDS:-570} - ($(date +%s) - t0) )); }
                        --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
             fleet-open) python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet-open" \
                             --mode open --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
+            server-latency) python3 -m pipecat_qwen_fast.cli bench server-latency --model "$ck" --out "$out/server" ;;
+            streaming-text) python3 -m pipecat_qwen_fast.cli bench streaming-text --model "$ck" --frameworks engine \
+                                --out "$out/streaming" ;;
+            voice-clone) [ -f "$ck-base/model.safetensors" ] || python3 -m pipecat_qwen_fast.checkpoints.build \
+                             --size 0.6b --variant base --zero-eos --out "$ck-base"
+                         python3 -m pipecat_qwen_fast.bench.voice_clone --model "$ck-base" --device cuda \
+                             --seconds 10 --repeats 20 > "$out/voice_clone.json" ;;
             # The test files that exercise the GPU paths (GPU_TESTS to change them); the machine's
             # image has no pipecat or livekit, so the framework tests stay on the CPU.
             gputests) timeout -s INT "$(( $(left) - 10 ))" python3 -m pytest -q -rs -p no:cacheprovider \
