@@ -14,6 +14,7 @@ import sys
 from typing import TYPE_CHECKING
 
 import torch
+from tqdm.auto import tqdm
 
 from pipecat_qwen_fast.backends.select import (
     BACKENDS,
@@ -50,7 +51,7 @@ def load_engine(
     if backend not in BACKENDS:
         raise InvalidInputError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
     use_compile_caches()
-    log = log or PhaseLog(on_start=show_phase if progress else None)
+    log = log or (PhaseBars().log() if progress else PhaseLog())
     if dev.type == "cuda" and backend in ("auto", "megakernel"):
         from pipecat_qwen_fast.backends.megakernel import arch_of, start_build
 
@@ -100,11 +101,30 @@ def load_engine(
     return engine
 
 
-def show_phase(name: str, depth: int) -> None:
-    """The CLI's view of a load: one line per phase as it starts, nested phases indented."""
-    if depth <= 1:
-        print(f"{'  ' * depth}[load] {name} ...", file=sys.stderr, flush=True)
+class PhaseBars:
+    """The load as the CLI and the demo show it: a bar per top-level phase, finished with its
+    seconds, the step inside it shown beside the bar while it runs (the weights' files add their
+    own byte bars)."""
 
+    def __init__(self) -> None:
+        self.bar = None
+
+    def start(self, name: str, depth: int) -> None:
+        if depth == 0:
+            self.bar = tqdm(total=1, desc=f"loading: {name}", file=sys.stderr, leave=True,
+                            bar_format="{desc} {bar:10} {elapsed}{postfix}")
+        elif self.bar is not None and depth == 1:
+            self.bar.set_postfix_str(name, refresh=True)
+
+    def end(self, name: str, depth: int, seconds: float) -> None:
+        if depth == 0 and self.bar is not None:
+            self.bar.set_postfix_str("", refresh=False)
+            self.bar.update(1)
+            self.bar.close()
+            self.bar = None
+
+    def log(self) -> PhaseLog:
+        return PhaseLog(on_start=self.start, on_end=self.end)
 
 def prepare(model: str | os.PathLike[str] | None, *, device: str = "auto", backend: str = "auto",
             archs: list[str] | None = None) -> PhaseLog:
@@ -113,7 +133,7 @@ def prepare(model: str | os.PathLike[str] | None, *, device: str = "auto", backe
     GPU); otherwise a full load with warm-up, which fills the compile caches the way a start
     would read them."""
     use_compile_caches()
-    log = PhaseLog(on_start=show_phase)
+    log = PhaseBars().log()
     if archs:
         from pipecat_qwen_fast.backends.megakernel import build_library
 

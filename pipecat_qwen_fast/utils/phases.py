@@ -27,10 +27,11 @@ class PhaseTime:
 
 @dataclass
 class PhaseLog:
-    """Phases in the order they ended. `on_start(name, depth)` is called as each one begins (the
-    CLI's progress display); the log never calls it for a phase of another thread."""
+    """Phases in the order they ended. `on_start(name, depth)` and `on_end(name, depth, seconds)`
+    are called as each one begins and ends (the progress display); never for another thread's."""
 
     on_start: Callable[[str, int], None] | None = None
+    on_end: Callable[[str, int, float], None] | None = None
     phases: list[PhaseTime] = field(default_factory=list)
     _stack: list[str] = field(default_factory=list)
 
@@ -85,3 +86,5 @@ def phase(name: str) -> Iterator[None]:
     finally:
         log._stack.pop()
         log.phases.append(PhaseTime(name, time.perf_counter() - t0, depth))
+        if log.on_end is not None:
+            log.on_end(name, depth, log.phases[-1].seconds)
