@@ -9,8 +9,10 @@ path). A failure names the phase path and the cause (ModelLoadError).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import sys
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,6 +58,11 @@ def load_engine(
         from pipecat_qwen_fast.backends.megakernel import arch_of, start_build
 
         start_build(arch_of(dev))
+    if dev.type == "cuda":
+        # The compiler's modules (seconds of imports, first needed when the backends ask whether
+        # compiling works) load on a thread while the weights, mostly C that releases the GIL,
+        # are read; a later import of the same module waits for this one instead of repeating it.
+        threading.Thread(target=preimport_compiler, name="qwen-preimport", daemon=True).start()
     with log.activate():
         with phase("reading the checkpoint"):
             model_dir = checkpoint.resolve_model_dir(model)
@@ -99,6 +106,15 @@ def load_engine(
     engine.load_phases = log
     engine.ready = True
     return engine
+
+
+
+def preimport_compiler() -> None:
+    for name in ("triton", "torch._dynamo", "torch._inductor.compile_fx"):
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the backends find out again, and say why, where it matters
+            return
 
 
 class PhaseBars:
