@@ -205,3 +205,19 @@ async def test_paused_stream_of_a_closed_loop_releases_its_session(engine, monke
 
 async def _pcm(stream) -> np.ndarray:
     return np.concatenate([chunk.pcm async for chunk in stream])
+
+
+async def test_closing_a_stream_that_already_ended_records_no_cancel(engine):
+    """Found by the soak: a consumer that leaves after the engine has ended its stream (but before
+    reading the end) recorded a cancel at frame 0 of a finished stream."""
+    service = EngineService.for_engine(engine)
+    try:
+        await service.wait_ready()
+        stream = service.open_stream(request("Short.", 1, 3, chunk_frames=1))
+        await asyncio.wait_for(stream.__anext__(), TIMEOUT)
+        await asyncio.wait_for(stream.wait_closed(), TIMEOUT)  # the engine has finished it
+        record = await asyncio.wait_for(stream.aclose(), TIMEOUT)
+        assert record.stop_reason == "frame_cap" and record.frames_decoded == 3
+        assert record.frames_at_cancel is None
+    finally:
+        service.close()

@@ -178,8 +178,9 @@ class SynthesisStream:
         if self._finished and self._closed.done():
             return
         if not self.cancel_requested:
-            session = self.session
-            self.record.frames_at_cancel = int(session.frames_decoded) if session is not None else 0
+            session = self.session  # read before the check: the engine thread clears it on close
+            if not self._closed.done():  # a closed stream's record is final: nothing was cancelled
+                self.record.frames_at_cancel = int(session.frames_decoded) if session is not None else 0
             self.cancel_requested = True
         self._finished = True
         self._service._wake.set()
