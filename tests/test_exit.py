@@ -12,6 +12,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -102,3 +103,23 @@ def test_exit_mid_frame_is_clean(endless_model, script, runs):
         assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
         assert "terminate called" not in proc.stderr
         assert proc.stdout.strip().endswith("exiting")
+
+
+LOADING = """
+    import time
+    from pipecat_qwen_fast.engine.service import EngineService
+
+    EngineService(lambda: time.sleep(600))  # a load that would hold the exit for ten minutes
+    print("exiting")
+"""
+
+
+def test_exit_during_a_long_load_waits_a_bounded_time():
+    from pipecat_qwen_fast.engine.service import LOAD_EXIT_WAIT_S
+
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(LOADING)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "still loads" in proc.stderr
+    assert LOAD_EXIT_WAIT_S <= time.monotonic() - started < LOAD_EXIT_WAIT_S + 60
