@@ -41,7 +41,9 @@ except ModuleNotFoundError as e:  # pragma: no cover - depends on the install
     raise ImportError(f"Missing module: {e}") from e
 
 from pipecat_qwen_fast.config import DEFAULT_MODEL
+from pipecat_qwen_fast.engine.request import SynthesisRequest
 from pipecat_qwen_fast.engine.service import EngineService, ServiceHandle, SynthesisStream
+from pipecat_qwen_fast.engine.validation import check_options
 from pipecat_qwen_fast.errors import (
     EngineClosedError,
     InvalidInputError,
@@ -193,6 +195,8 @@ class QwenFastTTSService(TokenTurns, TTSService):
             "max_chunk_frames": max_chunk_frames,
             "max_frames": max_frames,
         }
+        # A wrong one is refused here rather than at every utterance.
+        check_options(SynthesisRequest("", **self._generation))
         self._services = ServiceHandle(engine_service, device=device, dtype=dtype, backend=backend)
         self._streams: dict[str, set[SynthesisStream]] = {}
         # A context is refreshed this often while its utterance's next chunk is being made.
@@ -310,8 +314,6 @@ class QwenFastTTSService(TokenTurns, TTSService):
     #
 
     def _build_request(self, text: str) -> Any:
-        from pipecat_qwen_fast.engine.request import SynthesisRequest
-
         language = self._settings.language
         return SynthesisRequest(
             text,

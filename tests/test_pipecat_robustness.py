@@ -194,3 +194,12 @@ def test_cold_start_passes_the_start_frame_within_pipecats_default_timeout(endle
     assert int(audio) == 2 * FRAME_BYTES and errors == "[]"
     # The load runs on the engine thread: the event loop kept ticking meanwhile.
     assert float(lag) < 0.5, lag
+
+
+@pytest.mark.parametrize("options", [{"max_frames": 2.5}, {"seed": "1"}, {"chunk_frames": 0},
+                                     {"text_mode": "fast"}, {"greedy": "yes"}])
+def test_bad_generation_options_are_refused_at_construction(options):
+    from pipecat_qwen_fast import InvalidInputError
+
+    with pytest.raises(InvalidInputError):
+        QwenFastTTSService(model="unused", **CPU, **options)
