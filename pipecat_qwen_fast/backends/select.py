@@ -77,7 +77,10 @@ def select_backend(name: str, net: Qwen3TTSModel, device: torch.device, dtype: t
         reason = "the megakernel needs a CUDA device"
     else:
         try:
-            from pipecat_qwen_fast.backends.megakernel import MegakernelBackend, megakernel_unsupported_reason
+            from pipecat_qwen_fast.backends.megakernel import (
+                MegakernelBackend,
+                megakernel_unsupported_reason,
+            )
 
             reason = megakernel_unsupported_reason(net, device, dtype)
             if reason is None and name == "megakernel":

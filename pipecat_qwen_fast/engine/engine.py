@@ -9,7 +9,6 @@ thread-safe: drive it from one thread at a time.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -23,6 +22,7 @@ from torch import Tensor
 
 from pipecat_qwen_fast.backends.base import DecodeBackend
 from pipecat_qwen_fast.config import GenerationDefaults, ModelConfig
+from pipecat_qwen_fast.engine import text_session
 from pipecat_qwen_fast.engine.loading import load_engine
 from pipecat_qwen_fast.engine.request import (
     SAMPLE_RATE,
@@ -32,7 +32,6 @@ from pipecat_qwen_fast.engine.request import (
     chunk_target,
     schedule_sizes,
 )
-from pipecat_qwen_fast.engine import text_session
 from pipecat_qwen_fast.engine.session import EarlyChunk, Session, VocoderJob, to_host, to_pcm
 from pipecat_qwen_fast.engine.text import MAX_SEGMENT_TOKENS, Segments, normalize_text
 from pipecat_qwen_fast.engine.text_stream import TurnSegments
@@ -45,7 +44,6 @@ from pipecat_qwen_fast.model.prompt import (
     TEXT_MODES,
     Prompt,
     TextTokenizer,
-    VoiceClonePrompt,
     build_prompt,
     check_voice_clone,
     resolve_language,
@@ -54,7 +52,7 @@ from pipecat_qwen_fast.model.prompt import (
 )
 from pipecat_qwen_fast.model.sampling import SamplingParams
 from pipecat_qwen_fast.model.talker import Qwen3TTSModel
-from pipecat_qwen_fast.utils.phases import PhaseLog, phase
+from pipecat_qwen_fast.utils.phases import PhaseLog
 from pipecat_qwen_fast.vocoder.graphs import GraphedVocoder
 from pipecat_qwen_fast.vocoder.vocoder import Vocoder
 from pipecat_qwen_fast.voices.library import VoiceLibrary
