@@ -22,6 +22,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # First audio sits between ~10 ms (megakernel, H200) and seconds (CPU, or a full engine).
 FIRST_AUDIO_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
                        0.75, 1.0, 2.0, 5.0)
+ENDPOINTS = ("http", "ws")
 # 0 is its own bucket: the share of chunks that arrived before the listener needed them.
 LATENESS_BUCKETS = (0.0, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
@@ -66,6 +67,11 @@ class ServerMetrics:
         self.streams = Counter(
             "qwen_tts_streams_total", "Engine streams ended, by how: completed, cancelled "
             "(client left), failed.", ["endpoint", "outcome"], registry=r)
+        # Labelled series appear only once touched; a counter absent until its first underrun
+        # cannot be told from a broken scrape, and rate() over it misses that first one.
+        for endpoint in ENDPOINTS:
+            self.underruns.labels(endpoint)
+            self.audio_seconds.labels(endpoint)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

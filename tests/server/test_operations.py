@@ -106,6 +106,12 @@ async def test_metrics_count_streams_audio_first_audio_refusals_and_errors(endle
                                                                           endless_path):
     with running(settings_for(endless_path), endless_service) as srv:
         async with httpx.AsyncClient(base_url=srv.base_url, timeout=TIMEOUT) as http:
+            fresh = metric_samples((await http.get("/metrics")).text)
+            for endpoint in ("http", "ws"):
+                e = (("endpoint", endpoint),)
+                # Exported at 0 before any stream, so a scrape can tell "none" from "missing".
+                assert fresh[("qwen_tts_underruns_total", e)] == 0
+                assert fresh[("qwen_tts_audio_seconds_total", e)] == 0
             ok = await http.post("/v1/audio/speech", json={
                 "input": "Count me.", "voice": VOICE, "response_format": "pcm",
                 "max_new_tokens": 12})
@@ -129,7 +135,10 @@ async def test_metrics_count_streams_audio_first_audio_refusals_and_errors(endle
                                                   ("outcome", "completed")))] == 1
             # Every chunk after the first is judged against the playout clock.
             judged = m[("qwen_tts_chunk_lateness_seconds_count", e)]
-            assert 1 <= judged <= 11 and m[("qwen_tts_underruns_total", e)] <= judged
+            assert 1 <= judged <= 11
+            # An underrun is exactly a judged chunk that came late (outside the 0 bucket).
+            in_time = m[("qwen_tts_chunk_lateness_seconds_bucket", e + (("le", "0.0"),))]
+            assert m[("qwen_tts_underruns_total", tuple(sorted(e)))] == judged - in_time
         assert m[("qwen_tts_errors_total", (("kind", "bad_request"),))] == 1
         assert m[("qwen_tts_streams_active", ())] == 0 and m[("qwen_tts_streams_queued", ())] == 0
         assert m[("qwen_tts_admitted_streams", ())] == 0
