@@ -12,6 +12,10 @@ Tested with Pipecat v1.14.0. Usage::
 
 All services in a process that name the same model share one loaded engine and one GPU thread
 (see :mod:`pipecat_qwen_fast.engine.service`), so many pipelines can run side by side on one GPU.
+
+With ``base_url="ws://host:port"`` the engine runs in a ``qwen-fast-tts serve`` process instead
+(remote mode, :mod:`pipecat_qwen_fast.remote`): no model is loaded here, and each sentence is
+one WebSocket turn that an interruption closes.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from pipecat_qwen_fast.errors import (
     ModelLoadError,
     QwenTTSError,
 )
+from pipecat_qwen_fast.remote import RemoteTTSClient, RemoteUnavailableError
 from pipecat_qwen_fast.tts_turns import TokenTurns
 
 # How long Pipecat keeps an audio context open with no new audio. While the engine works on an
@@ -131,6 +136,8 @@ class QwenFastTTSService(TokenTurns, TTSService):
         max_chunk_frames: int | None = 32,
         max_frames: int | None = None,
         engine_service: EngineService | None = None,
+        base_url: str | None = None,
+        api_key: str | None = None,
         stop_frame_timeout_s: float = DEFAULT_STOP_FRAME_TIMEOUT_S,
         settings: Settings | None = None,
         **kwargs: Any,
@@ -155,6 +162,11 @@ class QwenFastTTSService(TokenTurns, TTSService):
                 ``chunk_frames``.
             max_frames: Cap on frames per utterance; None uses the model's limit.
             engine_service: Use this EngineService instead of the process-wide shared one.
+            base_url: A ``qwen-fast-tts serve`` server ("ws://host:port") to synthesize on
+                instead of in-process; the server's model is used (``model``, ``device``,
+                ``dtype``, ``backend`` are then ignored) and ``greedy``, ``chunk_frames`` and
+                ``max_chunk_frames`` must stay at their defaults. None: in-process.
+            api_key: The server's API key, if it was started with one.
             stop_frame_timeout_s: How long a context waits for more text with no new audio
                 before it is closed (never while the engine works on it).
             settings: Runtime-updatable settings (model, voice, language, instruct).
@@ -163,6 +175,11 @@ class QwenFastTTSService(TokenTurns, TTSService):
         token_mode = kwargs.get("text_aggregation_mode") == TextAggregationMode.TOKEN or (
             kwargs.get("aggregate_sentences") is False
         )
+        if token_mode and base_url is not None:
+            raise InvalidInputError(
+                "token mode is in-process only: the server's protocol speaks whole sentences; "
+                "use sentence mode (the default) with base_url"
+            )
         if token_mode and text_mode not in (None, "dual_track"):
             raise InvalidInputError(
                 "token mode streams each turn into one dual-track session; "
@@ -197,6 +214,9 @@ class QwenFastTTSService(TokenTurns, TTSService):
         }
         # A wrong one is refused here rather than at every utterance.
         check_options(SynthesisRequest("", **self._generation))
+        self._remote = RemoteTTSClient(base_url, api_key) if base_url is not None else None
+        if self._remote is not None:
+            self._remote.open_stream(SynthesisRequest("", **self._generation))  # checks options
         self._services = ServiceHandle(engine_service, device=device, dtype=dtype, backend=backend)
         self._streams: dict[str, set[SynthesisStream]] = {}
         # A context is refreshed this often while its utterance's next chunk is being made.
@@ -206,7 +226,8 @@ class QwenFastTTSService(TokenTurns, TTSService):
         self._init_token_turns()
         # Loading starts now, on the engine thread, as Pipecat's local services load when built;
         # StartFrame then passes at once (Pipecat gives a processor 1 s by default in tests).
-        self._acquire_service()
+        if self._remote is None:
+            self._acquire_service()
 
     @property
     def engine_service(self) -> EngineService | None:
@@ -216,11 +237,22 @@ class QwenFastTTSService(TokenTurns, TTSService):
     @property
     def ready(self) -> bool:
         """Whether the model is loaded (the first utterance then starts without waiting for it)."""
+        if self._remote is not None:
+            return self._remote.ready
         service = self._services.service
         return service is not None and service.ready
 
+    @property
+    def remote(self) -> RemoteTTSClient | None:
+        """The server's client in remote mode (``base_url``); None in-process."""
+        return self._remote
+
     async def wait_ready(self) -> None:
-        """Wait until the model is loaded; raise its load error (ModelLoadError, say) if it failed."""
+        """Wait until the model is loaded; raise its load error (ModelLoadError, say) if it failed.
+        In remote mode: until the server is ready (RemoteUnavailableError if it cannot be reached)."""
+        if self._remote is not None:
+            await self._remote.wait_ready()
+            return
         await self._acquire_service().wait_ready()
 
     def can_generate_metrics(self) -> bool:
@@ -238,12 +270,15 @@ class QwenFastTTSService(TokenTurns, TTSService):
     async def setup(self, setup: FrameProcessorSetup):
         """Make sure the model is loading (it started in the constructor; returns at once)."""
         await super().setup(setup)
-        self._acquire_service()
+        if self._remote is None:
+            self._acquire_service()
 
     async def start(self, frame: StartFrame):
         """Let StartFrame pass at once; a task reports a load failure, a permanent error for this
         service, as soon as it happens rather than at the first utterance."""
         await super().start(frame)
+        if self._remote is not None:
+            return
         self._load_watch = self.create_task(self._wait_for_service(), name="qwen_fast.watch_load")
 
     async def on_audio_context_interrupted(self, context_id: str):
@@ -258,6 +293,8 @@ class QwenFastTTSService(TokenTurns, TTSService):
             self._load_watch = None
         for context_id in list(self._streams):
             self._cancel_streams(context_id)
+        if self._remote is not None:
+            await self._remote.aclose()
         await super().cleanup()
 
     def _cancel_streams(self, context_id: str) -> None:
@@ -268,7 +305,9 @@ class QwenFastTTSService(TokenTurns, TTSService):
         """Voice, language and instruct apply from the next sentence; a new model is loaded
         (or found already loaded) on the engine thread without blocking."""
         changed = await super()._update_settings(delta)
-        if "model" in changed:
+        if "model" in changed and self._remote is not None:
+            self._warn_unhandled_updated_settings({"model": changed["model"]})
+        elif "model" in changed:
             if self._services.model_changed():
                 self._acquire_service()
             else:
@@ -294,8 +333,11 @@ class QwenFastTTSService(TokenTurns, TTSService):
     def _acquire_service(self) -> EngineService:
         return self._services.acquire(self._settings.model or DEFAULT_MODEL)
 
-    async def _wait_for_service(self) -> EngineService | None:
-        """The loaded service, or None after pushing a permanent error for a failed load."""
+    async def _wait_for_service(self) -> EngineService | RemoteTTSClient | None:
+        """The loaded service (the server's client in remote mode), or None after pushing a
+        permanent error for a failed load."""
+        if self._remote is not None:
+            return self._remote
         service = self._acquire_service()
         try:
             return await service.wait_ready()
@@ -373,7 +415,7 @@ class QwenFastTTSService(TokenTurns, TTSService):
         service = await self._wait_for_service()
         if service is None:
             return
-        stream: SynthesisStream | None = None
+        stream: Any = None  # a SynthesisStream, or a RemoteStream in remote mode
         try:
             stream = service.open_stream(self._build_request(text))
             self._streams.setdefault(context_id, set()).add(stream)
@@ -395,6 +437,9 @@ class QwenFastTTSService(TokenTurns, TTSService):
                     yield TTSAudioRawFrame(audio, self.sample_rate, 1, context_id=context_id)
             if resampler is not None and (tail := await resampler.flush()):
                 yield TTSAudioRawFrame(tail, self.sample_rate, 1, context_id=context_id)
+        except RemoteUnavailableError as e:
+            # The server may be back for the next sentence (a restart, a drained replica).
+            yield ErrorFrame(error=f"{self}: {e}")
         except (ModelLoadError, EngineClosedError) as e:
             await self.push_error(
                 f"{self}: the Qwen3-TTS engine is unavailable: {e}",
