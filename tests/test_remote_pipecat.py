@@ -18,6 +18,7 @@ from pipecat.frames.frames import (
     TTSSpeakFrame,
 )
 from pipecat.pipeline.pipeline import Pipeline
+from pipecat.services.tts_service import TextAggregationMode
 from pipecat.tests.utils import SleepFrame, run_test
 from server.conftest import eventually, running, settings_for, settled
 
@@ -95,6 +96,8 @@ async def test_remote_interruption_cancels_the_servers_stream(srv, endless_model
     assert interrupted.frames_decoded - interrupted.frames_at_cancel <= 1
     assert interrupted.frames_decoded < cap
     assert not [f for f in up if isinstance(f, ErrorFrame)]
+    kinds = [type(f) for f in down]
+    assert TTSAudioRawFrame in kinds[: kinds.index(InterruptionFrame)]
 
 
 async def test_remote_server_down_is_a_clear_error_frame():
@@ -109,6 +112,8 @@ async def test_remote_server_down_is_a_clear_error_frame():
 def test_remote_refuses_what_the_protocol_cannot_carry():
     with pytest.raises(InvalidInputError, match="greedy"):
         QwenFastTTSService(base_url="ws://127.0.0.1:1", greedy=True)
+    with pytest.raises(InvalidInputError, match="token mode"):
+        QwenFastTTSService(base_url="ws://127.0.0.1:1", text_aggregation_mode=TextAggregationMode.TOKEN)
     with pytest.raises(InvalidInputError, match="base_url"):
         QwenFastTTSService(base_url="tcp://127.0.0.1:1")
     assert stream_url("http://h:1") == "ws://h:1/v1/audio/speech/stream"

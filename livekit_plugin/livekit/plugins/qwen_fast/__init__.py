@@ -10,6 +10,7 @@ session = AgentSession(tts=qwen_fast.TTS(voice="ryan", language="english"), ...)
 
 from livekit.agents import Plugin
 
+from .load import load_fnc
 from .log import logger
 from .models import TTSBackends, TTSLanguages, TTSModels, TTSVoices
 from .tts import TTS, ChunkedStream, SynthesizeStream
@@ -24,6 +25,7 @@ __all__ = [
     "TTSModels",
     "TTSVoices",
     "__version__",
+    "load_fnc",
 ]
 
 

@@ -6,6 +6,11 @@
 Every TTS instance naming the same model shares one loaded engine and its GPU thread (the
 process-wide registry in :mod:`pipecat_qwen_fast.engine.service`), so a TTS shared by many
 ``AgentSession``s serves them concurrently, frame by frame.
+
+With ``base_url="ws://host:port"`` the engine runs in a ``qwen-fast-tts serve`` process instead
+(remote mode, :mod:`pipecat_qwen_fast.remote`): what LiveKit's process-per-job workers need,
+since no job process then loads a model. Each sentence is one WebSocket turn; closing a stream
+closes its socket, which stops the server's work for it.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import asyncio
 import os
 import weakref
 from dataclasses import replace
+from typing import Any
 
 from livekit import rtc
 from livekit.agents import (
@@ -29,8 +35,9 @@ from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, NOT_GIVEN, NotGive
 from livekit.agents.utils import is_given
 
 from pipecat_qwen_fast.engine.request import SAMPLE_RATE, SynthesisRequest
-from pipecat_qwen_fast.engine.service import EngineService, ServiceHandle, SynthesisStream
+from pipecat_qwen_fast.engine.service import EngineService, ServiceHandle
 from pipecat_qwen_fast.errors import EngineClosedError, InvalidInputError, QwenTTSError
+from pipecat_qwen_fast.remote import RemoteTTSClient, RemoteUnavailableError
 
 from .log import logger
 from .models import DEFAULT_MODEL, TTSBackends, TTSLanguages, TTSModels, TTSVoices
@@ -59,6 +66,8 @@ class TTS(tts.TTS):
         max_chunk_frames: int | None = 32,
         max_frames: int | None = None,
         engine_service: EngineService | None = None,
+        base_url: str | None = None,
+        api_key: str | None = None,
         sentence_tokenizer: NotGivenOr[tokenize.SentenceTokenizer] = NOT_GIVEN,
         streaming_text: bool = True,
         sample_rate: int = SAMPLE_RATE,
@@ -87,6 +96,13 @@ class TTS(tts.TTS):
                 ``chunk_frames``.
             max_frames: Cap on frames per utterance; None uses the model's limit.
             engine_service: Use this EngineService instead of the process-wide shared one.
+            base_url: A ``qwen-fast-tts serve`` server ("ws://host:port") to synthesize on
+                instead of in-process. The server's model is used (``model``, ``device``,
+                ``dtype``, ``backend`` are ignored); ``greedy``, ``chunk_frames`` and
+                ``max_chunk_frames`` must stay at their defaults; ``stream()`` goes sentence by
+                sentence (``streaming_text`` does not apply: no timed transcript). None:
+                in-process.
+            api_key: The server's API key, if it was started with one.
             sentence_tokenizer: Splits streamed text into sentences (default: blingfire) when
                 ``streaming_text`` is off.
             streaming_text: ``stream()`` feeds the pushed text into one dual-track engine session
@@ -98,6 +114,8 @@ class TTS(tts.TTS):
         Every option is checked here (and in ``update_options``): a wrong one raises
         InvalidInputError (a ValueError) naming it and what it takes.
         """
+        # The server's protocol speaks whole sentences: remote streams go sentence by sentence.
+        streaming_text = streaming_text and base_url is None
         _check_text_mode(streaming_text, text_mode)
         self._streaming_text = streaming_text
         super().__init__(
@@ -122,6 +140,9 @@ class TTS(tts.TTS):
             max_frames=max_frames,
         ))
         self._services = ServiceHandle(engine_service, device=device, dtype=dtype, backend=backend)
+        self._remote = RemoteTTSClient(base_url, api_key) if base_url is not None else None
+        if self._remote is not None:
+            self._remote.open_stream(self._request)  # refuses options the protocol cannot carry
         self._sentence_tokenizer = (
             sentence_tokenizer
             if is_given(sentence_tokenizer)
@@ -141,6 +162,11 @@ class TTS(tts.TTS):
     def engine_service(self) -> EngineService | None:
         """The EngineService this TTS synthesizes with (None until first use or prewarm)."""
         return self._services.service
+
+    @property
+    def remote(self) -> RemoteTTSClient | None:
+        """The server's client in remote mode (``base_url``); None in-process."""
+        return self._remote
 
     @property
     def language(self) -> str:
@@ -177,6 +203,8 @@ class TTS(tts.TTS):
             replace(self._request, **{name: value for name, value in given.items() if is_given(value)})
         )
         _check_text_mode(self._streaming_text, request.text_mode)
+        if self._remote is not None:
+            self._remote.open_stream(request)
         new_model = os.fspath(model) if is_given(model) else self._model
         service = self._services.service
         if new_model == self._model and service is not None and service.ready:
@@ -187,8 +215,10 @@ class TTS(tts.TTS):
         self._request = request
 
     def prewarm(self) -> None:
-        """Start loading the model on the engine thread without waiting for it."""
-        self._acquire_service()
+        """Start loading the model on the engine thread without waiting for it (remote mode:
+        nothing to load here)."""
+        if self._remote is None:
+            self._acquire_service()
 
     def synthesize(
         self, text: str, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS
@@ -209,11 +239,15 @@ class TTS(tts.TTS):
         for stream in list(self._streams):
             await stream.aclose()
         self._streams.clear()
+        if self._remote is not None:
+            await self._remote.aclose()
 
     def _acquire_service(self) -> EngineService:
         return self._services.acquire(self._model)
 
-    async def _ready_service(self) -> EngineService:
+    async def _ready_service(self) -> EngineService | RemoteTTSClient:
+        if self._remote is not None:
+            return self._remote
         service = self._acquire_service()
         try:
             return await service.wait_ready()
@@ -243,7 +277,7 @@ async def _speak(
     retryable. The model's load is not: a cold start can take minutes, once (prewarm() starts it).
     """
     service = await tts_._ready_service()
-    stream: SynthesisStream | None = None
+    stream: Any = None  # a SynthesisStream, or a RemoteStream in remote mode
     try:
         stream = service.open_stream(replace(request, text=text))
         chunks = stream.__aiter__()
@@ -260,6 +294,9 @@ async def _speak(
             output.push(chunk.pcm.tobytes())
     except APIError:
         raise
+    except RemoteUnavailableError as e:
+        # Down, restarting or full: another try (or another replica behind the URL) may serve it.
+        raise APIConnectionError(str(e), retryable=True) from None
     except InvalidInputError as e:
         # The engine's message names the bad field and the valid choices, never the text.
         raise APIError(str(e), retryable=False) from None
