@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from . import openai_api, ws
+from . import openai_api, voices_api, ws
 from .api_errors import ApiError
 from .context import ServerContext, context_of
 from .logs import install_log_redaction
@@ -52,6 +52,7 @@ def build_app(settings: ServerSettings, service: Any = None,
                   redoc_url=None, openapi_url=None)
     app.state.qwen_tts = ctx
     app.include_router(openai_api.router)
+    app.include_router(voices_api.router)
     app.include_router(ws.router)
     app.add_exception_handler(ApiError, answer_api_error)
     app.add_api_route("/health", health, methods=["GET"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -37,6 +38,9 @@ class ServerContext:
             ready=lambda: self.ready,
         )
         self._book: VoiceBook | None = None
+        # One voice upload encodes at a time: it bounds the CPU/GPU taken from streams, and makes
+        # "name not taken, then register" atomic against other uploads.
+        self.voice_upload_lock = asyncio.Lock()
 
     @property
     def ready(self) -> bool:
@@ -65,8 +69,9 @@ class ServerContext:
     def voice_book(self) -> VoiceBook:
         if self._book is None:
             service = self.require_ready()
+            library = service.engine.voice_library if service.model_type == "base" else None
             self._book = VoiceBook(voices=service.voices, aliases=dict(self.settings.voice_aliases),
-                                   languages=service.languages)
+                                   languages=service.languages, library=library)
         return self._book
 
     def open_audio(self, request: Any, endpoint: str, clock: PlayoutClock,

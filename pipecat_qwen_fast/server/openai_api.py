@@ -1,4 +1,4 @@
-"""OpenAI's speech API: ``POST /v1/audio/speech``, plus ``GET /v1/audio/voices`` and ``/v1/models``.
+"""OpenAI's speech API: ``POST /v1/audio/speech``, plus ``/v1/models`` (voices: :mod:`.voices_api`).
 
 Beyond OpenAI's fields it takes vLLM-Omni's ``language`` and ``max_new_tokens`` (a cap in 80 ms
 frames) and a ``seed``. The body is parsed by hand rather than by a pydantic model so that no
@@ -85,15 +85,6 @@ async def create_speech(request: Request) -> StreamingResponse:
     media_type = "text/event-stream" if stream_format == "sse" else MEDIA_TYPES[fmt]
     return AudioResponse(chunks, finish, media_type=media_type,
                          headers={"Cache-Control": "no-store"})
-
-
-@router.get("/v1/audio/voices")
-async def list_voices(request: Request) -> JSONResponse:
-    ctx = context_of(request)
-    ctx.authorize(request.headers)
-    book = ctx.voice_book()
-    return JSONResponse({"voices": book.voices, "aliases": book.aliases,
-                         "languages": book.languages, "model_type": ctx.require_ready().model_type})
 
 
 @router.get("/v1/models")

@@ -78,19 +78,33 @@ def json_type(value: Any) -> str:
 
 @dataclass
 class VoiceBook:
-    """The engine's voices and the server's aliases for them."""
+    """The engine's preset voices, its voice library's cloned ones (Base models), and the
+    server's aliases for presets."""
 
     voices: list[str]
     aliases: dict[str, str]
     languages: list[str]
+    # The engine's VoiceLibrary on a Base model (thread-safe; it changes as voices are uploaded).
+    library: Any = None
+
+    def names(self) -> list[str]:
+        return self.voices + (self.library.names() if self.library is not None else [])
 
     def resolve_voice(self, voice: str | None) -> str | None:
         if voice is None:
             return None
+        # Cloned names are case-sensitive, as the library stores them; presets are not.
+        if self.library is not None and voice in self.library:
+            return voice
         name = voice.strip().lower()
         name = self.aliases.get(name, name).lower()
-        if self.voices and name not in self.voices:
-            choices = ", ".join(self.voices)
+        if name in self.voices:
+            return name
+        # A Base model's library would also read a voice file at any path it is given: from the
+        # network only registered names are taken. Models with neither presets nor a library
+        # (VoiceDesign) leave the voice to the engine.
+        if self.voices or self.library is not None:
+            choices = ", ".join(self.names()) or "(none yet; upload one: POST /v1/audio/voices)"
             if self.aliases:
                 choices += "; aliases: " + ", ".join(sorted(self.aliases))
             raise bad_request(f"unknown voice {voice!r}; valid voices: {choices}", "voice")
