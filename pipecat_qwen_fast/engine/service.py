@@ -143,6 +143,18 @@ class SynthesisStream:
         self.cancel_requested = False
         self.session: Any = None
 
+    # -- engine thread hooks: a whole text's; a streamed-text turn overrides them -------------
+
+    streams_text = False  # True for engine/text_service.TextStream: opened on its own, text fed later
+
+    def can_step(self) -> bool:
+        """Whether the stream's session decodes a frame this round."""
+        return True
+
+    def wake_deadline(self) -> float | None:
+        """When the engine thread must look at this stream again without new input (None: never)."""
+        return None
+
     # -- consumer side (event loop) ----------------------------------------------------------
 
     def __aiter__(self) -> SynthesisStream:
@@ -369,7 +381,10 @@ class EngineService:
         """Open a turn whose text arrives while it is spoken (engine/text_service.py): returns a
         TextStream (`append`, `end`, async iteration of AudioChunks, `cancel`). Needs the engine
         loaded. A turn that gets no text for `idle_timeout_s` is ended (None: never)."""
-        return text_service.open_text_stream(self, request, idle_timeout_s)
+        # Imported here: text_service builds its TextStream on this module's SynthesisStream.
+        from pipecat_qwen_fast.engine.text_service import open_text_stream
+
+        return open_text_stream(self, request, idle_timeout_s)
 
     def check_request(self, request: Any) -> None:
         """Raise the InvalidInputError that opening `request` would give for its options (its text
@@ -479,7 +494,7 @@ class EngineService:
                     # A closed loop: no consumer will read or close this stream again.
                     stream.cancel_requested = True
                     self._finish(stream, None, reason="cancelled")
-                elif stream._buffered() < self._max_buffered and text_service.can_step(self, stream):
+                elif stream._buffered() < self._max_buffered and stream.can_step():
                     ready.append(stream)
             if ready:
                 # One frame for every ready session; the engine batches them where it can.
@@ -506,7 +521,8 @@ class EngineService:
                     self._wake.wait(self._idle_timeout())
 
     def _idle_timeout(self) -> float | None:
-        timeout = text_service.wait_timeout(self)
+        deadlines = [d for stream in self._active if (d := stream.wake_deadline()) is not None]
+        timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         if any(stream._buffered() >= self._max_buffered for stream in self._active):
             timeout = PAUSED_POLL_S if timeout is None else min(timeout, PAUSED_POLL_S)
         return timeout
@@ -520,6 +536,22 @@ class EngineService:
 
             self._round_timer = RoundTimer(self._engine, self.round_timings)
 
+    def _open_sessions(self, streams: list[SynthesisStream]) -> list[Any]:
+        """Sessions for a round's new streams, in order: whole texts opened together (one batched
+        prefill), each streamed-text turn on its own."""
+        out: list[Any] = [None] * len(streams)
+        whole = [i for i, st in enumerate(streams) if not st.streams_text]
+        if whole:
+            for i, opened in zip(whole, self._engine.open_sessions([streams[i].request for i in whole])):
+                out[i] = opened
+        for i, st in enumerate(streams):
+            if st.streams_text:
+                try:
+                    out[i] = st.open_session(self._engine)
+                except Exception as e:  # noqa: BLE001 - reported to that stream's caller
+                    out[i] = e
+        return out
+
     def _open(self, streams: list[SynthesisStream]) -> None:
         """Open every stream that arrived since the last round together: one batched prefill."""
         live = []
@@ -531,7 +563,7 @@ class EngineService:
         if not live:
             return
         try:
-            results = text_service.open_sessions(self._engine, live)
+            results = self._open_sessions(live)
         except Exception as exc:  # the engine refused them all (closed, say)
             if _is_fatal(exc):
                 raise
@@ -641,8 +673,6 @@ def _is_fatal(exc: BaseException) -> bool:
     return accelerator_error is not None and isinstance(exc, accelerator_error)
 
 
-# Streamed-text turns (TextStream subclasses SynthesisStream, defined above).
-from pipecat_qwen_fast.engine import text_service  # noqa: E402
 
 # -- process-wide registry ----------------------------------------------------------------------
 

@@ -55,6 +55,37 @@ class TextStream(SynthesisStream):
         """The turn's words read so far, each with its start time in the turn's audio."""
         return self.feed.words()
 
+    streams_text = True
+
+    def open_session(self, engine) -> Any:
+        return engine.open_text_session(self.request, idle_timeout_s=self.feed.idle_timeout_s, feed=self.feed)
+
+    def can_step(self) -> bool:
+        """Only once the next frame's text is there. Audio the turn sends while it waits is posted,
+        and a turn that ends while it waits (its text ended, or nothing to say) is finished."""
+        service, session = self._service, self.session
+        try:
+            sent = service._engine.poll_text(session)
+        except Exception as exc:
+            if _is_fatal(exc):
+                raise
+            service._finish(self, exc)
+            return False
+        if sent is None:
+            return True
+        for chunk in sent:
+            if self.record.first_chunk_at is None:
+                self.record.first_chunk_at = time.monotonic()
+            self._post(chunk)
+        if session.done:
+            self.record.frames_decoded = int(session.frames_decoded)
+            service._finish(self, None, reason=session.stop_reason)
+        return False
+
+    def wake_deadline(self) -> float | None:
+        """Idle timeout, or audio due: the engine thread looks again then, even with no new text."""
+        return self.feed.deadline(self.session) if self.session is not None else None
+
     def spoken_text(self, played_s: float) -> str:
         """The words started within the first `played_s` seconds of the turn's audio (see
         engine/text_session.py for what the times measure)."""
@@ -81,66 +112,6 @@ def open_text_stream(
         service._inbox.append(stream)
     service._wake.set()
     return stream
-
-
-def open_sessions(engine, streams: list[SynthesisStream]) -> list[Any]:
-    """Sessions for a round's new streams, in order: whole texts opened together
-    (`engine.open_sessions`), each text stream on its own (`engine.open_text_session`)."""
-    out: list[Any] = [None] * len(streams)
-    whole = [i for i, st in enumerate(streams) if not isinstance(st, TextStream)]
-    if whole:
-        for i, opened in zip(whole, engine.open_sessions([streams[i].request for i in whole])):
-            out[i] = opened
-    for i, st in enumerate(streams):
-        if isinstance(st, TextStream):
-            try:
-                out[i] = engine.open_text_session(
-                    st.request, idle_timeout_s=st.feed.idle_timeout_s, feed=st.feed
-                )
-            except Exception as e:  # noqa: BLE001 - reported to that stream's caller
-                out[i] = e
-    return out
-
-
-def can_step(service, stream: SynthesisStream) -> bool:
-    """Whether the stream's session decodes a frame this round: always for a whole text; for a
-    text stream only once its next frame's text is there. Audio it sends while it waits is
-    posted, and a turn that ends while it waits (its text ended, or nothing to say) is finished."""
-    session = stream.session
-    if getattr(session, "feed", None) is None:
-        return True
-    try:
-        sent = service._engine.poll_text(session)
-    except Exception as exc:
-        if _is_fatal(exc):
-            raise
-        service._finish(stream, exc)
-        return False
-    if sent is None:
-        return True
-    for chunk in sent:
-        if stream.record.first_chunk_at is None:
-            stream.record.first_chunk_at = time.monotonic()
-        stream._post(chunk)
-    if session.done:
-        stream.record.frames_decoded = int(session.frames_decoded)
-        service._finish(stream, None, reason=session.stop_reason)
-    return False
-
-
-def wait_timeout(service) -> float | None:
-    """How long the engine thread may sleep with no work: until the first text stream needs a look
-    without new text (idle timeout, or audio due); None when only new text or requests matter."""
-    deadlines = [
-        d
-        for st in service._active
-        if isinstance(st, TextStream)
-        and st.session is not None
-        and (d := st.feed.deadline(st.session)) is not None
-    ]
-    if not deadlines:
-        return None
-    return max(0.0, min(deadlines) - time.monotonic())
 
 
 __all__ = ["DEFAULT_IDLE_TIMEOUT_S", "TextStream"]
