@@ -84,7 +84,7 @@ async def test_eight_concurrent_streams_interleave_and_match_solo_runs(endless_m
     # Against each stream run alone: on the CPU (float32) the batched rounds give the solo codes,
     # and chunks vocoded in one batched call round at most an LSB apart from batch 1. In bf16 on a
     # GPU the batched talker rounds differently from batch 1, so sampled codes part ways within a
-    # few frames (measured on the H200, bench/NOTES.md "Vocoder calls batched over a round"); there
+    # few frames (measured on the H200, docs/journal/NOTES.md "Vocoder calls batched over a round"); there
     # only the shape of the audio is checked.
     for i, (text, n) in enumerate(zip(texts, frames)):
         alone = await asyncio.wait_for(service.synthesize(request(text, 100 + i, n)), TIMEOUT)

@@ -1,6 +1,6 @@
 """CUDA-graph backend: the torch modules' frame, batched over sessions, captured and replayed.
 
-Eager PyTorch spends ~90 ms per frame on the H200 launching ~3000 tiny kernels (bench/NOTES.md).
+Eager PyTorch spends ~90 ms per frame on the H200 launching ~3000 tiny kernels (docs/journal/NOTES.md).
 Here one frame for up to B sessions at once (talker step, codec head, logits processing, 15
 predictor steps, next talker input) is written against static buffers, with every per-session value
 read from device memory, so one captured graph per (batch bucket, attention bucket, sampling
@@ -24,11 +24,13 @@ settings) serves every session; a batch of sessions reads the weights once.
   compiler fuses into its loads: the K/V rows are read in place where the plain graphs gather
   each layer's bucket per row first (6.1 of 18.2 ms a round for 64 calls at 512 positions), and
   the norms, RoPE and residual adds become a few fused kernels where the plain layer launches
-  ~30 (bench/NOTES.md, "The batched round compiled"). `QWEN_FAST_COMPILE_BATCH=0` keeps the
+  ~30 (docs/journal/NOTES.md, "The batched round compiled"). `QWEN_FAST_COMPILE_BATCH=0` keeps the
   plain layers (`plain_decode_layer`, the gather and SDPA), which are also the fallback when the
   compiler fails.
 
 On a CPU the same functions run eagerly (no capture): CI checks this backend against TorchBackend.
+Over 500 lines: the pools, the captured frame and its compiled layer step share slot and bucket
+bookkeeping that must change together.
 """
 
 from __future__ import annotations
@@ -240,7 +242,7 @@ class GraphBackend:
         self.pred_kv = [(self.pred_k[i], self.pred_v[i]) for i in range(ps.num_layers)]
         # The predictor's inputs to the fused step per (batch bucket, position), made once as
         # tensors of their own: slices or views of one table would differ in their bases' shapes
-        # from the talker's inputs, and dynamo would compile a variant for each (bench/NOTES.md).
+        # from the talker's inputs, and dynamo would compile a variant for each (docs/journal/NOTES.md).
         self.pred_inputs: dict[tuple[int, int], tuple[Tensor, ...]] = {}
         groups = pred.num_code_groups
         rows = torch.arange(b, device=device)
@@ -374,7 +376,7 @@ class GraphBackend:
 
     def prepare_thread(self, params: SamplingParams) -> None:
         """One batched prefill in the calling thread: its kernels' first use costs ~10-170 ms, and
-        the first eager pass in a new thread ~45 ms more (bench/NOTES.md, "Calls opened together")."""
+        the first eager pass in a new thread ~45 ms more (docs/journal/NOTES.md, "Calls opened together")."""
         n = min(self.batched_prefill_min, len(self.free_slots))
         if n < 2:
             return

@@ -38,7 +38,7 @@ logger = logging.getLogger("pipecat_qwen_fast")
 
 # Up to this many concurrent calls the megakernel's round is no longer than the batch's on the H200:
 # 3 calls give the same frames/s on either side, 4 calls 11 % more in the batch since its layers are
-# compiled (bench/results/fast_sessions_ab_h200_2026-11-24_d96dcbf.json; bench/NOTES.md, "Auto
+# compiled (bench/results/fast_sessions_ab_h200_2026-11-24_d96dcbf.json; docs/journal/NOTES.md, "Auto
 # backend" and "The batched round compiled").
 FAST_SESSIONS = 3
 

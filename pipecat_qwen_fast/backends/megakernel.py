@@ -10,6 +10,9 @@ host read per frame is the engine's look at code 0.
 The kernel reads the checkpoint's bf16 weights and computes everything else in fp32: activations,
 both stacks' K/V caches, RoPE tables and logits. That is the official model's fp32 arithmetic at
 bf16 weight bandwidth, so its reference is `TorchBackend` on an fp32 copy of the same weights.
+
+One file over 500 lines: the ctypes mirror of cuda/qwen_mk.h, the cached build and the backend
+that fills the structs change together whenever the kernel's ABI does.
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ def gencode_flags(archs: list[str]) -> list[str]:
 def parallel_flags(nvcc: str) -> tuple[str, ...]:
     """`--split-compile=0` (the device optimiser on every core) where this nvcc has it. The first
     build on a machine goes from 59 to 26 s on 16 cores (H200 host; 75-79 -> 40-44 s on 2), and the
-    library runs as fast with the same codes (bench/NOTES.md, "The megakernel built in parallel").
+    library runs as fast with the same codes (docs/journal/NOTES.md, "The megakernel built in parallel").
     Older nvcc lacks the option, so it is asked, once per path. Not in `source_hash`: it changes
     how long a build takes, not what the kernel computes, so existing caches stay valid."""
     try:
@@ -522,7 +525,7 @@ class MegakernelBackend:
         # The talker's attention and o_proj in one phase too (qmk_stack.fuse_attn_o on its stack):
         # the attention items publish per head and o_proj items wait for their head instead of a
         # grid barrier, reading o regrouped per KV head (0.6B: +112 MB, 1.7B: +224 MB). -0.024 ms a
-        # 0.6B talker step on the H200 (bench/NOTES.md, v25). Only where each o_proj item gets a
+        # 0.6B talker step on the H200 (docs/journal/NOTES.md, v25). Only where each o_proj item gets a
         # block of its own (one block per SM, max_blocks applied, as the kernel's grid;
         # uses_talker_fusion): elsewhere the regrouped o would be dead weight. It needs split_down's
         # accumulators.
@@ -548,7 +551,7 @@ class MegakernelBackend:
             self.input_tables = build_input_tables(talker, device) if input_tables else []
         # Every state's QmkModel points at the same weights: their addresses are taken once here,
         # as the layer tables' are, not per request (~34 checks and conversions: ~0.25 ms of host
-        # time before the prefill, on the time to first audio; bench/NOTES.md, eighteenth session).
+        # time before the prefill, on the time to first audio; docs/journal/NOTES.md, eighteenth session).
         self._weight_ptrs = self._model_weight_ptrs()
         # The captured prefill per prompt-length bucket: made at warm-up, or shared with another
         # backend on the same weights (the auto backend's batch).

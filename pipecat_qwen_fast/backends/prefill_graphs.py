@@ -9,7 +9,7 @@ cache (the megakernel's per-session cache, the CUDA-graph backend's slot pool).
 On a GPU each layer runs one `torch.compile`d step (`prefill_layer`), compiled once for every
 layer and every bucket (the layers share its code, the length is symbolic; ~10 s at a cold load).
 A captured prefill of the eager layers is ~37 kernels a layer, ~1050 in all: 2.7-2.8 ms for a
-short prompt on the H200, of ~8 ms to first audio; from the compiled step 1.6 ms (bench/NOTES.md,
+short prompt on the H200, of ~8 ms to first audio; from the compiled step 1.6 ms (docs/journal/NOTES.md,
 "The prefill compiled"). `QWEN_FAST_COMPILE_PREFILL=0` keeps the eager layers.
 """
 

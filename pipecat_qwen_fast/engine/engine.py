@@ -5,6 +5,11 @@ prompt and runs the prefill; each `step` decodes one 80 ms frame and, when a chu
 runs the streaming vocoder on it. Many sessions can be interleaved by one thread (EngineService
 does this); `stream()` and `synthesize()` are the single-session conveniences. The engine is not
 thread-safe: drive it from one thread at a time.
+
+One file of ~700 lines on purpose: a frame's life (launch ahead, read the codes, queue the
+chunk's vocoder call early, flush, end a segment) is one state machine over a Session, and split
+across files its ordering rules would stop being visible together. Loading, warm-up, text, requests
+and sessions live beside it (loading.py, warmup.py, text.py, request.py, session.py).
 """
 
 from __future__ import annotations
@@ -129,7 +134,7 @@ class QwenTTSEngine(text_session.TextSessions):
             first = SynthesisRequest("")
             # Batched calls (several sessions' chunks of one size in one round) come from one more
             # compiled step, rows symbolic: 1.1-1.7x faster than plain batched graphs at 2-64 rows,
-            # which lose to batch-1 calls at 32 x 2 (bench/NOTES.md, "Vocoder calls batched over a round").
+            # which lose to batch-1 calls at 32 x 2 (docs/journal/NOTES.md, "Vocoder calls batched over a round").
             self.vocoder_graphs = GraphedVocoder(vocoder, device, dtype, compile_dynamic=True,
                                                  compile_sizes=(first.first_chunk_frames, first.chunk_frames),
                                                  cudnn_benchmark=schedule_sizes(first), compile_batched=True)

@@ -27,7 +27,7 @@ def chunk_target(request: SynthesisRequest, frames_sent: int) -> int:
     From the third chunk on, chunks double from `chunk_frames` (1, 3, 6, 12, 32, 32, ... by
     default) as far as growth and `max_chunk_frames` allow, so a default stream uses a handful of
     sizes, each a compiled vocoder graph. A vocoder call costs nearly the same for 1 to 16 frames:
-    a 32-frame chunk costs 0.076 ms a frame against 0.12 for 16 and 0.38 for 4 (bench/NOTES.md,
+    a 32-frame chunk costs 0.076 ms a frame against 0.12 for 16 and 0.38 for 4 (docs/journal/NOTES.md,
     "Chunk schedule 1, 4, 8, 16, 32").
     """
     if frames_sent == 0:
@@ -70,7 +70,7 @@ class SynthesisRequest:
     first_chunk_frames: int = 1
     # 3, not 4: a stream asks ~(n / S + 1)x real time for a chunk of n after S sent, and the second
     # chunk asks the most. At 16 concurrent streams on an H200 (~5x real time each) 4 starved every
-    # stream by 0.5-4 ms and 3 none (bench/NOTES.md, "Second chunk of 3 frames").
+    # stream by 0.5-4 ms and 3 none (docs/journal/NOTES.md, "Second chunk of 3 frames").
     chunk_frames: int = 3
     # From the third chunk on, chunks double up to this, each at most CHUNK_GROWTH x the frames
     # already sent (chunk_target); None (or <= chunk_frames): every later chunk is chunk_frames.

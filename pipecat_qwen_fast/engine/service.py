@@ -13,6 +13,10 @@ Leaving the loop early (break, ``aclose()``, task cancellation) asks the thread 
 session; it checks before every frame, so at most the frame already running completes. Engines
 are shared process-wide through a registry keyed by (model, device, dtype, backend), so a Pipecat
 pipeline and a LiveKit agent in one process load the weights once.
+
+Over 500 lines because the engine thread's loop, the streams it feeds and the shutdown and fault
+paths share one lock and one set of invariants (a stream ends exactly once, its session is freed
+on every path); streamed-text turns are in text_service.py, round timing in round_timing.py.
 """
 
 from __future__ import annotations
@@ -451,7 +455,7 @@ class EngineService:
             self._finish_thread(None)
             return
         self._engine = engine
-        # The first batched prefill in a new thread cost ~45 ms more (bench/NOTES.md; likely GPU
+        # The first batched prefill in a new thread cost ~45 ms more (docs/journal/NOTES.md; likely GPU
         # library state made per thread, such as cuBLAS handles): pay it here, not in a burst's TTFC.
         prepare = getattr(engine, "prepare_thread", None)
         if prepare is not None:

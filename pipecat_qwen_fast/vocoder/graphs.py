@@ -1,7 +1,7 @@
 """CUDA graphs for the streaming vocoder step, one per chunk size, shared by all sessions.
 
 An eager `decode_stream` call launches ~800 small kernels and costs ~13 ms on the H200 whatever the
-chunk size (bench/NOTES.md, "Vocoder"). A captured call replays them in one go. The graph works on
+chunk size (docs/journal/NOTES.md, "Vocoder"). A captured call replays them in one go. The graph works on
 a static stream state: the session's state is copied in before the replay and out after it (a few
 MB, two fused copies), so every session shares one graph per chunk size. Between the two
 (`launch`, `commit`) the session's own state is untouched, so a call queued early can be dropped.
@@ -9,17 +9,17 @@ MB, two fused copies), so every session shares one graph per chunk size. Between
 The sizes in `compile_sizes` (the engine passes its first two chunk sizes, 1 and 3) are captured
 at warm-up from `torch.compile`d code for their own shape: inductor fuses ~400 of a call's
 elementwise and copy kernels, which takes a bfloat16 1-frame call on the H200 from 2.5 to 1.7 ms
-and a 4-frame call from 2.9 to 1.8 ms (bench/NOTES.md, "Vocoder graphs"). With `compile_dynamic`
+and a 4-frame call from 2.9 to 1.8 ms (docs/journal/NOTES.md, "Vocoder graphs"). With `compile_dynamic`
 every other size of 2 frames or more is captured from one more compiled step whose frame count is
 symbolic: 0.0-0.2 ms slower a call than a step compiled for its size, but compiled once for all of
-them (bench/NOTES.md, "Chunk schedule 1, 4, 8, 16, 32"). Compiling costs 30-55 s per step on a
+them (docs/journal/NOTES.md, "Chunk schedule 1, 4, 8, 16, 32"). Compiling costs 30-55 s per step on a
 cold inductor cache; it is skipped, with the reason logged, where it cannot run (no triton, no
 compiler), and `QWEN_FAST_COMPILE_VOCODER=0` turns it off.
 
 Many sessions that each finish a chunk of the same size in the same round (the batched decode's
 rounds) share one call: `decode_many` copies their states into the rows of a batched entry's
 stream (each row at its own position), replays it once and copies them back. A batch-1 call is
-~1.5 ms of mostly fixed cost on the H200 whatever its size (bench/NOTES.md, "Chunk schedule"),
+~1.5 ms of mostly fixed cost on the H200 whatever its size (docs/journal/NOTES.md, "Chunk schedule"),
 so 64 sessions' first chunks cost 64 of them one by one. Batched entries exist for the sizes and
 row buckets that `capture_batched` captured at warm-up, up to `MAX_BATCH_FRAMES` rows x frames a
 call (a graph's activations grow with both); other groups run batch-1.

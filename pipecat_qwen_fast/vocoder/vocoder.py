@@ -136,7 +136,7 @@ class Vocoder(nn.Module):
     def use_channels_last(self) -> None:
         """Store the convolution weights channels-innermost (same values; the engine does this on
         CUDA). cuDNN runs bf16 convolutions in NHWC and converted NCHW weights on every call: a
-        captured compiled 1-frame step went from 1.64 to 1.40 ms on the H200 (bench/NOTES.md,
+        captured compiled 1-frame step went from 1.64 to 1.40 ms on the H200 (docs/journal/NOTES.md,
         "Vocoder channels-last"). Grouped and dilated convolutions keep NCHW weights and inputs
         (`nhwc_friendly`): given NHWC, cuDNN ran the dilated ones 34x slower.
         """
