@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers_faults import fail_step_at
 
 from pipecat_qwen_fast.engine.engine import QwenTTSEngine
 from pipecat_qwen_fast.engine.request import SynthesisRequest
@@ -231,18 +232,7 @@ async def test_step_fault_reaches_its_caller_only(private_service, monkeypatch):
 async def test_fatal_fault_reaches_every_waiting_caller(private_service, monkeypatch):
     service, engine = private_service()
     await service.wait_ready()
-    real_step = engine.step
-    calls = 0
-
-    def dying_step(session):
-        nonlocal calls
-        calls += 1
-        if calls == 5:
-            # Fault injection: a sticky device error poisons every session on the device.
-            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
-        return real_step(session)
-
-    monkeypatch.setattr(engine, "step", dying_step)
+    fail_step_at(engine, monkeypatch, 5)
     callers = [service.synthesize(request(f"Caller {i}.", i, 20)) for i in range(4)]
     results = await asyncio.wait_for(asyncio.gather(*callers, return_exceptions=True), TIMEOUT)
     assert all(isinstance(r, (EngineClosedError, torch.AcceleratorError)) for r in results), results

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers_faults import StateCount, fail_step_at
 
 from pipecat_qwen_fast import QwenTTSEngine, SynthesisRequest
 from pipecat_qwen_fast.engine.service import EngineService
@@ -19,26 +20,6 @@ from pipecat_qwen_fast.errors import EngineClosedError
 CPU = {"device": "cpu", "dtype": "float32", "backend": "torch"}
 TIMEOUT = 120
 FAULTY = "Faulty request with a long text that makes its prompt longer than the others."
-
-
-class StateCount:
-    """Counts the backend's K/V states as they are made and released (wraps the real calls)."""
-
-    def __init__(self, backend, monkeypatch) -> None:
-        self.live: set[int] = set()
-        real_new, real_release = backend.new_state, backend.release
-
-        def new_state(**kw):
-            state = real_new(**kw)
-            self.live.add(id(state))
-            return state
-
-        def release(state):
-            self.live.discard(id(state))
-            return real_release(state)
-
-        monkeypatch.setattr(backend, "new_state", new_state)
-        monkeypatch.setattr(backend, "release", release)
 
 
 @pytest.fixture
@@ -119,18 +100,7 @@ async def test_fatal_fault_closes_every_open_session(engine, monkeypatch):
     count = StateCount(engine.backend, monkeypatch)
     service = EngineService.for_engine(engine)
     await service.wait_ready()
-    real_step = engine.step
-    calls = 0
-
-    def dying_step(session):
-        nonlocal calls
-        calls += 1
-        if calls == 6:
-            # Fault injection: a sticky device error poisons every session on the device.
-            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
-        return real_step(session)
-
-    monkeypatch.setattr(engine, "step", dying_step)
+    fail_step_at(engine, monkeypatch, 6)
     callers = [service.synthesize(request(f"Caller {i}.", i, 20)) for i in range(4)]
     results = await asyncio.wait_for(asyncio.gather(*callers, return_exceptions=True), TIMEOUT)
     assert all(isinstance(r, (EngineClosedError, torch.AcceleratorError)) for r in results), results

@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers_faults import StateCount
 
 from pipecat_qwen_fast import InvalidInputError, QwenTTSEngine, SynthesisRequest
 from pipecat_qwen_fast.engine.service import EngineService
@@ -51,26 +52,6 @@ BAD = [
     {"voice": 123}, {"max_frames": 2.5}, {"voice": "nobody"}, {"text": "   "}, {"language": "klingon"},
     {"text": "\udfff \ud800"}, {"chunk_frames": 0}, {"seed": -1}, {"text": None}, {"greedy": "yes"},
 ]
-
-
-class StateCount:
-    def __init__(self, backend, monkeypatch) -> None:
-        self.live: set[int] = set()
-        self.made = 0
-        real_new, real_release = backend.new_state, backend.release
-
-        def new_state(**kw):
-            state = real_new(**kw)
-            self.live.add(id(state))
-            self.made += 1
-            return state
-
-        def release(state):
-            self.live.discard(id(state))
-            return real_release(state)
-
-        monkeypatch.setattr(backend, "new_state", new_state)
-        monkeypatch.setattr(backend, "release", release)
 
 
 async def run_alone(service, request) -> tuple[np.ndarray, np.ndarray]:
