@@ -45,7 +45,8 @@ FIELDS = frozenset({"model", "input", "voice", "instructions", "response_format"
                     "stream_format", "language", "seed", "max_new_tokens"})
 MEDIA_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav"}
 STREAM_FORMATS = ("audio", "sse")
-# JSON escapes can take 6 bytes a character (\uXXXX); the rest is room for the other fields.
+# A JSON escape (backslash, u, four hex digits) takes 6 bytes a character; the rest is room
+# for the other fields.
 BODY_BYTES_PER_CHAR = 6
 BODY_OVERHEAD = 16 * 1024
 
