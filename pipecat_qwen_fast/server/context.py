@@ -75,10 +75,12 @@ class ServerContext:
         return self._book
 
     def open_audio(self, request: Any, endpoint: str, clock: PlayoutClock,
-                   started_at: float | None) -> AudioStream:
+                   started_at: float | None, *, text_stream: bool = False) -> AudioStream:
         service = self.require_ready()
         return AudioStream(service, request, metrics=self.metrics, endpoint=endpoint, clock=clock,
-                           started_at=started_at, live=self.live, sample_rate=service.sample_rate)
+                           started_at=started_at, live=self.live, sample_rate=service.sample_rate,
+                           text_stream=text_stream,
+                           idle_timeout_s=self.settings.ws_idle_timeout_s)
 
     def count_failure(self, error: ApiError) -> None:
         """Count a request that ended in ``error`` (once, where it is answered)."""

@@ -77,8 +77,11 @@ class AudioStream:
 
     def __init__(self, service: Any, request: Any, *, metrics: ServerMetrics, endpoint: str,
                  clock: PlayoutClock, started_at: float | None, live: set[AudioStream],
-                 sample_rate: int) -> None:
-        self._stream = service.open_stream(request)
+                 sample_rate: int, text_stream: bool = False,
+                 idle_timeout_s: float | None = None) -> None:
+        # A text stream takes its text with append()/end() while it speaks (engine_stream).
+        self._stream = (service.open_text_stream(request, idle_timeout_s=idle_timeout_s)
+                        if text_stream else service.open_stream(request))
         self._metrics = metrics
         self._endpoint = endpoint
         self._clock = clock
@@ -89,6 +92,14 @@ class AudioStream:
         self.chunks = 0
         self.bytes_sent = 0
         live.add(self)
+
+    @property
+    def engine_stream(self) -> Any:
+        return self._stream
+
+    @property
+    def seconds_sent(self) -> float:
+        return self.bytes_sent / 2 / self._sample_rate
 
     @property
     def queued(self) -> bool:

@@ -15,10 +15,20 @@ works against this server unchanged::
     client -> {"type": "session.close"}                       the socket is closed
 
 An ``input.done`` with no text before it answers ``session.done`` at once (the client's
-keepalive). Text is buffered and cut at sentence ends; each finished sentence is spoken while the
-rest of the turn's text still arrives. :class:`SentenceBuffer` is the seam for the engine's
-streaming-text session: when the engine can take text as it comes, a turn becomes one engine
-stream fed piece by piece, and only the buffering changes here.
+keepalive). A turn is spoken one of two ways, by the turn's text mode (``non_streaming_mode``, else
+the model's default, as for /v1/audio/speech and in-process, so a text sounds the same by every
+path):
+
+* dual-track (Base models; ``non_streaming_mode: false``): the whole turn is one engine
+  streaming-text session. Each ``input.text`` piece is appended as it arrives, ``input.done`` ends
+  it. The protocol's per-sentence framing carries it as one sentence: ``audio.start`` (index 0)
+  before its audio, ``audio.done`` after it (with the turn's text, and with ``timestamp_info`` when
+  word timestamps were asked for), ``session.done`` with ``total_sentences`` 1. The engine does not
+  know sentence ends ahead of its audio, and LiveKit's client needs only the byte offset at
+  ``audio.start`` to place the word times.
+* prefill (``non_streaming_mode: true``; CustomVoice's default): the model needs a sentence's
+  whole text in its prompt, so text is cut at sentence ends and each finished sentence is one
+  engine stream, spoken while the rest of the turn arrives.
 
 A socket that sends something that is not this protocol (binary, broken JSON, an unknown
 message type, a field of the wrong type) gets an error event and is closed, and whatever it had
@@ -39,6 +49,9 @@ from dataclasses import dataclass, field
 from fastapi import APIRouter, WebSocket
 from fastapi.responses import JSONResponse
 from starlette.websockets import WebSocketDisconnect, WebSocketState
+
+from pipecat_qwen_fast import InvalidInputError
+from pipecat_qwen_fast.model.prompt import DUAL_TRACK, PREFILL
 
 from .api_errors import ApiError, bad_request, from_engine_error
 from .context import ServerContext, context_of
@@ -112,6 +125,15 @@ class SentenceBuffer:
 
 
 @dataclass
+class SessionConfig:
+    """A session.config: the synthesis options and how its turns are spoken."""
+
+    options: SpeechOptions
+    streamed: bool  # dual-track: one streaming-text engine session per turn
+    word_timestamps: bool = False
+
+
+@dataclass
 class Turn:
     """The text between two input.done messages, and what it holds while it is spoken."""
 
@@ -120,6 +142,13 @@ class Turn:
     clock: PlayoutClock = field(default_factory=PlayoutClock)
     sentences: int = 0
     dropped: bool = False  # cut short (too long): its remaining text and sentences are not spoken
+    streamed: bool = False
+    word_timestamps: bool = False
+    started_at: float = 0.0
+    audio: AudioStream | None = None  # a streamed turn's engine session, open from its first word
+    chars: int = 0
+    pending: str = ""  # leading whitespace: it opens no engine session on its own
+    text: list[str] = field(default_factory=list)
 
     @property
     def speaking(self) -> bool:
@@ -129,6 +158,18 @@ class Turn:
         if self.slot is not None:
             self.slot.release()
             self.slot = None
+
+    async def close(self) -> None:
+        """Free everything the turn holds; a streamed turn's engine session is cancelled if it has
+        not finished."""
+        if self.audio is not None:
+            await self.audio.aclose()
+        self.end()
+
+
+@dataclass
+class StreamedTurn:
+    turn: Turn
 
 
 @dataclass
@@ -170,9 +211,10 @@ class SpeechSocket:
         self.ws = websocket
         self.ctx = ctx
         self.options: SpeechOptions | None = None
+        self.config: SessionConfig | None = None
         self.buffer = SentenceBuffer()
         self.turn: Turn | None = None
-        self.queue: asyncio.Queue[Sentence | TurnDone] = asyncio.Queue()
+        self.queue: asyncio.Queue[Sentence | StreamedTurn | TurnDone] = asyncio.Queue()
         self.unfinished = 0  # queued items the speaker has not finished
         self._send_lock = asyncio.Lock()
         limit = ctx.settings.max_input_chars
@@ -202,7 +244,8 @@ class SpeechSocket:
             with contextlib.suppress(BaseException):
                 await speaker
             for turn in self.unfinished_turns():
-                turn.end()
+                with contextlib.suppress(BaseException):
+                    await turn.close()
             await self.close(1000, "")
             self.ctx.open_sockets -= 1
 
@@ -288,7 +331,8 @@ class SpeechSocket:
                                   "after session.done", "turn_in_progress")
             return
         try:
-            self.options = parse_config(msg, self.ctx)
+            self.config = parse_config(msg, self.ctx)
+            self.options = self.config.options
         except ApiError as error:
             self.ctx.count_failure(error)
             await self.send_error(error.message, error.code or error.kind)
@@ -305,6 +349,9 @@ class SpeechSocket:
             self.turn = await self.start_turn(self.options)
         if not self.turn.speaking:
             return  # refused or cut short: the client was told; text is dropped until input.done
+        if self.turn.streamed:
+            await self.stream_text(self.turn, text)
+            return
         limit = self.ctx.settings.max_input_chars
         if len(self.buffer) + len(text) > limit:
             # Cut the turn short rather than hold unbounded text.
@@ -318,13 +365,57 @@ class SpeechSocket:
             self.enqueue(sentence)
 
     async def start_turn(self, options: SpeechOptions) -> Turn:
+        config = self.config
+        assert config is not None
+        shape = {"streamed": config.streamed, "word_timestamps": config.word_timestamps,
+                 "started_at": time.monotonic()}
         try:
             self.ctx.require_ready()
-            return Turn(options, self.ctx.gate.admit())
+            return Turn(options, self.ctx.gate.admit(), **shape)
         except ApiError as error:
             self.ctx.count_failure(error)
             await self.send_error(error.message, error.code or error.kind)
-            return Turn(options, None)
+            return Turn(options, None, **shape)
+
+    async def stream_text(self, turn: Turn, text: str) -> None:
+        """Append a piece to the turn's engine session, opening it at the first word."""
+        limit = self.ctx.settings.max_input_chars
+        if turn.chars + len(text) > limit:
+            self.ctx.count_failure(bad_request("turn too long"))
+            await self.send_error(f"this turn's text would be over {limit} characters; the rest "
+                                  "of this turn is dropped", "input_too_long")
+            await self.cut_short(turn)
+            return
+        turn.chars += len(text)
+        turn.text.append(text)
+        if turn.audio is None:
+            turn.pending += text
+            if not turn.pending.strip():
+                return
+            text, turn.pending = turn.pending, ""
+            try:
+                turn.audio = self.ctx.open_audio(turn.options.request(""), "ws", turn.clock,
+                                                 turn.started_at, text_stream=True)
+            except Exception as exc:  # noqa: BLE001 - told to the client; the socket goes on
+                await self.report_failure(exc, "opening a turn")
+                turn.dropped = True
+                return
+            self.queue.put_nowait(StreamedTurn(turn))
+            turn.sentences = 1
+            self.unfinished += 1
+        # Audio the listener ran out of while the text was late is the client's gap, not an
+        # underrun: start the playout clock afresh.
+        turn.clock.restart_if_played(time.monotonic())
+        try:
+            turn.audio.engine_stream.append(text)
+        except InvalidInputError as exc:  # ended already: the engine's idle timeout
+            await self.send_error(f"{exc}; the rest of this turn is dropped", "turn_ended")
+            await self.cut_short(turn)
+
+    async def cut_short(self, turn: Turn) -> None:
+        turn.dropped = True
+        if turn.audio is not None:
+            turn.audio.engine_stream.end()  # what it has is still spoken
 
     def enqueue(self, text: str) -> None:
         turn = self.turn
@@ -335,7 +426,10 @@ class SpeechSocket:
 
     def finish_turn(self) -> None:
         turn = self.turn
-        if turn is not None and turn.speaking:
+        if turn is not None and turn.streamed:
+            if turn.audio is not None:
+                turn.audio.engine_stream.end()
+        elif turn is not None and turn.speaking:
             for sentence in self.buffer.flush():
                 self.enqueue(sentence)
         self.buffer = SentenceBuffer()
@@ -347,7 +441,8 @@ class SpeechSocket:
         turns = [self.turn] if self.turn is not None else []
         while not self.queue.empty():
             item = self.queue.get_nowait()
-            if isinstance(item, TurnDone) and item.turn is not None:
+            if isinstance(item, TurnDone | StreamedTurn) and item.turn is not None \
+                    and all(item.turn is not t for t in turns):
                 turns.append(item.turn)
         return turns
 
@@ -363,6 +458,8 @@ class SpeechSocket:
                                       "total_sentences": turn.sentences if turn else 0})
                 if turn is not None:
                     turn.end()
+            elif isinstance(item, StreamedTurn):
+                await self.speak_turn(item.turn)
             elif item.turn.speaking:
                 if waited:
                     item.turn.clock.restart_if_played(time.monotonic())
@@ -387,16 +484,44 @@ class SpeechSocket:
             raise
         except Exception as exc:
             failed = True
-            error = exc if isinstance(exc, ApiError) else from_engine_error(
-                exc, self.ctx.settings.retry_after_s)
-            self.ctx.count_failure(error)
-            logger.warning("stream socket: sentence %d failed: %s", sentence.index, error.message)
-            await self.send_error(error.message, error.code or error.kind)
+            await self.report_failure(exc, f"sentence {sentence.index}")
         finally:
             if stream is not None:
                 await stream.aclose()
         await self.send_json({"type": "audio.done", "sentence_index": sentence.index,
                               "total_bytes": stream.bytes_sent if stream else 0, "error": failed})
+
+    async def speak_turn(self, turn: Turn) -> None:
+        """A streamed turn: one engine session, framed as the protocol's sentence 0."""
+        stream = turn.audio
+        assert stream is not None
+        await self.send_json({"type": "audio.start", "sentence_index": 0, "sentence_text": "",
+                              "format": "pcm", "sample_rate": self.ctx.require_ready().sample_rate})
+        failed = False
+        try:
+            while (pcm := await stream.next_pcm()) is not None:
+                await self.send_bytes(pcm)
+        except (WebSocketDisconnect, ClientGone, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - told to the client; the socket goes on
+            failed = True
+            await self.report_failure(exc, "a streamed turn")
+        finally:
+            await stream.aclose()
+        done = {"type": "audio.done", "sentence_index": 0,
+                "sentence_text": "".join(turn.text).strip(), "total_bytes": stream.bytes_sent,
+                "error": failed}
+        if turn.word_timestamps and not failed:
+            done["timestamp_info"] = {"word_alignment": word_alignment(
+                stream.engine_stream.words(), stream.seconds_sent)}
+        await self.send_json(done)
+
+    async def report_failure(self, exc: Exception, what: str) -> None:
+        error = exc if isinstance(exc, ApiError) else from_engine_error(
+            exc, self.ctx.settings.retry_after_s)
+        self.ctx.count_failure(error)
+        logger.warning("stream socket: %s failed: %s", what, error.message)
+        await self.send_error(error.message, error.code or error.kind)
 
     # -- sending --------------------------------------------------------------------------------
 
@@ -419,7 +544,18 @@ class SpeechSocket:
             await self.ws.close(code=code, reason=reason)
 
 
-def parse_config(msg: dict, ctx: ServerContext) -> SpeechOptions:
+def word_alignment(words: list, audio_s: float) -> dict:
+    """vLLM-Omni's word alignment for the turn's words heard within its audio. A word's start is
+    when the model first read it (docs/STREAMING_TEXT.md: the earliest it can be heard); it ends
+    where the next begins, the last at the end of the audio."""
+    heard = [w for w in words if w.start_s < audio_s]
+    starts = [round(w.start_s, 3) for w in heard]
+    ends = [*starts[1:], round(audio_s, 3)]
+    return {"words": [w.text for w in heard], "word_start_times_seconds": starts,
+            "word_end_times_seconds": ends}
+
+
+def parse_config(msg: dict, ctx: ServerContext) -> SessionConfig:
     """A session.config's fields as synthesis options; an ApiError names what cannot be served."""
     check_fields(msg, CONFIG_FIELDS, "session.config")
     service = ctx.require_ready()
@@ -441,27 +577,39 @@ def parse_config(msg: dict, ctx: ServerContext) -> SpeechOptions:
     if streaming_mode not in (None, "sentence"):
         raise bad_request(f"streaming_mode {streaming_mode!r} is not supported; valid choices: "
                           "sentence", "streaming_mode")
+    non_streaming = optional_bool(msg, "non_streaming_mode")
+    text_mode = None if non_streaming is None else (PREFILL if non_streaming else DUAL_TRACK)
+    # The engine's own default for the variant (engine.open_session).
+    streamed = (text_mode or (DUAL_TRACK if service.model_type == "base" else PREFILL)) \
+        == DUAL_TRACK
     timestamp_type = optional_str(msg, "timestamp_type")
-    optional_str(msg, "timestamp_transport_strategy")
-    if optional_bool(msg, "word_timestamps") or timestamp_type not in (None, "none"):
-        raise bad_request("word timestamps are not available from this server; leave "
-                          "word_timestamps off", "word_timestamps")
+    if timestamp_type not in (None, "none", "word"):
+        raise bad_request(f"timestamp_type {timestamp_type!r} is not supported; valid choices: "
+                          "none, word", "timestamp_type")
+    transport = optional_str(msg, "timestamp_transport_strategy")
+    if transport not in (None, "sync"):
+        raise bad_request(f"timestamp_transport_strategy {transport!r} is not supported; valid "
+                          "choices: sync (word times in audio.done)", "timestamp_transport_strategy")
+    word_timestamps = bool(optional_bool(msg, "word_timestamps")) or timestamp_type == "word"
+    if word_timestamps and not streamed:
+        raise bad_request("word timestamps come from streamed-text turns: send "
+                          "non_streaming_mode=false with them", "word_timestamps")
     cloning = [name for name in CLONE_FIELDS if msg.get(name) is not None]
     if optional_bool(msg, "x_vector_only_mode"):
         cloning.append("x_vector_only_mode")
     if cloning:
         raise bad_request(f"voice cloning ({', '.join(cloning)}) is not available on this "
                           "server; use a preset voice (GET /v1/audio/voices)", cloning[0])
-    non_streaming = optional_bool(msg, "non_streaming_mode")
     book = ctx.voice_book()
-    return SpeechOptions(
+    options = SpeechOptions(
         voice=book.resolve_voice(optional_str(msg, "voice")),
         language=book.resolve_language(optional_str(msg, "language")),
         instruct=optional_str(msg, "instructions") or None,
         seed=optional_int(msg, "seed", low=0, high=2**63 - 1),
         # The official model's non_streaming_mode: True puts the whole text in the prompt.
-        text_mode=None if non_streaming is None else ("prefill" if non_streaming else "dual_track"),
+        text_mode=text_mode,
         first_chunk_frames=optional_int(msg, "initial_codec_chunk_frames", low=1,
                                         high=MAX_FIRST_CHUNK_FRAMES),
         max_frames=frame_cap(optional_int(msg, "max_new_tokens", low=1), ctx.settings.max_frames),
     )
+    return SessionConfig(options, streamed, word_timestamps)

@@ -1,0 +1,131 @@
+"""WebSocket turns in dual-track mode: one engine streaming-text session per turn, fed piece by
+piece as input.text arrives, framed as the protocol's sentence 0, with word times in audio.done;
+LiveKit's Qwen3TTS client with word_timestamps; a socket closed mid-turn cancels the session."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import numpy as np
+import pytest
+
+from pipecat_qwen_fast import SynthesisRequest
+
+from .conftest import FRAME_SAMPLES, VOICE, eventually, settled
+from .test_ws import CONFIG, LONG_TEXT, TIMEOUT, events, read_until_done
+
+pytestmark = pytest.mark.timeout(180)
+
+STREAMED = {**CONFIG, "non_streaming_mode": False}
+PIECES = ["You said hel", "lo. That", " is inter", "esting!"]
+TEXT = "".join(PIECES)
+FRAMES = 12
+
+
+async def test_turn_is_one_session_fed_as_text_arrives_with_word_times(server, endless_service):
+    before = endless_service.streams_opened
+    config = {**STREAMED, "seed": 3, "max_new_tokens": FRAMES, "timestamp_type": "word",
+              "timestamp_transport_strategy": "sync"}
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws_url) as ws:
+        await ws.send_json(config)
+        for piece in PIECES:
+            await ws.send_json({"type": "input.text", "text": piece})
+            await asyncio.sleep(0.02)
+        await ws.send_json({"type": "input.done"})
+        items = await read_until_done(ws)
+    kinds = [e["type"] for e in events(items)]
+    assert kinds == ["audio.start", "audio.done", "session.done"], events(items)
+    start, done, session_done = events(items)
+    assert start["sentence_index"] == 0 and start["sample_rate"] == 24000
+    assert (done["sentence_index"], done["error"], done["sentence_text"]) == (0, False, TEXT)
+    assert session_done == {"type": "session.done", "total_sentences": 1}
+    audio = b"".join(i for i in items if isinstance(i, bytes))
+    assert done["total_bytes"] == len(audio) == FRAMES * FRAME_SAMPLES * 2
+
+    # One engine session for the whole turn, and the whole text's audio in dual-track mode.
+    await eventually(lambda: len(endless_service.records_since(before)) == 1, what="the record")
+    await asyncio.sleep(0.2)
+    (record,) = endless_service.records_since(before)
+    assert record.stop_reason == "frame_cap" and record.frames_decoded == FRAMES
+    whole = await asyncio.wait_for(endless_service.synthesize(SynthesisRequest(
+        TEXT, voice=VOICE, seed=3, max_frames=FRAMES, text_mode="dual_track")), TIMEOUT)
+    got = np.frombuffer(audio, "<i2").astype(np.int32)
+    assert len(got) == len(whole) and np.abs(got - whole).max() <= 1
+
+    # Words read within the audio, at frame times, each ending where the next begins.
+    align = done["timestamp_info"]["word_alignment"]
+    words, starts, ends = (align["words"], align["word_start_times_seconds"],
+                           align["word_end_times_seconds"])
+    assert words == TEXT.split()  # all read within the 12 frames
+    assert starts[0] == 0.0 and starts == sorted(starts) and starts[-1] < FRAMES * 0.08
+    assert all(s == pytest.approx(round(s / 0.08) * 0.08) for s in starts)
+    assert ends == [*starts[1:], pytest.approx(FRAMES * 0.08)]
+    await eventually(lambda: settled(server), what="the turn to be released")
+
+
+async def test_livekit_qwen3tts_client_gets_the_word_times_as_its_aligned_transcript(
+        server, endless_service):
+    from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT
+    from livekit.plugins import baseten
+
+    before = endless_service.streams_opened
+    async with aiohttp.ClientSession() as http:
+        tts = baseten.TTS(model="qwen3-tts", model_endpoint=server.ws_url, api_key="unused",
+                          voice=VOICE, task_type="CustomVoice", max_new_tokens=FRAMES,
+                          word_timestamps=True, extra_config={"non_streaming_mode": False},
+                          http_session=http)
+        try:
+            stream = tts.stream()
+            for piece in PIECES:
+                stream.push_text(piece)
+            stream.end_input()
+            got = [ev async for ev in stream]
+            await stream.aclose()
+        finally:
+            await tts.aclose()
+    samples = sum(ev.frame.samples_per_channel for ev in got)
+    assert samples in (FRAMES * FRAME_SAMPLES, FRAMES * FRAME_SAMPLES + 240)
+    timed = [t for ev in got for t in ev.frame.userdata.get(USERDATA_TIMED_TRANSCRIPT, [])]
+    assert "".join(timed) == TEXT + " "  # the client spaces each word
+    assert timed[0].start_time == 0.0
+    await eventually(lambda: len(endless_service.records_since(before)) == 1, what="the record")
+    assert endless_service.records_since(before)[0].frames_decoded == FRAMES
+
+
+@pytest.mark.parametrize("ended", [False, True], ids=["text-still-coming", "after-input-done"])
+async def test_socket_closed_mid_turn_cancels_the_engine_session(server, endless_service, ended):
+    before = endless_service.streams_opened
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(server.ws_url)
+        await ws.send_json({**STREAMED, "max_new_tokens": None})
+        await ws.send_json({"type": "input.text", "text": LONG_TEXT})
+        if ended:
+            await ws.send_json({"type": "input.done"})
+        for _ in range(20):
+            msg = await ws.receive(timeout=TIMEOUT)
+            if msg.type is aiohttp.WSMsgType.BINARY:
+                break
+        assert msg.type is aiohttp.WSMsgType.BINARY
+        await ws.close()
+    await eventually(lambda: len(endless_service.records_since(before)) == 1, what="the record")
+    (record,) = endless_service.records_since(before)
+    assert record.stop_reason == "cancelled"
+    await eventually(lambda: settled(server), what="the turn to be released")
+
+
+@pytest.mark.parametrize(("change", "param"), [
+    ({"word_timestamps": True, "non_streaming_mode": True}, "word_timestamps"),
+    ({"timestamp_type": "word"}, "word_timestamps"),  # CustomVoice's default is prefill
+    ({**STREAMED, "timestamp_type": "phoneme"}, "timestamp_type"),
+    ({**STREAMED, "timestamp_type": "word", "timestamp_transport_strategy": "async"},
+     "timestamp_transport_strategy"),
+])
+async def test_word_timestamps_only_on_streamed_turns(server, change, param):
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws_url) as ws:
+        await ws.send_json({**CONFIG, **change})
+        msg = await ws.receive_json(timeout=TIMEOUT)
+        assert msg["type"] == "error" and param.split("_")[0] in msg["message"]
+        await ws.send_json({"type": "input.done"})
+        assert events(await read_until_done(ws))[-1] == {"type": "session.done",
+                                                          "total_sentences": 0}
