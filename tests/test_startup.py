@@ -86,7 +86,9 @@ def test_phases_nest_and_a_failure_names_the_path():
         with phase("outer"):
             with phase("inner"):
                 pass
-        with pytest.raises(ModelLoadError, match=r"while warming up / capturing: RuntimeError: out of graphs"):
+        with pytest.raises(
+            ModelLoadError, match=r"while warming up / capturing: RuntimeError: out of graphs"
+        ):
             with phase("warming up"):
                 with phase("capturing"):
                     raise RuntimeError("out of graphs")
@@ -105,7 +107,11 @@ def test_load_records_phases_and_is_ready(tiny_checkpoint):
     engine = QwenTTSEngine.from_pretrained(tiny_checkpoint(), device="cpu", progress=False)
     assert engine.ready
     top = engine.load_phases.top_level()
-    assert list(top)[:3] == ["reading the checkpoint", "loading the weights", "building the decode backend"]
+    assert list(top)[:3] == [
+        "reading the checkpoint",
+        "loading the weights",
+        "building the decode backend",
+    ]
     assert all(s >= 0 for s in top.values())
 
 
@@ -119,8 +125,10 @@ def test_failed_load_names_its_phase(tiny_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [None, torch.float32])
-@pytest.mark.parametrize("file,prefix", [("model.safetensors", "talker."),
-                                         ("speech_tokenizer/model.safetensors", "decoder.")])
+@pytest.mark.parametrize(
+    "file,prefix",
+    [("model.safetensors", "talker."), ("speech_tokenizer/model.safetensors", "decoder.")],
+)
 def test_staged_weight_load_equals_the_per_tensor_load(tiny_checkpoint, file, prefix, dtype):
     from pipecat_qwen_fast.checkpoints.load import load_state_dict, load_state_dict_staged
 
@@ -154,8 +162,12 @@ def test_service_runs_deferred_warmup_while_idle_and_serves_meanwhile(tiny_check
     gate = threading.Event()
     # Two queued steps: the first waits until a request was served, so the test sees the engine
     # thread serve a call between two background steps, and finish them once idle again.
-    engine._warmup.pending.extend([("first", lambda: (gate.wait(30), ran.append("first"))),
-                                   ("second", lambda: ran.append("second"))])
+    engine._warmup.pending.extend(
+        [
+            ("first", lambda: (gate.wait(30), ran.append("first"))),
+            ("second", lambda: ran.append("second")),
+        ]
+    )
     assert not engine.fully_warm
     gate.set()
 
@@ -173,4 +185,3 @@ def test_service_runs_deferred_warmup_while_idle_and_serves_meanwhile(tiny_check
     pcm = asyncio.run(main())
     assert len(pcm) == 3 * 1920
     assert ran == ["first", "second"] and engine.fully_warm
-

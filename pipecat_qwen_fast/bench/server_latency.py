@@ -64,8 +64,14 @@ async def over_ws(ws, frames: int) -> float:
 
 
 async def over_http(client, base: str, voice: str | None, frames: int) -> float:
-    body = {"model": "qwen", "input": TEXT, "voice": voice, "response_format": "pcm", "max_new_tokens": frames,
-            "seed": 0}
+    body = {
+        "model": "qwen",
+        "input": TEXT,
+        "voice": voice,
+        "response_format": "pcm",
+        "max_new_tokens": frames,
+        "seed": 0,
+    }
     t0 = time.perf_counter()
     first = None
     async with client.stream("POST", f"{base}/v1/audio/speech", json=body) as r:
@@ -84,32 +90,52 @@ async def measure(service, port: int, voice: str | None, requests: int, frames: 
 
     base = f"http://127.0.0.1:{port}"
     times: dict[str, list[float]] = {"in_process": [], "ws": [], "http": []}
-    async with websockets.connect(f"ws://127.0.0.1:{port}/v1/audio/speech/stream", max_size=None) as ws, \
-            httpx.AsyncClient(timeout=30) as client:
-        await ws.send(json.dumps({"type": "session.config", "voice": voice, "max_new_tokens": frames, "seed": 0}))
+    async with (
+        websockets.connect(f"ws://127.0.0.1:{port}/v1/audio/speech/stream", max_size=None) as ws,
+        httpx.AsyncClient(timeout=30) as client,
+    ):
+        await ws.send(
+            json.dumps(
+                {"type": "session.config", "voice": voice, "max_new_tokens": frames, "seed": 0}
+            )
+        )
         for i in range(requests + 3):  # the first three of each are warm-up, not kept
-            got = {"in_process": await in_process(service, voice, frames), "ws": await over_ws(ws, frames),
-                   "http": await over_http(client, base, voice, frames)}
+            got = {
+                "in_process": await in_process(service, voice, frames),
+                "ws": await over_ws(ws, frames),
+                "http": await over_http(client, base, voice, frames),
+            }
             if i >= 3:
                 for k, v in got.items():
                     times[k].append(v * 1e3)
         await ws.send(json.dumps({"type": "session.close"}))
-    out = {k: {"p50_ms": statistics.median(v), "p95_ms": sorted(v)[int(0.95 * (len(v) - 1))], "n": len(v)}
-           for k, v in times.items()}
+    out = {
+        k: {
+            "p50_ms": statistics.median(v),
+            "p95_ms": sorted(v)[int(0.95 * (len(v) - 1))],
+            "n": len(v),
+        }
+        for k, v in times.items()
+    }
     out["ws_minus_in_process_p50_ms"] = out["ws"]["p50_ms"] - out["in_process"]["p50_ms"]
     out["http_minus_in_process_p50_ms"] = out["http"]["p50_ms"] - out["in_process"]["p50_ms"]
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="qwen-fast-tts bench server-latency", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="qwen-fast-tts bench server-latency",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", required=True, help="checkpoint folder")
     p.add_argument("--out", type=Path, required=True, help="folder for server_latency.json")
     p.add_argument("--device", default="cuda")
     p.add_argument("--backend", default="auto")
     p.add_argument("--requests", type=int, default=30)
-    p.add_argument("--frames", type=int, default=8, help="frames each request makes (the first chunk is one)")
+    p.add_argument(
+        "--frames", type=int, default=8, help="frames each request makes (the first chunk is one)"
+    )
     args = p.parse_args(argv)
 
     import torch
@@ -120,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     from pipecat_qwen_fast.server.settings import ServerSettings
 
     def load():
-        engine = QwenTTSEngine.from_pretrained(args.model, device=args.device, backend=args.backend, progress=False)
+        engine = QwenTTSEngine.from_pretrained(
+            args.model, device=args.device, backend=args.backend, progress=False
+        )
         engine.finish_warmup()
         return engine
 
@@ -128,10 +156,23 @@ def main(argv: list[str] | None = None) -> int:
     service.wait_ready_blocking()
     voice = service.engine.voices[0] if service.engine.voices else None
     port = free_port()
-    settings = ServerSettings(model=args.model, device=args.device, backend=args.backend, host="127.0.0.1",
-                              port=port, log_level="warning")
-    server = uvicorn.Server(uvicorn.Config(build_app(settings, service), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
+    settings = ServerSettings(
+        model=args.model,
+        device=args.device,
+        backend=args.backend,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(settings, service),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="on",
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     for _ in range(200):
@@ -149,12 +190,25 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True
         thread.join(10)
         service.close()
-    result.update({"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-                   "backend": args.backend, "frames": args.frames, "date_utc": time.strftime("%Y-%m-%d %H:%M UTC",
-                                                                                             time.gmtime())})
+    result.update(
+        {
+            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+            "backend": args.backend,
+            "frames": args.frames,
+            "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        }
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "server_latency.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: v for k, v in result.items() if k.endswith("_ms") or k in ("in_process", "ws", "http")}))
+    print(
+        json.dumps(
+            {
+                k: v
+                for k, v in result.items()
+                if k.endswith("_ms") or k in ("in_process", "ws", "http")
+            }
+        )
+    )
     return 0
 
 

@@ -37,7 +37,9 @@ def child(args: argparse.Namespace) -> int:
     from pipecat_qwen_fast import QwenTTSEngine
 
     imported = time.time()
-    engine = QwenTTSEngine.from_pretrained(args.model, device=args.device, backend=args.backend, progress=False)
+    engine = QwenTTSEngine.from_pretrained(
+        args.model, device=args.device, backend=args.backend, progress=False
+    )
     ready = time.time()
     voice = engine.voices[0] if engine.voices else None
 
@@ -71,9 +73,24 @@ def run_child(model: Path, cache: Path, result: Path, args: argparse.Namespace) 
     # The run must see only the cache folder under test, never torch's default folders.
     for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         env.pop(var, None)
-    cmd = [sys.executable, "-m", "pipecat_qwen_fast.bench.startup", "child", "--model", str(model),
-           "--device", args.device, "--backend", args.backend, "--requests", str(args.requests),
-           "--result", str(result), "--spawned", repr(time.time())]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipecat_qwen_fast.bench.startup",
+        "child",
+        "--model",
+        str(model),
+        "--device",
+        args.device,
+        "--backend",
+        args.backend,
+        "--requests",
+        str(args.requests),
+        "--result",
+        str(result),
+        "--spawned",
+        repr(time.time()),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         return {"error": f"exit {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
@@ -85,9 +102,24 @@ def prepare_into(model: Path, cache: Path, args: argparse.Namespace) -> dict:
     for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         env.pop(var, None)
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "pipecat_qwen_fast.cli", "prepare", "--model", str(model),
-                           "--device", args.device, "--backend", args.backend],
-                          env=env, capture_output=True, text=True, timeout=args.timeout)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipecat_qwen_fast.cli",
+            "prepare",
+            "--model",
+            str(model),
+            "--device",
+            args.device,
+            "--backend",
+            args.backend,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=args.timeout,
+    )
     out = {"prepare_s": time.time() - t0, "exit": proc.returncode}
     if proc.returncode != 0:
         out["stderr_tail"] = proc.stderr[-3000:]
@@ -104,8 +136,11 @@ def read_through(folder: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="qwen-fast-tts bench startup", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="qwen-fast-tts bench startup",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="mode")
     c = sub.add_parser("child")
     c.add_argument("--model", required=True)
@@ -116,11 +151,15 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--spawned", type=float, required=True)
     p.add_argument("--model", type=Path, help="checkpoint folder")
     p.add_argument("--out", type=Path, help="folder for startup.json")
-    p.add_argument("--work", type=Path, default=Path("/tmp/qwen-fast-startup"), help="cache folders live here")
+    p.add_argument(
+        "--work", type=Path, default=Path("/tmp/qwen-fast-startup"), help="cache folders live here"
+    )
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma list of {', '.join(RUNS)}")
     p.add_argument("--device", default="cuda")
     p.add_argument("--backend", default="auto")
-    p.add_argument("--requests", type=int, default=20, help="warm requests after the first, for the p50")
+    p.add_argument(
+        "--requests", type=int, default=20, help="warm requests after the first, for the p50"
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per process")
     args = p.parse_args(argv)
     if args.mode == "child":
@@ -135,8 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
     read_through(args.model)
-    report: dict = {"date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-                    "backend": args.backend, "model": str(args.model), "runs": {}}
+    report: dict = {
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "backend": args.backend,
+        "model": str(args.model),
+        "runs": {},
+    }
     shared = args.work / "cache"  # cold fills it, warm reuses it
     for run in runs:
         result = args.work / f"{run}.json"
@@ -151,8 +194,11 @@ def main(argv: list[str] | None = None) -> int:
             report["runs"][run] = run_child(args.model, shared, result, args)
         (args.out / "startup.json").write_text(json.dumps(report, indent=2))
         r = report["runs"][run]
-        print(f"{run:9s} ready {r.get('ready_s', float('nan')):7.1f} s  first audio "
-              f"{r.get('first_audio_s', float('nan')):7.1f} s  {r.get('error', '')}", flush=True)
+        print(
+            f"{run:9s} ready {r.get('ready_s', float('nan')):7.1f} s  first audio "
+            f"{r.get('first_audio_s', float('nan')):7.1f} s  {r.get('error', '')}",
+            flush=True,
+        )
     return 0
 
 

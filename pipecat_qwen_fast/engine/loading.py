@@ -51,7 +51,9 @@ def load_engine(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if backend not in BACKENDS:
-        raise InvalidInputError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+        raise InvalidInputError(
+            f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}"
+        )
     use_compile_caches()
     log = log or (PhaseBars().log() if progress else PhaseLog())
     if dev.type == "cuda" and backend in ("auto", "megakernel"):
@@ -76,29 +78,48 @@ def load_engine(
                 net = Qwen3TTSModel(cfg)
             with phase("reading the talker's file"):
                 weights = checkpoint.load_state_dict(
-                    model_dir / "model.safetensors", dtype=dt, device=dev, prefix="talker.", progress=progress
+                    model_dir / "model.safetensors",
+                    dtype=dt,
+                    device=dev,
+                    prefix="talker.",
+                    progress=progress,
                 )
             with phase("assigning the talker's weights"):
                 net.load_talker_weights(weights)
             del weights
             with phase("reading the vocoder's file"):
                 voc_weights = checkpoint.load_state_dict(
-                    model_dir / "speech_tokenizer" / "model.safetensors", dtype=dt, device=dev, prefix="decoder.",
+                    model_dir / "speech_tokenizer" / "model.safetensors",
+                    dtype=dt,
+                    device=dev,
+                    prefix="decoder.",
                     progress=progress,
                 )
             with phase("building the vocoder"):
-                voc = Vocoder.from_state_dict(vcfg, voc_weights, device=dev, dtype=dt)  # frozen, eval
+                voc = Vocoder.from_state_dict(
+                    vcfg, voc_weights, device=dev, dtype=dt
+                )  # frozen, eval
             del voc_weights
             # Inference only: parameters loaded with assign=True would otherwise require grad, and
             # a call outside no_grad (graph capture at warm-up) would keep every activation alive.
             net.requires_grad_(False).eval()
-        with phase("building the decode backend"), plain_first() if defer_warmup else contextlib.nullcontext():
+        with (
+            phase("building the decode backend"),
+            plain_first() if defer_warmup else contextlib.nullcontext(),
+        ):
             # Deferred warm-up: the megakernel's prefill graphs are captured plain here and
             # compiled among the engine's background steps (engine/warmup.py).
             decode_backend = select_backend(backend, net, dev, dt)
         engine = cls(
-            config=cfg, generation=gen, model=net, vocoder=voc, tokenizer=tok,
-            device=dev, dtype=dt, backend=decode_backend, model_dir=model_dir,
+            config=cfg,
+            generation=gen,
+            model=net,
+            vocoder=voc,
+            tokenizer=tok,
+            device=dev,
+            dtype=dt,
+            backend=decode_backend,
+            model_dir=model_dir,
         )
         if warmup if warmup is not None else dev.type == "cuda":
             with phase("warming up"):
@@ -106,7 +127,6 @@ def load_engine(
     engine.load_phases = log
     engine.ready = True
     return engine
-
 
 
 def preimport_compiler() -> None:
@@ -127,8 +147,13 @@ class PhaseBars:
 
     def start(self, name: str, depth: int) -> None:
         if depth == 0:
-            self.bar = tqdm(total=1, desc=f"loading: {name}", file=sys.stderr, leave=True,
-                            bar_format="{desc} {bar:10} {elapsed}{postfix}")
+            self.bar = tqdm(
+                total=1,
+                desc=f"loading: {name}",
+                file=sys.stderr,
+                leave=True,
+                bar_format="{desc} {bar:10} {elapsed}{postfix}",
+            )
         elif self.bar is not None and depth == 1:
             self.bar.set_postfix_str(name, refresh=True)
 
@@ -142,8 +167,14 @@ class PhaseBars:
     def log(self) -> PhaseLog:
         return PhaseLog(on_start=self.start, on_end=self.end)
 
-def prepare(model: str | os.PathLike[str] | None, *, device: str = "auto", backend: str = "auto",
-            archs: list[str] | None = None) -> PhaseLog:
+
+def prepare(
+    model: str | os.PathLike[str] | None,
+    *,
+    device: str = "auto",
+    backend: str = "auto",
+    archs: list[str] | None = None,
+) -> PhaseLog:
     """Every one-time build and compile of a machine, into the cache folder (`qwen-fast-tts
     prepare`): with `archs` and no model, only the megakernel libraries (a container build with no
     GPU); otherwise a full load with warm-up, which fills the compile caches the way a start
@@ -160,7 +191,16 @@ def prepare(model: str | os.PathLike[str] | None, *, device: str = "auto", backe
     if model is not None:
         from pipecat_qwen_fast.engine.engine import QwenTTSEngine
 
-        engine = load_engine(QwenTTSEngine, model, device=device, dtype="auto", backend=backend, warmup=True,
-                             progress=True, defer_warmup=False, log=log)
+        engine = load_engine(
+            QwenTTSEngine,
+            model,
+            device=device,
+            dtype="auto",
+            backend=backend,
+            warmup=True,
+            progress=True,
+            defer_warmup=False,
+            log=log,
+        )
         engine.close()
     return log

@@ -71,9 +71,24 @@ class Warmup:
             return False
         name, step = self.pending.popleft()
         t0 = time.perf_counter()
-        step()
-        logger.debug("background warm-up: %s (%.2f s, %d steps left)", name, time.perf_counter() - t0,
-                     len(self.pending))
+        try:
+            step()
+        except Exception as e:
+            # A device fault is the engine's to handle; anything else costs only this step's
+            # speed-up (what it would have captured runs on the path it already has).
+            accelerator_error = getattr(torch, "AcceleratorError", None)
+            if accelerator_error is not None and isinstance(e, accelerator_error):
+                raise
+            logger.warning(
+                "background warm-up step %r failed, skipped: %s: %s", name, type(e).__name__, e
+            )
+            return True
+        logger.debug(
+            "background warm-up: %s (%.2f s, %d steps left)",
+            name,
+            time.perf_counter() - t0,
+            len(self.pending),
+        )
         return True
 
     def finish(self) -> None:
@@ -93,34 +108,61 @@ class Warmup:
             # The batch backend alone (backend="torch"): its batch of one is the single call.
             now.append(("capturing the batch graphs", lambda: capture(params, (1,))))
         now.append(("preparing the engine thread", e.prepare_thread))
-        prefills = next((p for b in (backend, getattr(backend, "fast", None), getattr(backend, "bulk", None))
-                         if (p := getattr(b, "prefills", None)) is not None), None)
+        prefills = next(
+            (
+                p
+                for b in (backend, getattr(backend, "fast", None), getattr(backend, "bulk", None))
+                if (p := getattr(b, "prefills", None)) is not None
+            ),
+            None,
+        )
         if defer and prefills is not None:
             later.append(("compiled prefill graphs", prefills.compile_plain))
         if e.vocoder_graphs is not None:
             first = list(schedule_sizes(SynthesisRequest("")))
             now.append(("capturing the vocoder graphs", lambda: e.vocoder_graphs.capture(first)))
             if defer:
-                later += [(f"compiled vocoder graph of {n} frames", lambda n=n: e.vocoder_graphs.compile_plain([n]))
-                          for n in first]
+                later += [
+                    (
+                        f"compiled vocoder graph of {n} frames",
+                        lambda n=n: e.vocoder_graphs.compile_plain([n]),
+                    )
+                    for n in first
+                ]
             # The tails a default stream may end on, and synthesize()'s 25.
-            rest = [n for n in (*range(1, SynthesisRequest.max_chunk_frames + 1), 25) if n not in first]
-            later += [(f"vocoder graph of {n} frames", lambda n=n: self.vocoder_size(n)) for n in rest]
+            rest = [
+                n for n in (*range(1, SynthesisRequest.max_chunk_frames + 1), 25) if n not in first
+            ]
+            later += [
+                (f"vocoder graph of {n} frames", lambda n=n: self.vocoder_size(n)) for n in rest
+            ]
         if hybrid:
             now.append(("warm-up sessions (megakernel)", lambda: self.sessions(True)))
         else:
             now.append(("warm-up sessions", lambda: self.sessions(None)))
         if capture is not None:
             buckets = getattr(getattr(backend, "bulk", backend), "batch_buckets", ())
-            later += [(f"batch graphs of {b} rows", lambda b=b: capture(params, (b,)))
-                      for b in buckets if hybrid or b != 1]
+            later += [
+                (f"batch graphs of {b} rows", lambda b=b: capture(params, (b,)))
+                for b in buckets
+                if hybrid or b != 1
+            ]
         rows = getattr(backend, "max_batch", 1)
-        if e.vocoder_graphs is not None and getattr(backend, "decode_frames", None) is not None and rows > 1:
+        if (
+            e.vocoder_graphs is not None
+            and getattr(backend, "decode_frames", None) is not None
+            and rows > 1
+        ):
             # Sessions decoded in one batch finish chunks in the same rounds: their calls share
             # batched graphs for the sizes a default stream sends.
             sizes = list(schedule_sizes(SynthesisRequest("")))
-            later += [(f"batched vocoder graphs of {n} frames", lambda n=n: e.vocoder_graphs.capture_batched([n], rows))
-                      for n in sizes]
+            later += [
+                (
+                    f"batched vocoder graphs of {n} frames",
+                    lambda n=n: e.vocoder_graphs.capture_batched([n], rows),
+                )
+                for n in sizes
+            ]
         if hybrid:
             later.append(("warm-up sessions (batch)", lambda: self.sessions(False)))
             later.append(("the batch path is ready", lambda: setattr(backend, "bulk_ready", True)))
@@ -142,10 +184,18 @@ class Warmup:
         if e.config.model_type == "base":
             vc = VoiceClonePrompt(x_vector=torch.zeros(e.config.talker.hidden_size))
         placed = getattr(e.backend, "placed", None)
-        with placed(place) if placed is not None and place is not None else contextlib.nullcontext():
+        with (
+            placed(place) if placed is not None and place is not None else contextlib.nullcontext()
+        ):
             for greedy in (True, False):
-                req = SynthesisRequest("Hello there, this warms the engine up.", voice=voice, greedy=greedy,
-                                       seed=0, voice_clone=vc, max_frames=6)
+                req = SynthesisRequest(
+                    "Hello there, this warms the engine up.",
+                    voice=voice,
+                    greedy=greedy,
+                    seed=0,
+                    voice_clone=vc,
+                    max_frames=6,
+                )
                 s = e.open_session(req)
                 try:
                     while not s.done:

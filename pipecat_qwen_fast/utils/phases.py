@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 
 from pipecat_qwen_fast.errors import ModelLoadError, QwenTTSError
 
-_ACTIVE: contextvars.ContextVar[PhaseLog | None] = contextvars.ContextVar("qwen_fast_phase_log", default=None)
+_ACTIVE: contextvars.ContextVar[PhaseLog | None] = contextvars.ContextVar(
+    "qwen_fast_phase_log", default=None
+)
 
 
 @dataclass
@@ -43,7 +45,9 @@ class PhaseLog:
         return out
 
     def as_dict(self) -> list[dict]:
-        return [{"name": p.name, "seconds": round(p.seconds, 4), "depth": p.depth} for p in self.phases]
+        return [
+            {"name": p.name, "seconds": round(p.seconds, 4), "depth": p.depth} for p in self.phases
+        ]
 
     @contextlib.contextmanager
     def activate(self) -> Iterator[PhaseLog]:
