@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args(argv)
     engine = QwenTTSEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, backend=args.backend)
+    engine.finish_warmup()  # steady state: the compiled graphs a serving engine has once idle
     result = {
         "create_icl": time_create_voice(engine, args.seconds, icl=True, rate=args.rate, repeats=args.repeats),
         "create_x_vector": time_create_voice(engine, args.seconds, icl=False, rate=args.rate, repeats=args.repeats),
