@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from pipecat_qwen_fast.errors import (
     ConfigError,
     EngineClosedError,
+    EngineOverloadedError,
     InvalidInputError,
     ModelLoadError,
     QwenTTSError,
@@ -37,6 +38,7 @@ __all__ = [
     "AudioChunk",
     "ConfigError",
     "EngineClosedError",
+    "EngineOverloadedError",
     "EngineService",
     "InvalidInputError",
     "ModelLoadError",

@@ -39,3 +39,12 @@ class NoFreeSlotError(QwenTTSError, RuntimeError):
 
     The EngineService queues new streams on this error instead of failing them.
     """
+
+
+class EngineOverloadedError(QwenTTSError, RuntimeError):
+    """The engine is serving as many streams as it may (`EngineService(max_streams=...)`); the
+    request was refused rather than served late. Retrying after `retry_after_s` can succeed."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

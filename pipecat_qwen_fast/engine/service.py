@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Self
 import numpy as np
 
 from pipecat_qwen_fast.engine.text_session import DEFAULT_IDLE_TIMEOUT_S
-from pipecat_qwen_fast.errors import EngineClosedError, NoFreeSlotError
+from pipecat_qwen_fast.errors import EngineClosedError, EngineOverloadedError, NoFreeSlotError
 
 if TYPE_CHECKING:
     from pipecat_qwen_fast.engine.request import AudioChunk
@@ -249,6 +249,8 @@ class EngineService:
             belong to that thread); its exception becomes the service's load error.
         name: thread name suffix, for debugging.
         max_buffered_chunks: unread chunks per stream before its session is paused.
+        max_streams: streams admitted at once (queued, waiting for a slot or live); one more is
+            refused with EngineOverloadedError instead of being served late. None: no limit.
     """
 
     def __init__(
@@ -258,9 +260,16 @@ class EngineService:
         name: str = "engine",
         max_buffered_chunks: int = DEFAULT_MAX_BUFFERED_CHUNKS,
         owns_engine: bool = True,
+        max_streams: int | None = None,
     ) -> None:
         if max_buffered_chunks < 1:
             raise ValueError(f"max_buffered_chunks must be >= 1, got {max_buffered_chunks}")
+        if max_streams is not None and max_streams < 1:
+            raise ValueError(f"max_streams must be >= 1 or None, got {max_streams}")
+        self.max_streams = max_streams
+        # Streams handed in and not yet ended: counted here rather than from the lists, which a
+        # stream leaves while the engine thread opens it.
+        self._admitted = 0
         self._loader = loader
         self._owns_engine = owns_engine
         self._max_buffered = max_buffered_chunks
@@ -403,11 +412,26 @@ class EngineService:
         exception from the first iteration (InvalidInputError etc. from the engine).
         """
         self._opened = stream_id = next(self._ids)
-        stream = SynthesisStream(self, request, stream_id)
+        return self._admit(SynthesisStream(self, request, stream_id))
+
+    @property
+    def admitted_streams(self) -> int:
+        """Streams queued, being opened, waiting for a slot, or live."""
+        return self._admitted
+
+    def _admit(self, stream: SynthesisStream) -> SynthesisStream:
+        """Hand a new stream to the engine thread, or refuse it: the service is closed, or it
+        already serves `max_streams`."""
         with self._lock:
             if not self.alive:
                 raise self._closed_error()
+            if self.max_streams is not None and self.admitted_streams >= self.max_streams:
+                raise EngineOverloadedError(
+                    f"the TTS engine is serving its limit of {self.max_streams} streams "
+                    f"(max_streams); retry shortly"
+                )
             self._inbox.append(stream)
+            self._admitted += 1
         self._wake.set()
         return stream
 
@@ -632,6 +656,8 @@ class EngineService:
         record.closed = True
         stream.session = None
         self.history.append(record)
+        with self._lock:
+            self._admitted -= 1
         # Closed before the end marker is visible, so a consumer that sees the end never races
         # the thread into recording a cancellation.
         stream._closed.set_result(record)

@@ -105,13 +105,7 @@ def open_text_stream(
     feed = TextFeed(engine.tokenizer, idle_timeout_s, engine_module.MAX_SEGMENT_TOKENS)
     feed.on_text = service._wake.set
     service._opened = stream_id = next(service._ids)
-    stream = TextStream(service, request, stream_id, feed)
-    with service._lock:
-        if not service.alive:
-            raise service._closed_error()
-        service._inbox.append(stream)
-    service._wake.set()
-    return stream
+    return service._admit(TextStream(service, request, stream_id, feed))
 
 
 __all__ = ["DEFAULT_IDLE_TIMEOUT_S", "TextStream"]

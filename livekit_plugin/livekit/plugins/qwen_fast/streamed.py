@@ -18,31 +18,17 @@ import asyncio
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from livekit.agents import APIConnectionError, APIError, tts, utils
+from livekit.agents import tts, utils
 from livekit.agents.voice.io import TimedString
 
-from pipecat_qwen_fast.errors import EngineClosedError, InvalidInputError, QwenTTSError
+from pipecat_qwen_fast.errors import QwenTTSError
 
-from .log import logger
+from .errors import to_api_error
 
 if TYPE_CHECKING:
     from pipecat_qwen_fast.engine.text_service import TextStream
 
     from .tts import SynthesizeStream
-
-
-def _api_error(e: BaseException) -> APIError:
-    """An engine failure as LiveKit's APIError (retryable only where a retry can help)."""
-    if isinstance(e, InvalidInputError):
-        # The engine's message names the bad field and the valid choices, never the text.
-        return APIError(str(e), retryable=False)
-    if isinstance(e, EngineClosedError):
-        # The registry replaces a dead engine on the next request, so a retry can succeed.
-        return APIConnectionError(f"the Qwen3-TTS engine stopped: {e}", retryable=True)
-    if isinstance(e, QwenTTSError):
-        return APIError(str(e), retryable=False)
-    logger.error("synthesis failed: %s", type(e).__name__)
-    return APIError(f"synthesis failed: {type(e).__name__}: {e}", retryable=True)
 
 
 def _push_words(
@@ -87,7 +73,7 @@ async def run_streamed_text(stream: SynthesizeStream, emitter: tts.AudioEmitter)
             if turn is not None:
                 turn.end()
         except QwenTTSError as e:
-            raise _api_error(e) from None
+            raise to_api_error(e) from None
         finally:
             opened.set()
 
@@ -102,9 +88,9 @@ async def run_streamed_text(stream: SynthesizeStream, emitter: tts.AudioEmitter)
                 emitter.push(chunk.pcm.tobytes())
                 sent = _push_words(turn, emitter, sent, chunk.frame_index + chunk.num_frames)
         except QwenTTSError as e:
-            raise _api_error(e) from None
+            raise to_api_error(e) from None
         except Exception as e:  # noqa: BLE001 - an engine fault must reach LiveKit as APIError
-            raise _api_error(e) from None
+            raise to_api_error(e) from None
         _push_words(turn, emitter, sent, None)
         emitter.end_segment()
 

@@ -23,7 +23,6 @@ from typing import Any
 
 from livekit import rtc
 from livekit.agents import (
-    APIConnectionError,
     APIConnectOptions,
     APIError,
     APITimeoutError,
@@ -36,10 +35,10 @@ from livekit.agents.utils import is_given
 
 from pipecat_qwen_fast.engine.request import SAMPLE_RATE, SynthesisRequest
 from pipecat_qwen_fast.engine.service import EngineService, ServiceHandle
-from pipecat_qwen_fast.errors import EngineClosedError, InvalidInputError, QwenTTSError
-from pipecat_qwen_fast.remote import RemoteTTSClient, RemoteUnavailableError
+from pipecat_qwen_fast.errors import InvalidInputError, QwenTTSError
+from pipecat_qwen_fast.remote import RemoteTTSClient
 
-from .log import logger
+from .errors import to_api_error
 from .models import DEFAULT_MODEL, TTSBackends, TTSLanguages, TTSModels, TTSVoices
 from .options import checked_request, checked_sample_rate
 from .streamed import run_streamed_text
@@ -294,20 +293,8 @@ async def _speak(
             output.push(chunk.pcm.tobytes())
     except APIError:
         raise
-    except RemoteUnavailableError as e:
-        # Down, restarting or full: another try (or another replica behind the URL) may serve it.
-        raise APIConnectionError(str(e), retryable=True) from None
-    except InvalidInputError as e:
-        # The engine's message names the bad field and the valid choices, never the text.
-        raise APIError(str(e), retryable=False) from None
-    except EngineClosedError as e:
-        # The registry replaces a dead engine on the next request, so a retry can succeed.
-        raise APIConnectionError(f"the Qwen3-TTS engine stopped: {e}", retryable=True) from None
-    except QwenTTSError as e:
-        raise APIError(str(e), retryable=False) from None
     except Exception as e:  # noqa: BLE001 - an engine fault must reach LiveKit as APIError
-        logger.error("synthesis failed: %s", type(e).__name__)
-        raise APIError(f"synthesis failed: {type(e).__name__}: {e}", retryable=True) from None
+        raise to_api_error(e) from None
     finally:
         if stream is not None:
             stream.cancel()
