@@ -25,7 +25,7 @@ import aiohttp
 import numpy as np
 
 from pipecat_qwen_fast.engine.request import SAMPLE_RATE, SynthesisRequest
-from pipecat_qwen_fast.errors import InvalidInputError, QwenTTSError
+from pipecat_qwen_fast.errors import EngineOverloadedError, InvalidInputError, QwenTTSError
 
 STREAM_PATH = "/v1/audio/speech/stream"
 # Request fields the protocol has no room for: the server always uses the engine's defaults.
@@ -102,11 +102,17 @@ def session_config(request: SynthesisRequest) -> dict[str, Any]:
     return config
 
 
+class RemoteOverloadedError(RemoteUnavailableError, EngineOverloadedError):
+    """The server refused the stream at its limit (code "overloaded"): retry, or another server."""
+
+
 def _server_error(event: dict) -> RemoteError:
     code = str(event.get("code") or "")
     message = f"the TTS server refused the request: {event.get('message', 'no reason given')}"
     if code in _INPUT_CODES:
         return RemoteInputError(message)
+    if code == "overloaded":
+        return RemoteOverloadedError(message)
     return RemoteUnavailableError(message)
 
 

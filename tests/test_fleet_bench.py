@@ -252,3 +252,24 @@ def test_plot_is_drawn_from_the_json(tmp_path):
     fleet_report.write(result, tmp_path)
     assert result["plot"] == "fleet.png"
     assert (tmp_path / "fleet.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(300)
+def test_sweep_through_the_server_on_loopback(endless, tmp_path):
+    """The same callers through `qwen-fast-tts serve`'s WebSocket over the same engine (issue 37's
+    fleet comparison): every utterance heard, none refused, the engine's rounds still timed."""
+    out = tmp_path / "fleet-server"
+    rc = fleet.main([
+        "--model", str(endless), "--device", "cpu", "--dtype", "float32", "--backend", "torch", "--out", str(out),
+        "--through", "server", "--text-mode", "dual_track", "--levels", "2", "--duration", "2.5",
+        "--stagger", "0.5", "--drain", "4", "--warmup", "0", "--bar-ms", "1e9", "--budget", "240",
+        "--commit", "test",
+    ])
+    assert rc == 0
+    result = json.loads((out / "fleet.json").read_text())
+    assert result["endpoint"].startswith("the server on loopback")
+    (level,) = result["closed"]["levels"]
+    assert level["utterances"] >= 2 and level["errors"] == 0 and level["refused"] == 0
+    heard = level["completed"] + level["cut_by_level_end"] - level["no_audio"]
+    assert heard >= 1 and level["frames_per_s"] > 0
+    assert level["rounds"]["rounds"] > 0

@@ -34,7 +34,12 @@ import torch
 from pipecat_qwen_fast.bench import fleet_report
 from pipecat_qwen_fast.bench.ceilings import describe_device
 from pipecat_qwen_fast.bench.engine import Report
-from pipecat_qwen_fast.bench.fleet_callers import InProcessEndpoint, closed_loop, open_loop
+from pipecat_qwen_fast.bench.fleet_callers import (
+    InProcessEndpoint,
+    ServerEndpoint,
+    closed_loop,
+    open_loop,
+)
 from pipecat_qwen_fast.bench.fleet_workload import (
     capacity,
     fleet_replies,
@@ -76,6 +81,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float32")
     p.add_argument("--backend", default="auto", help="auto | torch | megakernel | eager")
     p.add_argument("--mode", default="closed", choices=["closed", "open", "both"])
+    p.add_argument("--through", default="engine", choices=["engine", "server"],
+                   help="engine: callers use the EngineService; server: the same engine behind "
+                        "the server on loopback, callers on its WebSocket (a socket an utterance)")
+    p.add_argument("--text-mode", default=None, choices=["prefill", "dual_track"],
+                   help="the requests' text mode (default: the variant's); dual_track makes a "
+                        "server turn one engine stream, as in-process")
     p.add_argument("--levels", default="16,32,64,128,256,512,768", help="closed loop: callers per level")
     p.add_argument("--rates", default="5,10,15,20,30,40,60,80,120,160", help="open loop: requests/s per level")
     p.add_argument("--duration", type=float, default=30.0, help="seconds a level submits requests")
@@ -115,7 +126,7 @@ def _peak_memory_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
-async def sweep(args: argparse.Namespace, endpoint: InProcessEndpoint, device: torch.device, deadline: float,
+async def sweep(args: argparse.Namespace, endpoint: Endpoint, device: torch.device, deadline: float,
                 report: Report, save) -> None:
     replies = fleet_replies()
     # Warm-up only where it leaves room for a level after it.
@@ -179,6 +190,9 @@ async def sweep(args: argparse.Namespace, endpoint: InProcessEndpoint, device: t
                 break
         report.put(mode, section)
         save()
+    close = getattr(endpoint, "aclose", None)
+    if close is not None:  # the server endpoint's client, on this loop
+        await close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,9 +240,19 @@ def main(argv: list[str] | None = None) -> int:
         report.put("device_info", describe_device(engine.device))
         if not args.no_round_timing:
             service.time_rounds()
-        endpoint = InProcessEndpoint(service, engine.default_voice)
+        if args.through == "server":
+            from pipecat_qwen_fast.bench.server_latency import serve_in_thread
+
+            # No limit of the server's own: the engine's capacity is what is measured.
+            server, server_thread, port = serve_in_thread(service, model, args.device, args.backend,
+                                                          max_streams=100_000)
+            endpoint = ServerEndpoint(f"http://127.0.0.1:{port}", engine.default_voice, args.text_mode,
+                                      service)
+            report.put("endpoint", "the server on loopback (WebSocket) over one EngineService")
+        else:
+            endpoint = InProcessEndpoint(service, engine.default_voice, args.text_mode)
+            report.put("endpoint", "in process: one EngineService")
         replies = fleet_replies()
-        report.put("endpoint", "in process: one EngineService")
         report.put("workload", {
             "replies": len(replies), "frames_range": [min(r.frames for r in replies), max(r.frames for r in replies)],
             "listen_s": list(args.listen), "stagger_s": args.stagger, "duration_s": args.duration,
@@ -237,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         log(f"engine loaded in {report.data['load_s']:.1f} s ({engine.backend.name} on {engine.device}); "
             f"{deadline - time.monotonic():.0f} s left for the sweep")
         asyncio.run(sweep(args, endpoint, engine.device, deadline, report, save))
+        if args.through == "server":
+            server.should_exit = True
+            server_thread.join(10)
     except BaseException as exc:
         report.put("error", f"{type(exc).__name__}: {exc}")
         raise

@@ -52,14 +52,15 @@ def is_overload(exc: BaseException) -> bool:
 class InProcessEndpoint:
     """The engine in this process, through its EngineService (as the Pipecat and LiveKit adapters use it)."""
 
-    def __init__(self, service: Any, voice: str | None) -> None:
+    def __init__(self, service: Any, voice: str | None, text_mode: str | None = None) -> None:
         self.service = service
         self.voice = voice
+        self.text_mode = text_mode
         self._streams: list[Any] = []
 
     async def speak(self, reply: Reply, seed: int) -> AsyncIterator[int]:
         stream = self.service.open_stream(SynthesisRequest(reply.text, voice=self.voice, seed=seed,
-                                                           max_frames=reply.frames))
+                                                           max_frames=reply.frames, text_mode=self.text_mode))
         self._streams.append(stream)
         try:
             async for chunk in stream:
@@ -78,6 +79,50 @@ class InProcessEndpoint:
         while sink:
             rounds.append(sink.popleft())
         return rounds
+
+
+class ServerEndpoint:
+    """A server over its WebSocket protocol (`qwen-fast-tts serve`, or Ray Serve's proxy), through
+    the remote adapters' client: a socket per utterance, closed by a cancel. `service`, where the
+    server runs on an engine of this process, lends its round timings and its stream count."""
+
+    def __init__(self, base_url: str, voice: str | None, text_mode: str | None = None,
+                 service: Any = None) -> None:
+        from pipecat_qwen_fast.remote import RemoteTTSClient
+
+        self.client = RemoteTTSClient(base_url)
+        self.voice = voice
+        self.text_mode = text_mode
+        self.service = service
+        self._streams: list[Any] = []
+
+    async def speak(self, reply: Reply, seed: int) -> AsyncIterator[int]:
+        stream = self.client.open_stream(SynthesisRequest(reply.text, voice=self.voice, seed=seed,
+                                                          max_frames=reply.frames,
+                                                          text_mode=self.text_mode))
+        self._streams.append(stream)
+        try:
+            async for chunk in stream:
+                yield len(chunk.pcm)
+        finally:
+            stream.cancel()
+
+    async def settle(self) -> None:
+        streams, self._streams = self._streams, []
+        for stream in streams:
+            if stream._closing is not None:
+                await stream._closing
+        if self.service is not None:  # the server's engine streams end a moment after their sockets
+            for _ in range(200):
+                if self.service.admitted_streams == 0:
+                    break
+                await asyncio.sleep(0.05)
+
+    def take_rounds(self) -> list | None:
+        return InProcessEndpoint.take_rounds(self) if self.service is not None else None
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
 
 
 class LevelClock:

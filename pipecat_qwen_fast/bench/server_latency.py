@@ -20,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+from pipecat_qwen_fast.bench.engine import percentile
+
 TEXT = "Sure, your table for four is booked for seven tonight."
 
 
@@ -27,6 +29,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def serve_in_thread(service, model, device: str, backend: str, max_streams: int = 32):
+    """The server app over `service`, on a free loopback port in a thread: (server, thread, port).
+    Stop it with `server.should_exit = True` and a join of the thread."""
+    import uvicorn
+
+    from pipecat_qwen_fast.server.app import build_app
+    from pipecat_qwen_fast.server.settings import ServerSettings
+
+    port = free_port()
+    settings = ServerSettings(model=str(model), device=device, backend=backend, host="127.0.0.1",
+                              port=port, log_level="warning", max_streams=max_streams)
+    config = uvicorn.Config(build_app(settings, service), host="127.0.0.1", port=port,
+                            log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(400):
+        if server.started:
+            break
+        time.sleep(0.05)
+    if not server.started:
+        raise RuntimeError("the server did not start within 20 s")
+    return server, thread, port
 
 
 async def in_process(service, voice: str | None, frames: int) -> float:
@@ -112,7 +139,7 @@ async def measure(service, port: int, voice: str | None, requests: int, frames: 
     out = {
         k: {
             "p50_ms": statistics.median(v),
-            "p95_ms": sorted(v)[int(0.95 * (len(v) - 1))],
+            "p95_ms": percentile(v, 95),
             "n": len(v),
         }
         for k, v in times.items()
@@ -139,11 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import torch
-    import uvicorn
 
     from pipecat_qwen_fast import EngineService, QwenTTSEngine
-    from pipecat_qwen_fast.server.app import build_app
-    from pipecat_qwen_fast.server.settings import ServerSettings
 
     def load():
         engine = QwenTTSEngine.from_pretrained(
@@ -155,30 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     service = EngineService(load, name="server-latency")
     service.wait_ready_blocking()
     voice = service.engine.voices[0] if service.engine.voices else None
-    port = free_port()
-    settings = ServerSettings(
-        model=args.model,
-        device=args.device,
-        backend=args.backend,
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-    )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            build_app(settings, service),
-            host="127.0.0.1",
-            port=port,
-            log_level="warning",
-            lifespan="on",
-        )
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if server.started:
-            break
-        time.sleep(0.05)
+    server, thread, port = serve_in_thread(service, args.model, args.device, args.backend)
 
     async def run() -> dict:
         # The service's async API binds to the loop it is used from: this one.
