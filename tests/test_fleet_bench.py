@@ -273,3 +273,44 @@ def test_sweep_through_the_server_on_loopback(endless, tmp_path):
     heard = level["completed"] + level["cut_by_level_end"] - level["no_audio"]
     assert heard >= 1 and level["frames_per_s"] > 0
     assert level["rounds"]["rounds"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_sweep_against_a_server_of_another_process(endless, tmp_path):
+    """--server-url: callers on a running server's WebSocket, with no engine in the benchmark's own
+    process (the run issue 38 makes through Ray Serve's proxy); no round timing to report."""
+    import subprocess
+    import sys
+    import time
+
+    from pipecat_qwen_fast.bench.server_latency import free_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "pipecat_qwen_fast.cli", "serve", "--model", str(endless),
+                               "--device", "cpu", "--dtype", "float32", "--backend", "torch", "--port", str(port),
+                               "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import urllib.request
+
+        for _ in range(240):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        out = tmp_path / "fleet-url"
+        rc = fleet.main([
+            "--server-url", f"http://127.0.0.1:{port}", "--voice", "ryan", "--text-mode", "dual_track",
+            "--out", str(out), "--levels", "2", "--duration", "2.5", "--stagger", "0.5", "--drain", "4",
+            "--warmup", "0", "--bar-ms", "1e9", "--budget", "120", "--commit", "test",
+        ])
+    finally:
+        server.terminate()
+        server.wait(30)
+    assert rc == 0
+    result = json.loads((out / "fleet.json").read_text())
+    assert result["endpoint"].startswith("a server at")
+    (level,) = result["closed"]["levels"]
+    assert level["utterances"] >= 2 and level["errors"] == 0 and level["refused"] == 0
+    assert level["frames_per_s"] > 0 and level["rounds"] is None

@@ -35,6 +35,7 @@ from pipecat_qwen_fast.bench import fleet_report
 from pipecat_qwen_fast.bench.ceilings import describe_device
 from pipecat_qwen_fast.bench.engine import Report
 from pipecat_qwen_fast.bench.fleet_callers import (
+    Endpoint,
     InProcessEndpoint,
     ServerEndpoint,
     closed_loop,
@@ -73,6 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", type=Path, help="an existing checkpoint folder (its EOS row should be zeroed)")
     src.add_argument("--build-size", choices=["tiny", "0.6b", "1.7b"], help="build a random checkpoint first")
+    src.add_argument("--server-url", help="a running server (qwen-fast-tts serve, or Ray Serve's proxy): callers on "
+                                          "its WebSocket, no engine in this process (its checkpoint's EOS row zeroed)")
+    p.add_argument("--voice", default=None, help="with --server-url: the voice callers ask for (default: the server's)")
     p.add_argument("--variant", default="custom_voice", choices=["custom_voice"],
                    help="checkpoint variant to build (callers speak with a CustomVoice speaker)")
     p.add_argument("--checkpoint-dir", type=Path, default=Path("/tmp/qwen-fast-fleet-ckpt"))
@@ -122,11 +126,11 @@ def _modes(args: argparse.Namespace) -> list[str]:
     return ["closed", "open"] if args.mode == "both" else [args.mode]
 
 
-def _peak_memory_gib(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+def _peak_memory_gib(device: torch.device | None) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device is not None and device.type == "cuda" else None
 
 
-async def sweep(args: argparse.Namespace, endpoint: Endpoint, device: torch.device, deadline: float,
+async def sweep(args: argparse.Namespace, endpoint: Endpoint, device: torch.device | None, deadline: float,
                 report: Report, save) -> None:
     replies = fleet_replies()
     # Warm-up only where it leaves room for a level after it.
@@ -160,7 +164,7 @@ async def sweep(args: argparse.Namespace, endpoint: Endpoint, device: torch.devi
                 section["stopped"] = "the time budget ran out"
                 break
             drain = min(args.drain, left - args.duration - LEVEL_MARGIN_S / 2)
-            if device.type == "cuda":
+            if device is not None and device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             endpoint.take_rounds()  # rounds of the previous level's tail belong to no level
             if closed:
@@ -195,6 +199,26 @@ async def sweep(args: argparse.Namespace, endpoint: Endpoint, device: torch.devi
         await close()
 
 
+def sweep_server(args: argparse.Namespace, deadline: float, report: Report, save, started: float) -> int:
+    """The sweep against a server of another process or machine: what its clients see, with no
+    view of its engine (no round timing, no GPU memory)."""
+    endpoint = ServerEndpoint(args.server_url, args.voice, args.text_mode)
+    report.put("endpoint", f"a server at {args.server_url} (WebSocket)")
+    replies = fleet_replies()
+    report.put("workload", {
+        "replies": len(replies), "frames_range": [min(r.frames for r in replies), max(r.frames for r in replies)],
+        "listen_s": list(args.listen), "stagger_s": args.stagger, "duration_s": args.duration,
+        "drain_s": args.drain, "seed": args.seed,
+    })
+    try:
+        asyncio.run(sweep(args, endpoint, None, deadline, report, save))
+    finally:
+        report.put("total_wall_s", time.monotonic() - started)
+        save()
+    print((args.out / fleet_report.MARKDOWN).read_text())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
@@ -213,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         fleet_report.write(report.data, args.out)
         report.save()
 
+    if args.server_url:
+        return sweep_server(args, deadline, report, save, started)
     if args.build_size:
         report.put("checkpoint", build_checkpoint(args.build_size, args.variant, args.checkpoint_dir))
         model = args.checkpoint_dir
