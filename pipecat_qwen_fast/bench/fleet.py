@@ -16,6 +16,8 @@ JSON and markdown say why) into --out, all within --budget seconds from the star
     qwen-fast-tts bench fleet --build-size 0.6b --out bench/results/fleet --budget 540
     qwen-fast-tts bench fleet --model DIR --out /tmp/f --mode both --levels 16,64,128 --rates 5,10,20
     qwen-fast-tts bench fleet --build-size tiny --device cpu --backend torch --levels 2 --duration 3 --out /tmp/f
+    qwen-fast-tts bench fleet --model DIR --through server --text-mode dual_track --out /tmp/f   # via the server
+    qwen-fast-tts bench fleet --server-url http://HOST:8000 --voice ryan --out /tmp/f         # a running server
 """
 
 from __future__ import annotations
