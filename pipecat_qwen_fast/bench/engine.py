@@ -8,6 +8,9 @@ EngineService.
 
 Timing rules: TTFC runs from the call with text to the first int16 chunk in host memory; every
 device figure is either bracketed by a synchronize or taken from CUDA events.
+
+Benchmark code, not product code: its stages share one budget and one report, so they stay in
+one file.
 """
 
 from __future__ import annotations

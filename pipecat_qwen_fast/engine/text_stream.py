@@ -31,6 +31,9 @@ SENTENCE_MIN_SHARE of its tokens, else before the piece that overflows (a run to
 segment is cut where its tokens allow). The tokens of a segment past that share are held until
 the choice is made (the text overflows or ends). Segments after a cut start without the whitespace
 around the cut.
+
+Just over 500 lines: the token rule and the segment rule must agree for any split of a text,
+and they are checked together (tests/test_text_stream.py).
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ A socket that sends something that is not this protocol (binary, broken JSON, an
 message type, a field of the wrong type) gets an error event and is closed, and whatever it had
 in flight is cancelled in the engine. A request the server cannot serve (unknown voice,
 overload, a turn too long) gets an error event and the socket stays open.
+
+Over 500 lines: one socket's state machine (config, turns as sentences or as one streamed-text
+session, cancels on close, word timings) reads as one; field checks live in speech.py.
 """
 
 from __future__ import annotations
