@@ -256,6 +256,11 @@ class RemoteStream:
                 self._client.ready = True
                 raise StopAsyncIteration
 
+    async def wait_closed(self) -> None:
+        """Return once the socket's close (started by `cancel()` or the end) has completed."""
+        if self._closing is not None:
+            await self._closing
+
     def cancel(self) -> None:
         """Close the socket (idempotent, never blocks): the server sees the close at once."""
         if not self._done:

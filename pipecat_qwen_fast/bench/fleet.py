@@ -201,17 +201,19 @@ async def sweep(args: argparse.Namespace, endpoint: Endpoint, device: torch.devi
         await close()
 
 
+def workload(args: argparse.Namespace, replies: list) -> dict:
+    return {"replies": len(replies), "frames_range": [min(r.frames for r in replies), max(r.frames for r in replies)],
+            "listen_s": list(args.listen), "stagger_s": args.stagger, "duration_s": args.duration,
+            "drain_s": args.drain, "seed": args.seed}
+
+
 def sweep_server(args: argparse.Namespace, deadline: float, report: Report, save, started: float) -> int:
     """The sweep against a server of another process or machine: what its clients see, with no
     view of its engine (no round timing, no GPU memory)."""
     endpoint = ServerEndpoint(args.server_url, args.voice, args.text_mode)
     report.put("endpoint", f"a server at {args.server_url} (WebSocket)")
     replies = fleet_replies()
-    report.put("workload", {
-        "replies": len(replies), "frames_range": [min(r.frames for r in replies), max(r.frames for r in replies)],
-        "listen_s": list(args.listen), "stagger_s": args.stagger, "duration_s": args.duration,
-        "drain_s": args.drain, "seed": args.seed,
-    })
+    report.put("workload", workload(args, replies))
     try:
         asyncio.run(sweep(args, endpoint, None, deadline, report, save))
     finally:
@@ -281,11 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             endpoint = InProcessEndpoint(service, engine.default_voice, args.text_mode)
             report.put("endpoint", "in process: one EngineService")
         replies = fleet_replies()
-        report.put("workload", {
-            "replies": len(replies), "frames_range": [min(r.frames for r in replies), max(r.frames for r in replies)],
-            "listen_s": list(args.listen), "stagger_s": args.stagger, "duration_s": args.duration,
-            "drain_s": args.drain, "seed": args.seed,
-        })
+        report.put("workload", workload(args, replies))
         log(f"engine loaded in {report.data['load_s']:.1f} s ({engine.backend.name} on {engine.device}); "
             f"{deadline - time.monotonic():.0f} s left for the sweep")
         asyncio.run(sweep(args, endpoint, engine.device, deadline, report, save))

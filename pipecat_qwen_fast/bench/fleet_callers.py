@@ -58,9 +58,12 @@ class InProcessEndpoint:
         self.text_mode = text_mode
         self._streams: list[Any] = []
 
+    def open(self, request: SynthesisRequest) -> Any:
+        return self.service.open_stream(request)
+
     async def speak(self, reply: Reply, seed: int) -> AsyncIterator[int]:
-        stream = self.service.open_stream(SynthesisRequest(reply.text, voice=self.voice, seed=seed,
-                                                           max_frames=reply.frames, text_mode=self.text_mode))
+        stream = self.open(SynthesisRequest(reply.text, voice=self.voice, seed=seed, max_frames=reply.frames,
+                                            text_mode=self.text_mode))
         self._streams.append(stream)
         try:
             async for chunk in stream:
@@ -81,7 +84,7 @@ class InProcessEndpoint:
         return rounds
 
 
-class ServerEndpoint:
+class ServerEndpoint(InProcessEndpoint):
     """A server over its WebSocket protocol (`qwen-fast-tts serve`, or Ray Serve's proxy), through
     the remote adapters' client: a socket per utterance, closed by a cancel. `service`, where the
     server runs on an engine of this process, lends its round timings and its stream count."""
@@ -90,28 +93,14 @@ class ServerEndpoint:
                  service: Any = None) -> None:
         from pipecat_qwen_fast.remote import RemoteTTSClient
 
+        super().__init__(service, voice, text_mode)
         self.client = RemoteTTSClient(base_url)
-        self.voice = voice
-        self.text_mode = text_mode
-        self.service = service
-        self._streams: list[Any] = []
 
-    async def speak(self, reply: Reply, seed: int) -> AsyncIterator[int]:
-        stream = self.client.open_stream(SynthesisRequest(reply.text, voice=self.voice, seed=seed,
-                                                          max_frames=reply.frames,
-                                                          text_mode=self.text_mode))
-        self._streams.append(stream)
-        try:
-            async for chunk in stream:
-                yield len(chunk.pcm)
-        finally:
-            stream.cancel()
+    def open(self, request: SynthesisRequest) -> Any:
+        return self.client.open_stream(request)
 
     async def settle(self) -> None:
-        streams, self._streams = self._streams, []
-        for stream in streams:
-            if stream._closing is not None:
-                await stream._closing
+        await super().settle()
         if self.service is not None:  # the server's engine streams end a moment after their sockets
             for _ in range(200):
                 if self.service.admitted_streams == 0:
@@ -119,7 +108,7 @@ class ServerEndpoint:
                 await asyncio.sleep(0.05)
 
     def take_rounds(self) -> list | None:
-        return InProcessEndpoint.take_rounds(self) if self.service is not None else None
+        return super().take_rounds() if self.service is not None else None
 
     async def aclose(self) -> None:
         await self.client.aclose()
