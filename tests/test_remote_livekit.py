@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import socket
 
 import pytest
 
@@ -15,6 +14,7 @@ from livekit.agents import APIConnectionError, APIConnectOptions
 from livekit.plugins import qwen_fast
 from server.conftest import eventually, running, settings_for, settled
 
+from pipecat_qwen_fast.bench.server_latency import free_port
 from pipecat_qwen_fast.engine.service import get_shared_service
 
 pytestmark = pytest.mark.timeout(240)
@@ -31,12 +31,6 @@ async def srv(endless_model):
     service = await asyncio.wait_for(get_shared_service(endless_model, **CPU), TIMEOUT)
     with running(settings_for(endless_model, max_streams=MAX_STREAMS), service) as server:
         yield server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def pcm_of(stream) -> bytes:

@@ -4,7 +4,6 @@ the same tiny CPU engine the in-process service uses (tests/server/conftest.py's
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
@@ -23,6 +22,7 @@ from pipecat.tests.utils import SleepFrame, run_test
 from server.conftest import eventually, running, settings_for, settled
 
 from pipecat_qwen_fast import QwenFastTTSService
+from pipecat_qwen_fast.bench.server_latency import free_port
 from pipecat_qwen_fast.engine.service import get_shared_service
 from pipecat_qwen_fast.errors import InvalidInputError
 from pipecat_qwen_fast.remote import stream_url
@@ -41,12 +41,6 @@ async def srv(endless_model):
     service = await asyncio.wait_for(get_shared_service(endless_model, **CPU), TIMEOUT)
     with running(settings_for(endless_model), service) as server:
         yield server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def run(tts, frames):
