@@ -100,8 +100,6 @@ class QwenTTSEngine(text_session.TextSessions):
         # Base models: cloned voices, used by name or file path as `voice=` (voices/library.py).
         self.voice_library = VoiceLibrary(config=config, model_dir=model_dir, vocoder=vocoder, device=device,
                                           dtype=dtype)
-        # True once loaded and warmed up (load_engine); a hand-built engine is ready as built.
-        self.ready = True
         self.load_phases: PhaseLog | None = None
         self._warmup = Warmup(self)
         self._prepared_threads: set[int] = set()  # prepare_thread() done in these threads
@@ -179,6 +177,12 @@ class QwenTTSEngine(text_session.TextSessions):
     def finish_warmup(self) -> None:
         """Run every queued warm-up step now."""
         self._warmup.finish()
+
+    @property
+    def ready(self) -> bool:
+        """True from the moment `from_pretrained` returns (it returns once a single call is warm)
+        until `close()`; `fully_warm` says when the background steps are done too."""
+        return not self.closed
 
     @property
     def fully_warm(self) -> bool:

@@ -125,7 +125,6 @@ def load_engine(
             with phase("warming up"):
                 engine.warmup(defer=defer_warmup)
     engine.load_phases = log
-    engine.ready = True
     return engine
 
 
