@@ -103,6 +103,45 @@ def test_slots_exhausted_then_freed(pair):
     assert len(fast.backend.free_slots) == 4
 
 
+def test_pages_follow_what_sessions_reserve(tiny_checkpoint):
+    # A pool of 12 pages of 64 positions: sessions reserve the pages of their budget (prompt +
+    # max_frames), fill scattered pages, and give them back; a session the free pages cannot hold
+    # waits (NoFreeSlotError) though slots are free. Codes equal each request run alone.
+    ref, fast = _engines(tiny_checkpoint("custom_voice", zero_eos=True), max_sessions=8, pages=12)
+    gb = fast.backend
+    reqs = [SynthesisRequest(f"Paged session {i} speaks.", voice="ryan", greedy=True, max_frames=n, vocode=False)
+            for i, n in enumerate((90, 10, 150, 40))]
+    sessions = [fast.open_session(r) for r in reqs]
+    need = [gb.pages_needed(s.state.position + r.max_frames + 1) for s, r in zip(sessions, reqs)]
+    assert [len(gb.slot_pages[s.state.slot]) for s in sessions] == need
+    assert len(gb.free_pages) == 12 - sum(need)
+    with pytest.raises(NoFreeSlotError, match="pages free"):
+        fast.open_session(SynthesisRequest("No room is left for a session whose words go on for a good while, "
+                                           "so its budget needs more pages than the pool has.", voice="ryan",
+                                           max_frames=400, vocode=False))
+    while not all(s.done for s in sessions):
+        fast.step_many([s for s in sessions if not s.done])
+    for s, r in zip(sessions, reqs):
+        assert np.array_equal(np.stack(s.codes), ref.generate_codes(r.text, voice="ryan", greedy=True,
+                                                                    max_frames=r.max_frames).numpy())
+    assert sorted(gb.free_pages) == list(range(12)) and not gb.slot_pages
+
+
+def test_codes_do_not_depend_on_slot_or_pages(tiny_checkpoint):
+    # The same greedy request in different slots and pages, batched with different neighbours.
+    _, fast = _engines(tiny_checkpoint("custom_voice", zero_eos=True), max_sessions=8)
+    req = SynthesisRequest("Which slot am I in?", voice="ryan", greedy=True, max_frames=30, vocode=False)
+    other = SynthesisRequest("A neighbour with other words.", voice="aiden", greedy=True, max_frames=45, vocode=False)
+    runs = []
+    for layout in (["req"], ["other", "other", "req"], ["other", "req", "other", "other", "other"]):
+        sessions = [fast.open_session(req if name == "req" else other) for name in layout]
+        mine = sessions[layout.index("req")]
+        while not all(s.done for s in sessions):
+            fast.step_many([s for s in sessions if not s.done])
+        runs.append(np.stack(mine.codes))
+    assert all(np.array_equal(runs[0], codes) for codes in runs[1:])
+
+
 def test_capacity_bounds_the_frame_cap(tiny_checkpoint):
     _, fast = _engines(tiny_checkpoint("custom_voice", zero_eos=True), capacity=64)
     s = fast.open_session(SynthesisRequest("Hello there.", voice="ryan", seed=0, vocode=False))
@@ -250,7 +289,7 @@ def test_prefill_many_equals_one_by_one(pair):
     for r in reqs:
         s = fast.open_session(r)
         n = s.state.position
-        alone.append((n, gb.pool_k[:, s.state.slot, :, :n].clone(), gb.pool_hidden[s.state.slot].clone()))
+        alone.append((n, gb.read_positions(s.state.slot, n)[0], gb.pool_hidden[s.state.slot].clone()))
         fast.cancel(s)
     before = gb.batched_prefills
     gb.batched_prefill_min = 2  # the GPU default (8) is about launch counts; here any burst batches
@@ -262,7 +301,7 @@ def test_prefill_many_equals_one_by_one(pair):
     assert len({s.state.position for s in sessions}) == 3, "three prompt lengths"
     for s, (n, k, h) in zip(sessions, alone):
         assert s.state.position == n
-        torch.testing.assert_close(gb.pool_k[:, s.state.slot, :, :n], k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gb.read_positions(s.state.slot, n)[0], k, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(gb.pool_hidden[s.state.slot], h, rtol=1e-5, atol=1e-5)
     while not all(s.done for s in sessions):
         fast.step_many(sessions)
@@ -334,25 +373,32 @@ def test_fused_layer_equals_plain_layer(tiny_checkpoint):
     for layer, stack in ((talker.model.layers[1], talker.cfg.stack),
                          (talker.code_predictor.model.layers[0], talker.code_predictor.cfg.stack)):
         kvh, hd = stack.num_kv_heads, stack.head_dim
-        k_pool = torch.randn(6, kvh, 40, hd, generator=g)
-        v_pool = torch.randn(6, kvh, 40, hd, generator=g)
-        rows, pos = torch.tensor([4, 0, 2]), torch.tensor([17, 3, 31])
+        # 9 pages of 8 positions; each row owns 4 scattered pages (32 positions), page 8 is scratch.
+        k_pool = torch.randn(9, kvh, 8, hd, generator=g)
+        v_pool = torch.randn(9, kvh, 8, hd, generator=g)
+        pages = torch.tensor([[5, 1, 7, 3], [0, 8, 8, 8], [2, 6, 4, 8]])
+        pos = torch.tensor([27, 3, 19])
+        wpage, woff = pages.gather(1, (pos // 8)[:, None])[:, 0], pos % 8
         x = torch.randn(3, stack.hidden_size, generator=g)
         cos, sin = (t[:, None] for t in rotary_cos_sin(pos, hd, stack.rope_theta, torch.float32))
-        valid = (torch.arange(32)[None] <= pos[:, None])[:, None, None]
+        valid = (torch.arange(32).view(4, 8)[None] <= pos[:, None, None])[:, None, None]
         heads = torch.arange(kvh)
         outs = []
         for step in (plain_decode_layer, decode_layer):
             k, v = k_pool.clone(), v_pool.clone()
             with torch.no_grad():
-                outs.append((step(layer, x, cos, sin, k, v, rows, pos, valid, heads), k, v))
+                outs.append((step(layer, x, cos, sin, k, v, pages, wpage, woff, valid, heads), k, v))
         (want, k_want, v_want), (got, k_got, v_got) = outs
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(k_got, k_want, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(v_got, v_want, rtol=1e-6, atol=1e-6)
-        untouched = torch.ones(6, 40, dtype=torch.bool)
-        untouched[rows, pos] = False
+        untouched = torch.ones(9, 8, dtype=torch.bool)
+        untouched[wpage, woff] = False
         assert torch.equal(k_got.transpose(1, 2)[untouched], k_pool.transpose(1, 2)[untouched])
+        # The reference itself: each row's attention over its positions in page order, by hand.
+        for r in range(3):
+            keys = k_want[pages[r]].transpose(0, 1).flatten(1, 2)[:, : pos[r] + 1]  # [KVH, n, hd]
+            assert torch.equal(keys[:, -1], k_want[wpage[r], :, woff[r]])
     engine.close()
 
 
@@ -426,11 +472,11 @@ def test_compiled_batched_frame_matches_plain_on_gpu(tiny_checkpoint):
             assert s_f.position == s_p.position
             if r > 0:  # the talker step's newest K/V row (frame 0 has no talker step)
                 last = s_f.position - 1
-                assert rel(fused.pool_k[:, s_f.slot, :, last], plain.pool_k[:, s_p.slot, :, last]) < 3e-2
-                assert rel(fused.pool_v[:, s_f.slot, :, last], plain.pool_v[:, s_p.slot, :, last]) < 3e-2
+                for kv_f, kv_p in zip(fused.read_positions(s_f.slot, last + 1), plain.read_positions(s_p.slot, last + 1)):
+                    assert rel(kv_f[:, :, last], kv_p[:, :, last]) < 3e-2
         # Both go on from the plain backend's state: each round compares one step, not two
         # trajectories that drift apart after one differing code.
-        for name in ("pool_k", "pool_v", "pool_pending", "pool_seen"):
+        for name in ("pool_k", "pool_v", "pool_pending", "pool_seen"):  # same slots and pages on both
             getattr(fused, name).copy_(getattr(plain, name))
     assert len(fused.graphs) >= 2 and all(k[0] in (4, 8) for k in fused.graphs)
     assert sum(agree) / len(agree) > 0.9, agree

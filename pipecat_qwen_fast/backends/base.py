@@ -45,3 +45,4 @@ class SessionSnapshot:
     seed: int  # seeds the adopting backend's draws from here on
     trailing: Tensor
     pad_vec: Tensor
+    max_positions: int | None = None  # the positions its whole budget needs (None: unknown)

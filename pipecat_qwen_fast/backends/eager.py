@@ -135,3 +135,4 @@ class TorchBackend:
         state.talker_cache.k = state.talker_cache.v = torch.empty(0)
         state.predictor_cache.k = state.predictor_cache.v = torch.empty(0)
         state.hidden = state.pending = None
+            max_positions=state.talker_cache.max_len,

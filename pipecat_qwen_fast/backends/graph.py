@@ -6,10 +6,15 @@ predictor steps, next talker input) is written against static buffers, with ever
 read from device memory, so one captured graph per (batch bucket, attention bucket, sampling
 settings) serves every session; a batch of sessions reads the weights once.
 
-* Per-session device state lives in pools indexed by a slot id: K/V `[layers, slots, kv_heads,
-  capacity, head_dim]`, the pending talker input, the prefill's last hidden state and the set of
-  code-0 ids seen (repetition penalty). The graph gathers and scatters rows by slot. Slot
-  `max_sessions` is a scratch row for padding.
+* Per-session device state lives in pools indexed by a slot id: the pending talker input, the
+  prefill's last hidden state and the set of code-0 ids seen (repetition penalty). The talker's K/V
+  lives in pages of `page_size` positions, `[layers, pages, kv_heads, page_size, head_dim]`; a slot's
+  row of `page_table` names its pages in position order. A session reserves the pages its
+  `max_positions` needs when it opens (prompt + its frame budget, which a request's `max_frames`
+  bounds), so K/V memory follows what calls use rather than `capacity` per slot, a call never runs
+  out of pages mid-stream, and slots are cheap (1024 by default). The graph gathers and scatters
+  rows by slot. Slot `max_sessions` is a scratch row for padding; its table points at a scratch page,
+  as do the entries past each session's reservation.
 * Per-row scalars (slot, position, frame, first-frame flag) arrive in one host-to-device copy, the
   text vector of the step into a static buffer. The sampling noise is drawn from each session's
   own generator (so seeded sessions repeat exactly whatever else is batched with them) into a pool
@@ -74,7 +79,13 @@ BATCHED_PREFILL_MIN = 8
 # cuDNN's attention builds a plan for every new (calls, length) shape, ~70-90 ms each: every
 # burst has a new shape, so the batched prefill uses the other kernels.
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# 64 positions: the attention buckets are whole pages, a page of the 0.6B's K/V is 7.3 MB, and a
+# short reply wastes at most one page.
+PAGE_SIZE = 64
+# Slots are only a row of small pools (pending input, hidden state, code-0 history, noise): cheap,
+# so a session is bounded by K/V pages, not slots.
+MAX_SESSIONS = 1024
 ROW_SLOT, ROW_STEP_SLOT, ROW_POS, ROW_FRAME, ROW_FIRST = range(5)
 
 
@@ -103,55 +114,63 @@ def _mlp_residual(layer: DecoderLayer, x: Tensor, attn_out: Tensor) -> Tensor:
 
 
 def plain_decode_layer(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
-                       rows: Tensor, pos: Tensor, valid: Tensor, kv_heads: Tensor) -> Tensor:
-    """One decoder layer for one new position of each row: x [bb, D] at positions `pos` [bb] of
-    pool rows `rows` [bb] (k_pool / v_pool [rows, KVH, capacity, hd]; kv_heads = arange(KVH)). The
-    new K/V are written there, then each row attends over the first `valid.shape[-1]` positions
-    where `valid` [bb, 1, 1, attn] holds. Each row's bucket of K/V is gathered, then SDPA: the
-    reference for `decode_layer`."""
+                       pages: Tensor, wpage: Tensor, woff: Tensor, valid: Tensor, kv_heads: Tensor) -> Tensor:
+    """One decoder layer for one new position of each row: x [bb, D]. K/V live in pages (k_pool /
+    v_pool [pages, KVH, P, hd]); row r writes its new K/V at page `wpage[r]`, offset `woff[r]`, then
+    attends over its pages `pages[r]` ([bb, np], in position order) where `valid` [bb, 1, 1, np, P]
+    holds. Each row's pages are gathered, then SDPA: the reference for `decode_layer`."""
     a = layer.self_attn
-    bb, attn = x.shape[0], valid.shape[-1]
+    bb, np_, P = x.shape[0], pages.shape[1], k_pool.shape[2]
     q, k, v = _heads(layer, x, cos, sin)
-    idx = (rows[:, None], kv_heads[None], pos[:, None])
+    idx = (wpage[:, None], kv_heads[None], woff[:, None])
     k_pool.index_put_(idx, k)
     v_pool.index_put_(idx, v)
-    keys = k_pool[:, :, :attn].index_select(0, rows)  # [bb, KVH, attn, hd]
-    values = v_pool[:, :, :attn].index_select(0, rows)
-    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=valid, enable_gqa=True)
+    kvh, hd = k_pool.shape[1], k_pool.shape[3]
+    keys = k_pool[pages].transpose(1, 2).reshape(bb, kvh, np_ * P, hd)  # [bb, KVH, attn, hd]
+    values = v_pool[pages].transpose(1, 2).reshape(bb, kvh, np_ * P, hd)
+    mask = valid.reshape(bb, 1, 1, np_ * P)
+    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, enable_gqa=True)
     return _mlp_residual(layer, x, out.reshape(bb, a.num_heads * a.head_dim))
 
 
-def mark_batch_dynamic(x: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor,
-                       pos: Tensor, valid: Tensor) -> None:
-    """The batch, the bucket and the pool's shape symbolic in a compiled step's inputs: one
-    compile serves every batch of 2 or more rows, bucket and layer, the talker's and (same width)
-    the predictor's; dynamo would otherwise recompile at each new one until it guessed them."""
-    for t in (x, cos, sin, rows, pos, valid):
+def mark_batch_dynamic(x: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor, pages: Tensor,
+                       wpage: Tensor, woff: Tensor, valid: Tensor) -> None:
+    """The batch, the bucket, the page size and the pool's shape symbolic in a compiled step's
+    inputs: one compile serves every batch of 2 or more rows, bucket and layer, the talker's and
+    (same width) the predictor's; dynamo would otherwise recompile at each new one until it
+    guessed them."""
+    for t in (x, cos, sin, pages, wpage, woff, valid):
         torch._dynamo.maybe_mark_dynamic(t, 0)
+    torch._dynamo.maybe_mark_dynamic(pages, 1)
     torch._dynamo.maybe_mark_dynamic(valid, 3)
+    torch._dynamo.maybe_mark_dynamic(valid, 4)
     for t in (k_pool, v_pool):
         torch._dynamo.maybe_mark_dynamic(t, 0)
         torch._dynamo.maybe_mark_dynamic(t, 2)
 
 
 def decode_layer(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
-                 rows: Tensor, pos: Tensor, valid: Tensor, kv_heads: Tensor) -> Tensor:
+                 pages: Tensor, wpage: Tensor, woff: Tensor, valid: Tensor, kv_heads: Tensor) -> Tensor:
     """`plain_decode_layer`'s math with the attention as fp32 products and sums over the rows'
-    K/V, indexed where they lie: compiled, the indexing becomes the reductions' loads and no
-    bucket is copied (eagerly it materialises, so it only pays compiled)."""
+    pages, indexed where they lie: compiled, the indexing becomes the reductions' loads and no
+    bucket is copied (eagerly it materialises, so it only pays compiled). The softmax runs over
+    (page, offset) without flattening them, so no shape needs np * P == attn proven symbolically."""
     a = layer.self_attn
-    bb, attn, hd = x.shape[0], valid.shape[-1], a.head_dim
+    bb, hd = x.shape[0], a.head_dim
     kvh = a.num_kv_heads
     rep = a.num_heads // kvh
     q, k, v = _heads(layer, x, cos, sin)
-    idx = (rows[:, None], kv_heads[None], pos[:, None])
+    idx = (wpage[:, None], kv_heads[None], woff[:, None])
     k_pool.index_put_(idx, k)
     v_pool.index_put_(idx, v)
-    keys = k_pool[rows, :, :attn].float()  # [bb, KVH, attn, hd]
-    values = v_pool[rows, :, :attn].float()
-    scores = (q.float().view(bb, kvh, rep, 1, hd) * keys[:, :, None]).sum(-1) * hd**-0.5  # [bb, KVH, rep, attn]
-    p = scores.masked_fill(~valid, float("-inf")).softmax(-1)
-    out = (p[..., None] * values[:, :, None]).sum(-2)  # [bb, KVH, rep, hd]
+    keys = k_pool[pages].transpose(1, 2).float()  # [bb, KVH, np, P, hd]
+    values = v_pool[pages].transpose(1, 2).float()
+    q = q.float().view(bb, kvh, rep, 1, 1, hd)
+    scores = (q * keys[:, :, None]).sum(-1) * hd**-0.5  # [bb, KVH, rep, np, P]
+    scores = scores.masked_fill(~valid, float("-inf"))
+    e = (scores - scores.amax((-2, -1), keepdim=True)).exp()
+    p = e / e.sum((-2, -1), keepdim=True)
+    out = (p[..., None] * values[:, :, None]).sum((-3, -2))  # [bb, KVH, rep, hd]
     return _mlp_residual(layer, x, out.reshape(bb, a.num_heads * hd).to(x.dtype))
 
 
@@ -180,10 +199,16 @@ class GraphBackend:
         capacity: int = 2048,
         use_graphs: bool | None = None,
         layer_step: str | None = None,
+        pages: int | None = None,
+        page_size: int = PAGE_SIZE,
     ):
-        """`layer_step`: "fused" (`decode_layer`, compiled on a GPU where the compiler works) or
+        """`capacity`: the most positions one session holds. `pages`: K/V pages of `page_size`
+        positions shared by all sessions (None: enough for every slot at full capacity).
+        `layer_step`: "fused" (`decode_layer`, compiled on a GPU where the compiler works) or
         "plain" (`plain_decode_layer` and the predictor's multi-position pass); None picks "fused"
         where it compiles, else "plain" (eagerly the fused step materialises what it indexes)."""
+        if capacity % page_size or any(b % page_size for b in ATTN_BUCKETS if b <= capacity):
+            raise ValueError(f"capacity {capacity} and the attention buckets must be whole pages of {page_size}")
         self.talker = talker
         self.device = device
         self.dtype = dtype
@@ -199,9 +224,18 @@ class GraphBackend:
             fuse_projections(talker)
         slots = max_sessions + 1
         d, v = talker.cfg.hidden_size, talker.cfg.vocab_size
-        shape = (stack.num_layers, slots, stack.num_kv_heads, capacity, stack.head_dim)
+        self.page_size = page_size
+        self.pages_per_slot = capacity // page_size
+        self.num_pages = max_sessions * self.pages_per_slot if pages is None else pages
+        if self.num_pages < self.pages_per_slot:
+            raise ValueError(f"{self.num_pages} K/V pages cannot hold one session of {capacity} positions")
+        self.scratch_page = self.num_pages  # padding rows and unreserved table entries point here
+        shape = (stack.num_layers, self.num_pages + 1, stack.num_kv_heads, page_size, stack.head_dim)
         self.pool_k = _offset_zeros(shape, device, dtype)
         self.pool_v = _offset_zeros(shape, device, dtype)
+        self.page_table = torch.full((slots, self.pages_per_slot), self.scratch_page, device=device, dtype=torch.long)
+        self.free_pages = list(range(self.num_pages - 1, -1, -1))
+        self.slot_pages: dict[int, list[int]] = {}
         self.pool_pending = torch.zeros(slots, d, device=device, dtype=dtype)
         self.pool_hidden = torch.zeros(slots, d, device=device, dtype=dtype)
         self.pool_seen = torch.zeros(slots, v, device=device, dtype=torch.bool)
@@ -236,6 +270,7 @@ class GraphBackend:
         )
         self.kv_heads = torch.arange(stack.num_kv_heads, device=device)
         self.positions = torch.arange(capacity, device=device)
+        self.page_positions = self.positions.view(self.pages_per_slot, page_size)
         # Per-layer views made once, and the predictor's per-position inputs for the fused step:
         # a compiled step sees the same inputs every frame, so it never recompiles after warm-up.
         self.talker_kv = [(self.pool_k[i], self.pool_v[i]) for i in range(stack.num_layers)]
@@ -250,12 +285,14 @@ class GraphBackend:
             if bb > b:
                 break
             for g in range(groups):
+                # Row r's predictor K/V is one page of `groups` positions: pred_k[layer, r].
                 self.pred_inputs[bb, g] = (
                     self.pred_cos[g].expand(bb, 1, ps.head_dim).clone(),
                     self.pred_sin[g].expand(bb, 1, ps.head_dim).clone(),
+                    rows[:bb, None].clone(),
                     rows[:bb].clone(),
                     torch.full((bb,), g, device=device, dtype=torch.long),
-                    (torch.arange(groups, device=device) <= g).expand(bb, 1, 1, groups).clone(),
+                    (torch.arange(groups, device=device) <= g).expand(bb, 1, 1, 1, groups).clone(),
                 )
         self.kv_heads_pred = torch.arange(ps.num_kv_heads, device=device)
 
@@ -285,14 +322,25 @@ class GraphBackend:
 
     @classmethod
     def for_device(cls, talker: Talker, device: torch.device, dtype: torch.dtype, capacity: int = 2048,
-                   max_sessions: int = 64, memory_fraction: float = 0.25) -> GraphBackend:
-        """Size the KV pool to at most `memory_fraction` of the GPU memory still free."""
-        stack = talker.cfg.stack
-        per_slot = 2 * stack.num_layers * stack.num_kv_heads * capacity * stack.head_dim * dtype.itemsize
+                   max_sessions: int = MAX_SESSIONS, memory_fraction: float = 0.4) -> GraphBackend:
+        """K/V pages filling `memory_fraction` of the GPU memory still free (at least one session at
+        full capacity; on a CPU, every slot at full capacity)."""
+        pages = None
         if device.type == "cuda":
+            stack = talker.cfg.stack
+            per_page = 2 * stack.num_layers * stack.num_kv_heads * PAGE_SIZE * stack.head_dim * dtype.itemsize
             free, _ = torch.cuda.mem_get_info(device)
-            max_sessions = max(1, min(max_sessions, int(free * memory_fraction // per_slot) - 1))
-        return cls(talker, device, dtype, max_sessions=max_sessions, capacity=capacity)
+            pages = max(capacity // PAGE_SIZE, int(free * memory_fraction // per_page) - 1)
+            pages = min(pages, max_sessions * (capacity // PAGE_SIZE))
+        return cls(talker, device, dtype, max_sessions=max_sessions, capacity=capacity, pages=pages)
+
+    def pages_needed(self, max_positions: int) -> int:
+        return -(-max_positions // self.page_size)
+
+    @property
+    def free_positions(self) -> int:
+        """Positions the free pages hold: what sessions opened now can still reserve."""
+        return len(self.free_pages) * self.page_size
 
     @property
     def max_positions(self) -> int:
@@ -311,11 +359,21 @@ class GraphBackend:
             raise QwenTTSError(f"a session needs {max_positions} positions; this backend holds {self.capacity}")
         if not self.free_slots:
             raise NoFreeSlotError(f"all {self.max_sessions} sessions are in use")
+        need = self.pages_needed(max_positions)
+        if need > len(self.free_pages):
+            raise NoFreeSlotError(f"the K/V pool has {len(self.free_pages)} pages free; a session of "
+                                  f"{max_positions} positions needs {need}")
         generator = None
         if params.do_sample or params.subtalker_do_sample:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(seed if seed is not None else torch.seed())
         slot = self.free_slots.pop()
+        pages = [self.free_pages.pop() for _ in range(need)]
+        self.slot_pages[slot] = pages
+        row = torch.full((self.pages_per_slot,), self.scratch_page, dtype=torch.long)
+        row[:need] = torch.tensor(pages, dtype=torch.long)
+        # Stream-ordered behind any frame still queued for the slot's or the pages' last owner.
+        self.page_table[slot].copy_(row, non_blocking=True)
         self.pool_seen[slot].zero_()
         state = GraphState(
             slot=slot, params=params, generator=generator,
@@ -338,14 +396,33 @@ class GraphBackend:
         captured = self.prefills.run(embeds)
         if captured is not None:
             k, v, hidden = captured
-            self.pool_k[:, state.slot, :, :n].copy_(k[:, :, :n])
-            self.pool_v[:, state.slot, :, :n].copy_(v[:, :, :n])
             self.pool_hidden[state.slot].copy_(hidden)
         else:
-            # Longer prompts: the eager stack writes straight into the slot through a view.
-            cache = KVCache.over(self.pool_k[:, state.slot], self.pool_v[:, state.slot])
+            # Longer prompts: the eager stack into a cache of their own, then into the pages.
+            cache = KVCache(self.talker.cfg.stack, n, self.device, self.dtype)
             self.pool_hidden[state.slot].copy_(self.talker.model(embeds, cache)[-1])
+            k, v = cache.k, cache.v
+        self._write_positions(state.slot, k, v, n)
         state.position = n
+
+    def read_positions(self, slot: int, n: int) -> tuple[Tensor, Tensor]:
+        """The slot's K and V of positions 0..n-1: [layers, KVH, n, hd] each (copies; tests, moves)."""
+        idx = self.page_table[slot, : self.pages_needed(n)]
+        return tuple(pool.index_select(1, idx).transpose(1, 2).flatten(2, 3)[:, :, :n] for pool in (self.pool_k, self.pool_v))
+
+    def _write_positions(self, slot: int, k: Tensor, v: Tensor, n: int) -> None:
+        """Positions 0..n-1 of k / v [layers, KVH, >= n, hd] into the slot's pages: the whole pages
+        in one indexed copy each for K and V, the partial last page in one more."""
+        P = self.page_size
+        full, tail = divmod(n, P)
+        if full:
+            idx = self.page_table[slot, :full]
+            for pool, src in ((self.pool_k, k), (self.pool_v, v)):
+                pool.index_copy_(1, idx, src[:, :, : full * P].unflatten(2, (full, P)).transpose(1, 2))
+        if tail:
+            page = self.slot_pages[slot][full]
+            self.pool_k[:, page, :, :tail].copy_(k[:, :, full * P : n])
+            self.pool_v[:, page, :, :tail].copy_(v[:, :, full * P : n])
 
     @torch.no_grad()
     def prefill_many(self, states: list[GraphState], embeds: list[Tensor]) -> None:
@@ -367,7 +444,7 @@ class GraphBackend:
             x[i, : e.shape[0]].copy_(e)
         slots = torch.tensor([s.slot for s in states], device=self.device)
         with sdpa_kernel(PREFILL_ATTENTION):
-            hidden = self._prefill_forward(x, slots)
+            hidden = self._prefill_forward(x, self.page_table.index_select(0, slots))
         last = torch.tensor([n - 1 for n in lengths], device=self.device)
         self.pool_hidden.index_copy_(0, slots, hidden[torch.arange(len(states), device=self.device), last])
         for s, n in zip(states, lengths):
@@ -390,10 +467,14 @@ class GraphBackend:
             for s in states:
                 self.release(s)
 
-    def _prefill_forward(self, x: Tensor, slots: Tensor) -> Tensor:
-        """Talker positions 0..L-1 of rows x [B, L, D] into pool slots `slots`: post-norm [B, L, D]."""
+    def _prefill_forward(self, x: Tensor, tables: Tensor) -> Tensor:
+        """Talker positions 0..L-1 of rows x [B, L, D] into the pages of `tables` [B, pages_per_slot]
+        (positions past a row's reservation land in the scratch page): post-norm [B, L, D]."""
         model = self.talker.model
         B, L = x.shape[:2]
+        P = self.page_size
+        np_ = -(-L // P)
+        dest = tables[:, :np_].reshape(-1)  # [B * np]
         cos, sin = self.rope_cos[:L], self.rope_sin[:L]  # [L, hd]
         for i, layer in enumerate(model.layers):
             a = layer.self_attn
@@ -401,8 +482,9 @@ class GraphBackend:
             q = apply_rotary(a.q_norm(q).transpose(1, 2), cos, sin)  # [B, H, L, hd]
             k = apply_rotary(a.k_norm(k).transpose(1, 2), cos, sin)
             v = v.transpose(1, 2)
-            self.pool_k[i, :, :, :L].index_copy_(0, slots, k)
-            self.pool_v[i, :, :, :L].index_copy_(0, slots, v)
+            for pool, src in ((self.pool_k[i], k), (self.pool_v[i], v)):
+                paged = F.pad(src, (0, 0, 0, np_ * P - L)).unflatten(2, (np_, P)).transpose(1, 2)
+                pool.index_copy_(0, dest, paged.reshape(B * np_, *paged.shape[2:]))
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             x = x + a.o_proj(out.transpose(1, 2).reshape(B, L, a.num_heads * a.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -414,11 +496,12 @@ class GraphBackend:
         n = snap.k.shape[2]
         if n + 1 > self.capacity:
             raise QwenTTSError(f"a session at position {n} does not fit this backend's {self.capacity} positions")
-        state = self.new_state(max_positions=n + 1, params=snap.params, seed=snap.seed, trailing=snap.trailing,
+        # The pages its whole budget needs, as it had reserved where it started.
+        need = min(self.capacity, max(n + 1, snap.max_positions or self.capacity))
+        state = self.new_state(max_positions=need, params=snap.params, seed=snap.seed, trailing=snap.trailing,
                                pad_vec=snap.pad_vec)
         slot = state.slot
-        self.pool_k[:, slot, :, :n].copy_(snap.k)
-        self.pool_v[:, slot, :, :n].copy_(snap.v)
+        self._write_positions(slot, snap.k, snap.v, n)
         self.pool_hidden[slot].copy_(snap.hidden)
         self.pool_pending[slot].copy_(snap.pending)
         self.pool_seen[slot].copy_(snap.seen)
@@ -480,6 +563,7 @@ class GraphBackend:
             return
         state.released = True
         self.free_slots.append(state.slot)
+        self.free_pages += self.slot_pages.pop(state.slot)
 
     # -------------------------------------------------------------- graphs
 
@@ -562,14 +646,18 @@ class GraphBackend:
         slot = self.rows[ROW_STEP_SLOT, :bb]
         pos = self.rows[ROW_POS, :bb]
         x = self.pool_pending.index_select(0, self.rows[ROW_SLOT, :bb])
-        # Tensors of their own, not views (see pred_inputs): [bb, 1, hd] and [bb, 1, 1, attn].
+        # Tensors of their own, not views (see pred_inputs): [bb, 1, hd], [bb, np] and [bb, 1, 1, np, P].
         cos = self.rope_cos[:, None].index_select(0, pos)
         sin = self.rope_sin[:, None].index_select(0, pos)
-        valid = self.positions[:attn][None, None, None] <= pos[:, None, None, None]
+        P = self.page_size
+        pages = self.page_table.index_select(0, slot)[:, : attn // P].contiguous()
+        wpage = pages.gather(1, (pos // P)[:, None])[:, 0]
+        woff = pos % P
+        valid = self.page_positions[: attn // P][None, None, None] <= pos[:, None, None, None, None]
         for layer, (k_pool, v_pool) in zip(model.layers, self.talker_kv):
             if self.compiled:
-                mark_batch_dynamic(x, cos, sin, k_pool, v_pool, slot, pos, valid)
-            x = self._step(layer, x, cos, sin, k_pool, v_pool, slot, pos, valid, self.kv_heads)
+                mark_batch_dynamic(x, cos, sin, k_pool, v_pool, pages, wpage, woff, valid)
+            x = self._step(layer, x, cos, sin, k_pool, v_pool, pages, wpage, woff, valid, self.kv_heads)
         return model.norm(x)
 
     def _predict(self, h: Tensor, c0: Tensor, bb: int, params: SamplingParams, noise: Tensor | None) -> Tensor:
@@ -598,11 +686,11 @@ class GraphBackend:
         """Predictor position g for rows [0, bb) through the fused step: x [bb, Dp] -> post-norm
         [bb, Dp]. Its inputs have the same shapes at every position, so it compiles once for all."""
         model = self.talker.code_predictor.model
-        cos, sin, rows, pos, valid = self.pred_inputs[bb, g]
+        cos, sin, pages, wpage, woff, valid = self.pred_inputs[bb, g]
         for layer, (k_pool, v_pool) in zip(model.layers, self.pred_kv):
             if self.compiled:
-                mark_batch_dynamic(x, cos, sin, k_pool, v_pool, rows, pos, valid)
-            x = self._step(layer, x, cos, sin, k_pool, v_pool, rows, pos, valid, self.kv_heads_pred)
+                mark_batch_dynamic(x, cos, sin, k_pool, v_pool, pages, wpage, woff, valid)
+            x = self._step(layer, x, cos, sin, k_pool, v_pool, pages, wpage, woff, valid, self.kv_heads_pred)
         return model.norm(x)
 
     def _predictor_forward(self, x: Tensor, start: int, bb: int) -> Tensor:

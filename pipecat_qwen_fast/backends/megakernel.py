@@ -793,7 +793,7 @@ class MegakernelBackend:
         return SessionSnapshot(
             k=state.talker_cache.k[:, :, :n], v=state.talker_cache.v[:, :, :n], frame=state.frame,
             hidden=buf["hidden"], pending=buf["pending"], seen=buf["seen"].bool(), params=state.params, seed=seed,
-            trailing=state.trailing, pad_vec=state.pad_vec,
+            trailing=state.trailing, pad_vec=state.pad_vec, max_positions=state.talker_cache.max_len,
         )
 
     def set_trailing(self, state: MegakernelState, trailing: Tensor) -> None:
