@@ -131,6 +131,7 @@ def main() -> int:
     ap.add_argument("--batches", default="1,4,16,32,64")
     ap.add_argument("--position", type=int, default=150)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--model", default=None, help="a checkpoint folder (default: a random 0.6B built here)")
     ap.add_argument("--variants", default="fused,plain,fused", help="layer steps to measure, in this order")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -138,8 +139,10 @@ def main() -> int:
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "position": args.position}
     with tempfile.TemporaryDirectory(prefix="round-ckpt-") as tmp:
         t0 = time.perf_counter()
-        build_random_checkpoint(Path(tmp))
-        engine = QwenTTSEngine.from_pretrained(tmp, device="cuda", backend="torch", warmup=False, progress=False)
+        if args.model is None:
+            build_random_checkpoint(Path(tmp))
+        engine = QwenTTSEngine.from_pretrained(args.model or tmp, device="cuda", backend="torch", warmup=False,
+                                               progress=False)
         res["load_s"] = round(time.perf_counter() - t0, 1)
     be = engine.backend
     d = be.cfg.hidden_size
@@ -148,7 +151,8 @@ def main() -> int:
     states = []
     for i in range(max(batches)):
         trailing = 0.02 * torch.randn(400, d, device="cuda", generator=gen)
-        st = be.new_state(max_positions=be.capacity, params=params, seed=i, trailing=trailing, pad_vec=trailing[-1])
+        # Paged K/V: each state reserves what it reaches, so 512 of them fit the pool.
+        st = be.new_state(max_positions=args.position + 80, params=params, seed=i, trailing=trailing, pad_vec=trailing[-1])
         be.prefill(st, 0.02 * torch.randn(60 + i % 8, d, device="cuda", generator=gen))
         states.append(st)
     torch.cuda.synchronize()
