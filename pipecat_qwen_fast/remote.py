@@ -6,6 +6,15 @@ session.done. A socket per utterance makes cancelling exact: closing it mid-turn
 server cancel that turn's engine stream at once, and no later turn can be confused with it. On
 loopback or a LAN the handshake costs well under a millisecond next to the engine's first chunk.
 
+A streamed-text turn (`RemoteTTSClient.open_text_stream`, the adapters' token mode) is one socket
+too: each `append` is an input.text message as it comes, `end` is input.done, and the server
+speaks the turn as one dual-track session, sending each word's time (audio.timestamps, the
+"async" transport) before the audio that reads it.
+
+Every request option travels in session.config: vLLM-Omni's fields where it has one (voice,
+language, instructions, seed, initial_codec_chunk_frames, max_new_tokens, non_streaming_mode) and
+the server's extensions for the rest (greedy, chunk_frames, max_chunk_frames).
+
 No framework imports here: the Pipecat service and the LiveKit plugin both use this module.
 """
 
@@ -25,15 +34,18 @@ import aiohttp
 import numpy as np
 
 from pipecat_qwen_fast.engine.request import SAMPLE_RATE, SynthesisRequest
+from pipecat_qwen_fast.engine.text_stream import TextEndedError
 from pipecat_qwen_fast.errors import EngineOverloadedError, InvalidInputError, QwenTTSError
 
 STREAM_PATH = "/v1/audio/speech/stream"
-# Request fields the protocol has no room for: the server always uses the engine's defaults.
 _DEFAULTS = SynthesisRequest("")
-_UNSENDABLE = ("greedy", "chunk_frames", "max_chunk_frames")
+# The largest chunk the server takes (server/speech.py MAX_CHUNK_FRAMES: the sizes its vocoder
+# graphs cover); the client refuses more when the option is set, not at the first utterance.
+MAX_CHUNK_FRAMES = 32
+FRAME_SAMPLES = SAMPLE_RATE * 2 // 25  # one 80 ms codec frame
 # Error codes of requests the server will refuse again however often they are retried.
 _INPUT_CODES = frozenset({"invalid_request_error", "input_too_long", "authentication_error",
-                          "missing_api_key", "invalid_api_key", "protocol_error"})
+                          "missing_api_key", "invalid_api_key", "protocol_error", "turn_ended"})
 
 
 class RemoteError(QwenTTSError):
@@ -76,14 +88,20 @@ def http_url(base_url: str, path: str) -> str:
 
 
 def session_config(request: SynthesisRequest) -> dict[str, Any]:
-    """A request's options as the protocol's session.config message."""
-    unsendable = [name for name in _UNSENDABLE
-                  if getattr(request, name) != getattr(_DEFAULTS, name)]
-    if unsendable:
-        raise InvalidInputError(
-            f"{', '.join(unsendable)} cannot be set in remote mode: the server's protocol has no "
-            "field for them and it uses the engine's defaults; leave them at their defaults"
-        )
+    """A request's options as the protocol's session.config message. What the server cannot take
+    is refused here (InvalidInputError): a chunk over MAX_CHUNK_FRAMES, custom sampling
+    parameters, a voice that is not a name, an inline cloned voice."""
+    if request.sampling is not None:
+        raise InvalidInputError("sampling parameters cannot be sent to a server: it samples with "
+                                "the model's generation_config (greedy and seed can be set)")
+    if request.voice_clone is not None or not isinstance(request.voice, str | None):
+        raise InvalidInputError("a server takes a voice by name: upload a cloned voice "
+                                "(POST /v1/audio/voices) and pass its name as voice")
+    for name in ("first_chunk_frames", "chunk_frames", "max_chunk_frames"):
+        value = getattr(request, name)
+        if value is not None and value > MAX_CHUNK_FRAMES:
+            raise InvalidInputError(f"{name} must be at most {MAX_CHUNK_FRAMES} in remote mode "
+                                    f"(the server's bound), got {value}")
     config: dict[str, Any] = {"type": "session.config"}
     if request.voice is not None:
         config["voice"] = str(request.voice)
@@ -99,6 +117,21 @@ def session_config(request: SynthesisRequest) -> dict[str, Any]:
         config["initial_codec_chunk_frames"] = request.first_chunk_frames
     if request.max_frames is not None:
         config["max_new_tokens"] = request.max_frames
+    if request.greedy:
+        config["greedy"] = True
+    if request.chunk_frames != _DEFAULTS.chunk_frames:
+        config["chunk_frames"] = request.chunk_frames
+    if request.max_chunk_frames != _DEFAULTS.max_chunk_frames:
+        # None (fixed chunks) is the same schedule as a cap of chunk_frames (chunk_target).
+        config["max_chunk_frames"] = request.max_chunk_frames or request.chunk_frames
+    return config
+
+
+def text_stream_config(request: SynthesisRequest) -> dict[str, Any]:
+    """session.config for a streamed-text turn: dual-track, word times as they are read."""
+    config = session_config(request)
+    config.update(non_streaming_mode=False, word_timestamps=True, timestamp_type="word",
+                  timestamp_transport_strategy="async")
     return config
 
 
@@ -118,9 +151,23 @@ def _server_error(event: dict) -> RemoteError:
 
 @dataclass
 class RemoteChunk:
-    """One binary frame of the server's audio: int16 mono PCM at ``SAMPLE_RATE``."""
+    """One binary frame of the server's audio: int16 mono PCM at ``SAMPLE_RATE``, its first frame
+    and its frames counted from the stream's start (80 ms each, as the engine's AudioChunk)."""
 
     pcm: np.ndarray
+    frame_index: int = 0
+    num_frames: int = 0
+
+
+@dataclass
+class RemoteWord:
+    """A word of a streamed-text turn and when it starts in the turn's audio, as the server read
+    it (the fields of the engine's WordTiming)."""
+
+    text: str
+    start_s: float
+    frame: int
+    space_before: bool
 
 
 class RemoteTTSClient:
@@ -141,9 +188,17 @@ class RemoteTTSClient:
         self.ready = False  # a stream or /ready has succeeded
 
     def open_stream(self, request: SynthesisRequest) -> RemoteStream:
-        """A stream of the request's audio; it connects on its first read. Options the protocol
-        cannot carry are refused here (InvalidInputError)."""
+        """A stream of the request's audio; it connects on its first read. Options the server
+        cannot take are refused here (InvalidInputError)."""
         return RemoteStream(self, session_config(request), request.text)
+
+    def open_text_stream(self, request: SynthesisRequest,
+                         idle_timeout_s: float | None = None) -> RemoteTextStream:
+        """A turn whose text is sent as it arrives (`append`, `end`), spoken by the server as one
+        dual-track session; as the EngineService's `open_text_stream`. The server ends a turn left
+        without text by its own idle timeout (its WebSocket idle timeout), not `idle_timeout_s`."""
+        del idle_timeout_s
+        return RemoteTextStream(self, text_stream_config(request))
 
     async def wait_ready(self) -> None:
         """Wait until the server answers /ready (its engine loaded and warm)."""
@@ -196,6 +251,8 @@ class RemoteStream:
     """One utterance on its own socket; ``cancel()`` closes the socket, which cancels the
     server's engine stream for it."""
 
+    streams_text = False
+
     def __init__(self, client: RemoteTTSClient, config: dict, text: str) -> None:
         self._client = client
         self._config = config
@@ -204,6 +261,7 @@ class RemoteStream:
         self._done = False
         self._cancelled = False  # cancel() was called: the stream ends quietly, as the engine's does
         self._closing: asyncio.Task | None = None
+        self._frames = 0  # frames of audio received
 
     def __aiter__(self) -> RemoteStream:
         return self
@@ -216,26 +274,35 @@ class RemoteStream:
             self.cancel()
             raise
 
+    async def _open(self) -> aiohttp.ClientWebSocketResponse | None:
+        """The socket with the whole utterance sent on it; None if cancelled meanwhile."""
+        ws = await self._client.connect()
+        if self._cancelled:  # cancelled while connecting: nothing is sent
+            await _close(ws)
+            return None
+        self._ws = ws
+        for message in (self._config, {"type": "input.text", "text": self._text},
+                        {"type": "input.done"}):
+            await ws.send_str(json.dumps(message))
+        return ws
+
     async def _next(self) -> RemoteChunk:
         if self._done:
             raise StopAsyncIteration
-        if self._ws is None:
-            ws = await self._client.connect()
-            if self._cancelled:  # cancelled while connecting: nothing is sent
-                await _close(ws)
-                raise StopAsyncIteration
-            self._ws = ws
-            for message in (self._config, {"type": "input.text", "text": self._text},
-                            {"type": "input.done"}):
-                await ws.send_str(json.dumps(message))
-        ws = self._ws
+        ws = self._ws if self._ws is not None else await self._open()
+        if ws is None or self._cancelled:
+            raise StopAsyncIteration
         while True:
             msg = await ws.receive()
             if self._cancelled:
                 raise StopAsyncIteration
             if msg.type == aiohttp.WSMsgType.BINARY:
                 if msg.data:
-                    return RemoteChunk(np.frombuffer(msg.data, dtype=np.int16))
+                    pcm = np.frombuffer(msg.data, dtype=np.int16)
+                    frames = len(pcm) // FRAME_SAMPLES
+                    chunk = RemoteChunk(pcm, self._frames, frames)
+                    self._frames += frames
+                    return chunk
                 continue
             if msg.type != aiohttp.WSMsgType.TEXT:
                 raise RemoteUnavailableError(
@@ -251,15 +318,25 @@ class RemoteStream:
                     f"the TTS server sends {event['sample_rate']} Hz audio; this client takes "
                     f"{SAMPLE_RATE} Hz"
                 )
+            if kind == "audio.timestamps":
+                self._take_words(event.get("word_alignment") or {})
             if kind == "session.done":
                 self._done = True
                 self._client.ready = True
                 raise StopAsyncIteration
 
+    def _take_words(self, alignment: dict) -> None:
+        """Word times of a streamed-text turn (RemoteTextStream keeps them)."""
+
     async def wait_closed(self) -> None:
         """Return once the socket's close (started by `cancel()` or the end) has completed."""
         if self._closing is not None:
             await self._closing
+
+    async def aclose(self) -> None:
+        """Cancel (if not finished) and wait until the socket is closed."""
+        self.cancel()
+        await self.wait_closed()
 
     def cancel(self) -> None:
         """Close the socket (idempotent, never blocks): the server sees the close at once."""
@@ -275,6 +352,115 @@ class RemoteStream:
             return
         # Closing waits for the server's reply; that wait must not hold up the caller.
         self._closing = loop.create_task(_close(ws))
+
+
+class RemoteTextStream(RemoteStream):
+    """A streamed-text turn on its own socket: `append` sends each piece as an input.text message
+    as it comes, `end` sends input.done; the audio is read as for any stream, and `words()` holds
+    the word times the server sent before the audio that reads them. `append` and `end` are
+    called from the stream's event loop and never block: the messages go out in order from a
+    task that opens the socket at the first of them."""
+
+    streams_text = True
+
+    def __init__(self, client: RemoteTTSClient, config: dict) -> None:
+        super().__init__(client, config, "")
+        self._outbox: list[dict] = []
+        self._more, self._opened = asyncio.Event(), asyncio.Event()
+        self._sender: asyncio.Task | None = None
+        self._error: BaseException | None = None
+        self._ended_by: str | None = None
+        self._words: list[RemoteWord] = []
+
+    @property
+    def ended_by(self) -> str | None:
+        """ "end" once `end()` was called (the server's idle timeout is told as an error)."""
+        return self._ended_by
+
+    def words(self) -> list[RemoteWord]:
+        """The turn's words the server has timed so far."""
+        return list(self._words)
+
+    def append(self, text: str) -> None:
+        """Send a piece of the turn's text (a token, a word, a sentence). TextEndedError after
+        `end()`; text for a turn already cancelled is dropped."""
+        if not isinstance(text, str):
+            raise InvalidInputError(f"text must be a string, got {type(text).__name__}")
+        if self._ended_by is not None:
+            raise TextEndedError("text appended after the turn's end()")
+        if self._cancelled or not text:
+            return
+        self._post({"type": "input.text", "text": text})
+
+    def end(self) -> None:
+        """The turn's text is complete: the server speaks the rest. Idempotent."""
+        if self._ended_by is not None:
+            return
+        self._ended_by = "end"
+        if not self._cancelled:
+            self._post({"type": "input.done"})
+
+    def _post(self, message: dict) -> None:
+        self._start()
+        self._outbox.append(message)
+        self._more.set()
+
+    def _start(self) -> None:
+        if self._sender is None:
+            self._sender = asyncio.get_running_loop().create_task(
+                self._send_all(), name="qwen-fast-remote-text")
+
+    async def _send_all(self) -> None:
+        try:
+            ws = await self._client.connect()
+            if self._cancelled:
+                await _close(ws)
+                return
+            self._ws = ws
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
+            self._error = e
+            return
+        finally:
+            self._opened.set()  # the reader goes on: to the socket, the error, or the end
+        try:
+            await ws.send_str(json.dumps(self._config))
+            while True:
+                await self._more.wait()
+                self._more.clear()
+                messages, self._outbox = self._outbox, []
+                for message in messages:
+                    await ws.send_str(json.dumps(message))
+                    if message["type"] == "input.done":
+                        return
+        except (aiohttp.ClientError, ConnectionError, RuntimeError):
+            return  # the socket went away: the reader reports how
+
+    async def _open(self) -> aiohttp.ClientWebSocketResponse | None:
+        self._start()
+        await self._opened.wait()
+        if self._error is not None:
+            raise self._error
+        return None if self._cancelled else self._ws
+
+    def _take_words(self, alignment: dict) -> None:
+        spaces = alignment.get("word_space_before") or []
+        for i, (text, start) in enumerate(zip(alignment.get("words") or [],
+                                              alignment.get("word_start_times_seconds") or [],
+                                              strict=False)):
+            space = bool(spaces[i]) if i < len(spaces) else bool(self._words)
+            frame = round(float(start) * SAMPLE_RATE / FRAME_SAMPLES)
+            self._words.append(RemoteWord(str(text), float(start), frame, space))
+
+    def cancel(self) -> None:
+        super().cancel()
+        if self._sender is not None and not self._sender.done():
+            self._sender.cancel()
+
+    async def wait_closed(self) -> None:
+        if self._sender is not None:
+            with contextlib.suppress(BaseException):
+                await self._sender
+        await super().wait_closed()
 
 
 async def _close(ws: aiohttp.ClientWebSocketResponse) -> None:

@@ -14,8 +14,9 @@ All services in a process that name the same model share one loaded engine and o
 (see :mod:`pipecat_qwen_fast.engine.service`), so many pipelines can run side by side on one GPU.
 
 With ``base_url="ws://host:port"`` the engine runs in a ``qwen-fast-tts serve`` process instead
-(remote mode, :mod:`pipecat_qwen_fast.remote`): no model is loaded here, and each sentence is
-one WebSocket turn that an interruption closes.
+(remote mode, :mod:`pipecat_qwen_fast.remote`): no model is loaded here, and each sentence (in
+token mode, each assistant turn, its tokens sent as they come) is one WebSocket turn that an
+interruption closes.
 """
 
 from __future__ import annotations
@@ -164,8 +165,9 @@ class QwenFastTTSService(TokenTurns, TTSService):
             engine_service: Use this EngineService instead of the process-wide shared one.
             base_url: A ``qwen-fast-tts serve`` server ("ws://host:port") to synthesize on
                 instead of in-process; the server's model is used (``model``, ``device``,
-                ``dtype``, ``backend`` are then ignored) and ``greedy``, ``chunk_frames`` and
-                ``max_chunk_frames`` must stay at their defaults. None: in-process.
+                ``dtype``, ``backend`` are then ignored), every other option is sent with each
+                request (chunk sizes up to 32 frames), and token mode streams each turn's tokens
+                to the server as they come. None: in-process.
             api_key: The server's API key, if it was started with one.
             stop_frame_timeout_s: How long a context waits for more text with no new audio
                 before it is closed (never while the engine works on it).
@@ -175,11 +177,6 @@ class QwenFastTTSService(TokenTurns, TTSService):
         token_mode = kwargs.get("text_aggregation_mode") == TextAggregationMode.TOKEN or (
             kwargs.get("aggregate_sentences") is False
         )
-        if token_mode and base_url is not None:
-            raise InvalidInputError(
-                "token mode is in-process only: the server's protocol speaks whole sentences; "
-                "use sentence mode (the default) with base_url"
-            )
         if token_mode and text_mode not in (None, "dual_track"):
             raise InvalidInputError(
                 "token mode streams each turn into one dual-track session; "

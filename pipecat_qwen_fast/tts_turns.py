@@ -2,9 +2,10 @@
 
 With ``text_aggregation_mode=TextAggregationMode.TOKEN`` Pipecat calls ``run_tts`` once per LLM
 token. The first token of a turn opens a streamed-text turn on the engine
-(``EngineService.open_text_stream``, dual-track); each token is appended to it and ``run_tts``
-returns at once; the turn's end (``flush_audio``, called by the base class when the LLM response
-ends) ends its text. A task per turn moves its audio into the turn's audio context as it is
+(``EngineService.open_text_stream``, dual-track; in remote mode the server's, over one WebSocket:
+``RemoteTTSClient.open_text_stream``); each token is appended to it and ``run_tts`` returns at
+once; the turn's end (``flush_audio``, called by the base class when the LLM response ends) ends
+its text. A task per turn moves its audio into the turn's audio context as it is
 made, each chunk followed by the timestamps of the words its frames read
 (``add_word_timestamps``: the base class stamps them onto ``TTSTextFrame``s, and on a barge-in
 only the words whose time has come reach the assistant's context). See

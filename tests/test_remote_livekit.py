@@ -6,14 +6,17 @@ from __future__ import annotations
 import asyncio
 import inspect
 
+import numpy as np
 import pytest
 
 pytest.importorskip("livekit.agents")
 
 from livekit.agents import APIConnectionError, APIConnectOptions
+from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT
 from livekit.plugins import qwen_fast
 from server.conftest import eventually, running, settings_for, settled
 
+from pipecat_qwen_fast import SynthesisRequest
 from pipecat_qwen_fast.bench.server_latency import free_port
 from pipecat_qwen_fast.engine.service import get_shared_service
 
@@ -45,10 +48,31 @@ async def streamed(tts, text: str) -> bytes:
     return await asyncio.wait_for(pcm_of(stream), TIMEOUT)
 
 
+async def streamed_events(tts, tokens: list[str]) -> list:
+    stream = tts.stream(conn_options=NO_RETRY)
+
+    async def push() -> None:
+        for token in tokens:
+            stream.push_text(token)
+            await asyncio.sleep(0.01)
+        stream.end_input()
+
+    async with stream:
+        pusher = asyncio.create_task(push())
+        events = await asyncio.wait_for(_collect(stream), TIMEOUT)
+        await pusher
+    return events
+
+
+async def _collect(stream) -> list:
+    return [ev async for ev in stream]
+
+
 async def test_remote_audio_equals_in_process(srv, endless_model):
     text = "Hello there, this is a test."
     local = qwen_fast.TTS(model=endless_model, **CPU, seed=7, max_frames=10, streaming_text=False)
-    remote = qwen_fast.TTS(base_url=f"ws://127.0.0.1:{srv.port}", seed=7, max_frames=10)
+    remote = qwen_fast.TTS(base_url=f"ws://127.0.0.1:{srv.port}", seed=7, max_frames=10,
+                           streaming_text=False)
     assert remote.engine_service is None and not remote.capabilities.aligned_transcript
     want = await asyncio.wait_for(pcm_of(local.synthesize(text, conn_options=NO_RETRY)), TIMEOUT)
     assert len(want) >= 10 * 1920 * 2
@@ -61,12 +85,52 @@ async def test_remote_audio_equals_in_process(srv, endless_model):
     await eventually(lambda: settled(srv), 10, "the server to settle")
 
 
-async def test_remote_stream_closed_mid_audio_cancels_the_servers_stream(srv, endless_model):
+async def test_remote_streamed_text_is_one_server_turn_with_its_timed_transcript(srv,
+                                                                              endless_model):
+    """stream() with streaming_text (the default) in remote mode: the pushed text goes to the
+    server as it comes, one engine session speaks it, and the timed transcript is the in-process
+    one."""
+    tokens = ["You", " said", " hel", "lo", ".", " That", " is", " interest", "ing", "!"]
+    service = await get_shared_service(endless_model, **CPU)
+    local = qwen_fast.TTS(model=endless_model, **CPU, seed=1, max_frames=30)
+    remote = qwen_fast.TTS(base_url=srv.ws_url, seed=1, max_frames=30)
+    assert remote.capabilities.aligned_transcript
+    before = service.streams_opened
+    got = await streamed_events(remote, tokens)
+    await eventually(lambda: settled(srv), 10, "the server to settle")
+    (record,) = service.records_since(before)
+    assert record.stop_reason == "frame_cap"
+    want = await streamed_events(local, tokens)
+    whole = await service.synthesize(
+        SynthesisRequest("".join(tokens), seed=1, max_frames=30, text_mode="dual_track"))
+    for events in (got, want):
+        assert len({ev.segment_id for ev in events}) == 1 and events[-1].is_final
+        pcm = np.concatenate([np.frombuffer(bytes(ev.frame.data), np.int16) for ev in events])
+        assert len(pcm) >= len(whole) and not pcm[len(whole):].any()
+        assert np.abs(pcm[: len(whole)].astype(np.int32) - whole).max() <= 1
+
+    def timed(events):
+        return [(str(t), t.start_time) for ev in events
+                for t in ev.frame.userdata.get(USERDATA_TIMED_TRANSCRIPT, [])]
+
+    assert timed(got) == timed(want)
+    assert "".join(t for t, _ in timed(got)) == "You said hello. That is interesting!"
+    await local.aclose()
+    await remote.aclose()
+
+
+@pytest.mark.parametrize("how", ["synthesize", "streamed-text"])
+async def test_remote_stream_closed_mid_audio_cancels_the_servers_stream(srv, endless_model, how):
     cap = 200
     service = await get_shared_service(endless_model, **CPU)
     tts = qwen_fast.TTS(base_url=srv.ws_url, seed=1, max_frames=cap)
     before = service.streams_opened
-    stream = tts.synthesize("This sentence would go on for a long time.", conn_options=NO_RETRY)
+    text = "This sentence would go on for a long time."
+    if how == "synthesize":
+        stream = tts.synthesize(text, conn_options=NO_RETRY)
+    else:  # its text still coming when it is closed
+        stream = tts.stream(conn_options=NO_RETRY)
+        stream.push_text(text)
     got = 0
     async for ev in stream:
         got += ev.frame.samples_per_channel

@@ -4,24 +4,30 @@ the same tiny CPU engine the in-process service uses (tests/server/conftest.py's
 from __future__ import annotations
 
 import asyncio
+import itertools
 
+import numpy as np
 import pytest
 
 pytest.importorskip("pipecat")
 
 from helpers_frameworks import pipecat_helpers
 from pipecat.frames.frames import (
+    AggregatedTextProgressFrame,
     ErrorFrame,
     InterruptionFrame,
+    LLMMessagesAppendFrame,
     TTSAudioRawFrame,
     TTSSpeakFrame,
 )
 from pipecat.pipeline.pipeline import Pipeline
+from pipecat.processors.aggregators.llm_context import LLMContext
+from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
 from pipecat.services.tts_service import TextAggregationMode
 from pipecat.tests.utils import SleepFrame, run_test
 from server.conftest import eventually, running, settings_for, settled
 
-from pipecat_qwen_fast import QwenFastTTSService
+from pipecat_qwen_fast import QwenFastTTSService, SynthesisRequest
 from pipecat_qwen_fast.bench.server_latency import free_port
 from pipecat_qwen_fast.engine.service import get_shared_service
 from pipecat_qwen_fast.errors import InvalidInputError
@@ -103,11 +109,93 @@ async def test_remote_server_down_is_a_clear_error_frame():
     assert not audio(down)
 
 
-def test_remote_refuses_what_the_protocol_cannot_carry():
-    with pytest.raises(InvalidInputError, match="greedy"):
-        QwenFastTTSService(base_url="ws://127.0.0.1:1", greedy=True)
-    with pytest.raises(InvalidInputError, match="token mode"):
-        QwenFastTTSService(base_url="ws://127.0.0.1:1", text_aggregation_mode=TextAggregationMode.TOKEN)
+async def test_remote_sends_greedy_and_the_chunk_schedule(srv, endless_model):
+    """Options beyond vLLM-Omni's fields travel as the server's extensions: the same audio as
+    in-process, chunk by chunk."""
+    options = {"greedy": True, "first_chunk_frames": 2, "chunk_frames": 2,
+               "max_chunk_frames": None, "max_frames": 9}
+    frames = [TTSSpeakFrame("Greedy and in fixed chunks.")]
+    local = QwenFastTTSService(model=endless_model, **CPU, **options)
+    down_local, _ = await run(local, frames)
+    remote = QwenFastTTSService(base_url=srv.ws_url, **options)
+    down_remote, up = await run(remote, frames)
+    assert not [f for f in up if isinstance(f, ErrorFrame)]
+    assert len(audio(down_local)) == 9 * 1920 * 2
+    assert audio(down_remote) == audio(down_local)
+    # Fixed 2-frame chunks (max_chunk_frames None is sent as a cap of chunk_frames).
+    sizes = [len(f.audio) // 2 // 1920 for f in down_remote if isinstance(f, TTSAudioRawFrame)]
+    assert sizes == [2, 2, 2, 2, 1]
+
+
+TOKENS = ["You", " said", " hel", "lo", ".", " That", " is", " interest", "ing", "!"]
+
+
+async def test_remote_token_mode_streams_the_turn_to_the_server(srv, endless_model):
+    """Token mode over the server: the turn's tokens go out as they come, one engine session on
+    the server speaks them, and the word times come back for Pipecat's word timestamps."""
+    service = await get_shared_service(endless_model, **CPU)
+    tts = QwenFastTTSService(base_url=srv.ws_url, seed=1, max_frames=40,
+                             text_aggregation_mode=TextAggregationMode.TOKEN)
+    context = LLMContext()
+    user_agg, assistant_agg = LLMContextAggregatorPair(context)
+    pipeline = Pipeline([user_agg, PipecatScriptedLLM(TOKENS), tts, assistant_agg])
+    first = LLMMessagesAppendFrame(messages=[{"role": "user", "content": "hi"}], run_llm=True)
+    before = service.streams_opened
+    down, up = await asyncio.wait_for(
+        run_test(pipeline, frames_to_send=[first], start_timeout=30), TIMEOUT)
+    assert not [f for f in up if isinstance(f, ErrorFrame)]
+    await eventually(lambda: settled(srv), 10, "the server to settle")
+    (record,) = service.records_since(before)  # one engine session for the turn
+    assert record.stop_reason == "frame_cap"
+    whole = await service.synthesize(
+        SynthesisRequest("".join(TOKENS), seed=1, max_frames=40, text_mode="dual_track"))
+    got = np.frombuffer(audio(down), np.int16)
+    assert len(got) == len(whole) == 40 * 1920
+    assert np.abs(got.astype(np.int32) - whole.astype(np.int32)).max() <= 1
+    progress = [f for f in down if isinstance(f, AggregatedTextProgressFrame)]
+    assert progress and all(a.pts <= b.pts for a, b in itertools.pairwise(progress))
+    assistant = [m["content"] for m in context.get_messages() if m.get("role") == "assistant"]
+    assert assistant == ["You said hello. That is interesting!"]
+
+
+async def test_remote_token_mode_barge_in_cancels_the_servers_session(srv, endless_model):
+    service = await get_shared_service(endless_model, **CPU)
+    tts = QwenFastTTSService(base_url=srv.ws_url, seed=1, max_frames=300, chunk_frames=1,
+                             max_chunk_frames=None, text_aggregation_mode=TextAggregationMode.TOKEN)
+    audio_seen = asyncio.Event()
+    reply = [f" word{i}" for i in range(60)] + ["."]
+    context = LLMContext()
+    user_agg, assistant_agg = LLMContextAggregatorPair(context)
+    pipeline = Pipeline([user_agg, PipecatScriptedLLM(reply), PipecatInterruptGate(audio_seen),
+                         tts, PipecatAudioWatch(audio_seen), assistant_agg])
+    frames = [
+        LLMMessagesAppendFrame(messages=[{"role": "user", "content": "talk"}], run_llm=True),
+        SleepFrame(sleep=0.3),
+        InterruptionFrame(),  # held by the gate until audio has gone by
+        SleepFrame(sleep=0.5),
+    ]
+    before = service.streams_opened
+    _, up = await run(pipeline, frames)
+    assert not [f for f in up if isinstance(f, ErrorFrame)]
+    await eventually(lambda: settled(srv), 10, "the server's session to end after the barge-in")
+    (record,) = service.records_since(before)
+    assert record.stop_reason == "cancelled"
+    assert 0 < record.frames_decoded < 300
+    assistant = [m["content"] for m in context.get_messages() if m.get("role") == "assistant"]
+    spoken = " ".join(assistant).split()  # the words timed before the barge-in, in order
+    assert spoken and len(spoken) < len(reply)
+    assert spoken == [w.strip() for w in reply[: len(spoken)]]
+
+
+def test_remote_refuses_what_the_server_cannot_take():
+    with pytest.raises(InvalidInputError, match="chunk_frames must be at most 32"):
+        QwenFastTTSService(base_url="ws://127.0.0.1:1", chunk_frames=64)
+    with pytest.raises(InvalidInputError, match="dual-track"):
+        QwenFastTTSService(base_url="ws://127.0.0.1:1", text_mode="prefill",
+                           text_aggregation_mode=TextAggregationMode.TOKEN)
+    # Token mode and greedy are served remotely too.
+    QwenFastTTSService(base_url="ws://127.0.0.1:1", greedy=True,
+                       text_aggregation_mode=TextAggregationMode.TOKEN)
     with pytest.raises(InvalidInputError, match="base_url"):
         QwenFastTTSService(base_url="tcp://127.0.0.1:1")
     assert stream_url("http://h:1") == "ws://h:1/v1/audio/speech/stream"

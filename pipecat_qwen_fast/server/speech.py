@@ -12,8 +12,10 @@ from pipecat_qwen_fast import SynthesisRequest
 
 from .api_errors import bad_request
 
-# Chunk sizes a request may ask for, as the engine's default schedule grows to (1, 3, ..., 32).
+# Chunk sizes a request may ask for, as the engine's default schedule grows to (1, 3, ..., 32):
+# the first chunk's, and on the stream endpoint the later ones' (chunk_frames, max_chunk_frames).
 MAX_FIRST_CHUNK_FRAMES = 32
+MAX_CHUNK_FRAMES = MAX_FIRST_CHUNK_FRAMES
 
 
 def optional_str(body: dict, name: str) -> str | None:
@@ -146,11 +148,16 @@ class SpeechOptions:
     text_mode: str | None = None
     first_chunk_frames: int | None = None
     max_frames: int | None = None
+    # The stream endpoint's extensions (what the remote adapters send); None: the engine's default.
+    greedy: bool | None = None
+    chunk_frames: int | None = None
+    max_chunk_frames: int | None = None
 
     def request(self, text: str) -> Any:
         extra: dict[str, Any] = {}
-        if self.first_chunk_frames is not None:
-            extra["first_chunk_frames"] = self.first_chunk_frames
+        for name in ("first_chunk_frames", "greedy", "chunk_frames", "max_chunk_frames"):
+            if getattr(self, name) is not None:
+                extra[name] = getattr(self, name)
         return SynthesisRequest(text, voice=self.voice, language=self.language,
                                 instruct=self.instruct, seed=self.seed, text_mode=self.text_mode,
                                 max_frames=self.max_frames, **extra)

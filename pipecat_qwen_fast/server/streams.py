@@ -91,6 +91,7 @@ class AudioStream:
         self._outcome: str | None = None
         self.chunks = 0
         self.bytes_sent = 0
+        self.frames_sent = 0  # codec frames of the audio handed out
         live.add(self)
 
     @property
@@ -131,6 +132,7 @@ class AudioStream:
                 self._metrics.underruns.labels(endpoint).inc()
         self._metrics.audio_seconds.labels(endpoint).inc(seconds)
         self.chunks += 1
+        self.frames_sent = chunk.frame_index + chunk.num_frames
         pcm = np.ascontiguousarray(chunk.pcm, dtype="<i2").tobytes()
         self.bytes_sent += len(pcm)
         return pcm

@@ -9,6 +9,7 @@ works against this server unchanged::
     server <- {"type": "audio.start", "sentence_index": 0, "sentence_text": ..., "format": "pcm",
                "sample_rate": 24000}
     server <- binary frames: int16 little-endian mono PCM, as the engine makes it
+    server <- {"type": "audio.timestamps", ...}                word times as they are read (async)
     server <- {"type": "audio.done", "sentence_index": 0, "total_bytes": n, "error": false}
     server <- {"type": "session.done", "total_sentences": k}  one per input.done
     server <- {"type": "error", "message": ..., "code": ...}
@@ -23,9 +24,11 @@ path):
   streaming-text session. Each ``input.text`` piece is appended as it arrives, ``input.done`` ends
   it. The protocol's per-sentence framing carries it as one sentence: ``audio.start`` (index 0)
   before its audio, ``audio.done`` after it (with the turn's text, and with ``timestamp_info`` when
-  word timestamps were asked for), ``session.done`` with ``total_sentences`` 1. The engine does not
-  know sentence ends ahead of its audio, and LiveKit's client needs only the byte offset at
-  ``audio.start`` to place the word times.
+  word timestamps were asked for with the "sync" transport), ``session.done`` with
+  ``total_sentences`` 1. With the "async" transport the word times come while the turn is spoken
+  instead: an ``audio.timestamps`` event before each piece of audio, naming the words its frames
+  read. The engine does not know sentence ends ahead of its audio, and LiveKit's client needs
+  only the byte offset at ``audio.start`` to place the word times.
 * prefill (``non_streaming_mode: true``; CustomVoice's default): the model needs a sentence's
   whole text in its prompt, so text is cut at sentence ends and each finished sentence is one
   engine stream, spoken while the rest of the turn arrives.
@@ -60,6 +63,7 @@ from .api_errors import ApiError, bad_request, from_engine_error
 from .context import ServerContext, context_of
 from .metrics import PlayoutClock
 from .speech import (
+    MAX_CHUNK_FRAMES,
     MAX_FIRST_CHUNK_FRAMES,
     SpeechOptions,
     check_fields,
@@ -83,6 +87,8 @@ CONFIG_FIELDS = frozenset({
     "max_new_tokens", "initial_codec_chunk_frames", "stream_audio", "non_streaming_mode",
     "streaming_mode", "word_timestamps", "timestamp_type", "timestamp_transport_strategy",
     "ref_audio", "ref_text", "x_vector_only_mode", "speaker_embedding", "seed",
+    # This server's extensions (the remote adapters send them): the engine's request options.
+    "greedy", "chunk_frames", "max_chunk_frames",
 })
 CLONE_FIELDS = ("ref_audio", "ref_text", "speaker_embedding")
 TASK_TYPES = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
@@ -92,6 +98,7 @@ CLOSE_BINARY, CLOSE_BAD_DATA, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_GOING_AWAY = (
     1003, 1007, 1008, 1009, 1001)
 # Sentence ends: terminal punctuation followed by a space, CJK terminal punctuation, a newline.
 SENTENCE_END = re.compile(r"(?<=[.!?;…])\s+|(?<=[。！？；])|\n+")
+FRAME_SECONDS = 0.08  # one codec frame of audio
 
 
 class ProtocolError(Exception):
@@ -134,6 +141,7 @@ class SessionConfig:
     options: SpeechOptions
     streamed: bool  # dual-track: one streaming-text engine session per turn
     word_timestamps: bool = False
+    timestamps_async: bool = False  # word times as audio.timestamps events, not in audio.done
 
 
 @dataclass
@@ -147,6 +155,7 @@ class Turn:
     dropped: bool = False  # cut short (too long): its remaining text and sentences are not spoken
     streamed: bool = False
     word_timestamps: bool = False
+    timestamps_async: bool = False
     started_at: float = 0.0
     audio: AudioStream | None = None  # a streamed turn's engine session, open from its first word
     chars: int = 0
@@ -371,7 +380,7 @@ class SpeechSocket:
         config = self.config
         assert config is not None
         shape = {"streamed": config.streamed, "word_timestamps": config.word_timestamps,
-                 "started_at": time.monotonic()}
+                 "timestamps_async": config.timestamps_async, "started_at": time.monotonic()}
         try:
             self.ctx.require_ready()
             return Turn(options, self.ctx.gate.admit(), **shape)
@@ -501,8 +510,11 @@ class SpeechSocket:
         await self.send_json({"type": "audio.start", "sentence_index": 0, "sentence_text": "",
                               "format": "pcm", "sample_rate": self.ctx.require_ready().sample_rate})
         failed = False
+        timed = 0  # words sent in audio.timestamps events (the async transport)
         try:
             while (pcm := await stream.next_pcm()) is not None:
+                if turn.word_timestamps and turn.timestamps_async:
+                    timed = await self.send_word_times(stream, timed)
                 await self.send_bytes(pcm)
         except (WebSocketDisconnect, ClientGone, asyncio.CancelledError):
             raise
@@ -514,10 +526,23 @@ class SpeechSocket:
         done = {"type": "audio.done", "sentence_index": 0,
                 "sentence_text": "".join(turn.text).strip(), "total_bytes": stream.bytes_sent,
                 "error": failed}
-        if turn.word_timestamps and not failed:
+        if turn.word_timestamps and not turn.timestamps_async and not failed:
             done["timestamp_info"] = {"word_alignment": word_alignment(
                 stream.engine_stream.words(), stream.seconds_sent)}
         await self.send_json(done)
+
+    async def send_word_times(self, stream: AudioStream, sent: int) -> int:
+        """An audio.timestamps event for the turn's words read by the audio about to be sent (its
+        frames up to ``stream.frames_sent``) and not yet sent; returns how many are sent now."""
+        words = [w for w in stream.engine_stream.words()[sent:] if w.frame < stream.frames_sent]
+        if words:
+            alignment = word_alignment(words, stream.frames_sent * FRAME_SECONDS)
+            # An extension LiveKit's client ignores: where whitespace stood before each word, so
+            # a client can rebuild the text (a CJK turn has none between its words).
+            alignment["word_space_before"] = [w.space_before for w in words]
+            await self.send_json({"type": "audio.timestamps", "sentence_index": 0,
+                                  "word_alignment": alignment})
+        return sent + len(words)
 
     async def report_failure(self, exc: Exception, what: str) -> None:
         error = exc if isinstance(exc, ApiError) else from_engine_error(
@@ -590,9 +615,10 @@ def parse_config(msg: dict, ctx: ServerContext) -> SessionConfig:
         raise bad_request(f"timestamp_type {timestamp_type!r} is not supported; valid choices: "
                           "none, word", "timestamp_type")
     transport = optional_str(msg, "timestamp_transport_strategy")
-    if transport not in (None, "sync"):
+    if transport not in (None, "sync", "async"):
         raise bad_request(f"timestamp_transport_strategy {transport!r} is not supported; valid "
-                          "choices: sync (word times in audio.done)", "timestamp_transport_strategy")
+                          "choices: sync (word times in audio.done), async (audio.timestamps "
+                          "events as the words are read)", "timestamp_transport_strategy")
     word_timestamps = bool(optional_bool(msg, "word_timestamps")) or timestamp_type == "word"
     if word_timestamps and not streamed:
         raise bad_request("word timestamps come from streamed-text turns: send "
@@ -614,5 +640,8 @@ def parse_config(msg: dict, ctx: ServerContext) -> SessionConfig:
         first_chunk_frames=optional_int(msg, "initial_codec_chunk_frames", low=1,
                                         high=MAX_FIRST_CHUNK_FRAMES),
         max_frames=frame_cap(optional_int(msg, "max_new_tokens", low=1), ctx.settings.max_frames),
+        greedy=optional_bool(msg, "greedy"),
+        chunk_frames=optional_int(msg, "chunk_frames", low=1, high=MAX_CHUNK_FRAMES),
+        max_chunk_frames=optional_int(msg, "max_chunk_frames", low=1, high=MAX_CHUNK_FRAMES),
     )
-    return SessionConfig(options, streamed, word_timestamps)
+    return SessionConfig(options, streamed, word_timestamps, transport == "async")

@@ -205,6 +205,8 @@ BAD_CONFIGS = [
     pytest.param({"timestamp_type": "word"}, "word timestamps", id="timestamp-type"),
     pytest.param({"ref_audio": "https://example.invalid/a.wav"}, "voice cloning", id="ref-audio"),
     pytest.param({"initial_codec_chunk_frames": 0}, "between 1 and 32", id="chunk-frames"),
+    pytest.param({"chunk_frames": 33}, "between 1 and 32", id="later-chunk-frames"),
+    pytest.param({"greedy": "yes"}, "'greedy' must be true or false", id="greedy"),
     pytest.param({"max_new_tokens": "ten"}, "'max_new_tokens' must be an integer", id="tokens"),
     pytest.param({"language": "klingon"}, "valid languages", id="language"),
 ]

@@ -64,6 +64,62 @@ async def test_turn_is_one_session_fed_as_text_arrives_with_word_times(server, e
     await eventually(lambda: settled(server), what="the turn to be released")
 
 
+async def test_async_word_times_come_before_the_audio_that_reads_them(server):
+    """timestamp_transport_strategy "async": an audio.timestamps event before each piece of audio
+    names the words its frames read (what the remote adapters' streamed turns use)."""
+    config = {**STREAMED, "seed": 3, "max_new_tokens": FRAMES, "timestamp_type": "word",
+              "timestamp_transport_strategy": "async"}
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws_url) as ws:
+        await ws.send_json(config)
+        for piece in PIECES:
+            await ws.send_json({"type": "input.text", "text": piece})
+            await asyncio.sleep(0.02)
+        await ws.send_json({"type": "input.done"})
+        items = await read_until_done(ws)
+    kinds = [e["type"] for e in events(items)]
+    assert kinds[0] == "audio.start" and kinds[-2:] == ["audio.done", "session.done"]
+    assert set(kinds[1:-2]) == {"audio.timestamps"}
+    assert "timestamp_info" not in events(items)[-2]
+    words, starts, ends, spaces = [], [], [], []
+    samples = 0  # audio received before each event
+    for i, item in enumerate(items):
+        if isinstance(item, bytes):
+            samples += len(item) // 2
+        elif item["type"] == "audio.timestamps":
+            assert isinstance(items[i + 1], bytes)  # the audio that reads these words comes next
+            heard_by = (samples + len(items[i + 1]) // 2) / 24000
+            align = item["word_alignment"]
+            # Words the audio sent before this event read were named in an earlier one.
+            assert item["sentence_index"] == 0 and all(samples / 24000 <= s + 1e-6
+                                                       for s in align["word_start_times_seconds"])
+            assert all(s < heard_by for s in align["word_start_times_seconds"])
+            words += align["words"]
+            starts += align["word_start_times_seconds"]
+            ends += align["word_end_times_seconds"]
+            spaces += align["word_space_before"]
+    assert words == TEXT.split() and spaces == [False] + [True] * (len(words) - 1)
+    assert starts[0] == 0.0 and starts == sorted(starts)
+    assert all(s == pytest.approx(round(s / 0.08) * 0.08) for s in starts)
+    assert all(s <= e for s, e in zip(starts, ends, strict=True))
+    assert samples == FRAMES * FRAME_SAMPLES
+
+
+async def test_extension_options_reach_the_engine(server, endless_service):
+    """The remote adapters' options beyond vLLM-Omni's fields: greedy and the chunk schedule."""
+    text = "Greedy words, in small chunks."
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws_url) as ws:
+        await ws.send_json({**CONFIG, "greedy": True, "chunk_frames": 2, "max_chunk_frames": 4})
+        await ws.send_json({"type": "input.text", "text": text})
+        await ws.send_json({"type": "input.done"})
+        items = await read_until_done(ws)
+    audio = [i for i in items if isinstance(i, bytes)]
+    assert [len(a) // 2 // FRAME_SAMPLES for a in audio] == [1, 2, 4, 4, 1]
+    whole = await asyncio.wait_for(endless_service.synthesize(SynthesisRequest(
+        text, voice=VOICE, greedy=True, chunk_frames=2, max_chunk_frames=4, max_frames=12)),
+        TIMEOUT)
+    assert b"".join(audio) == whole.astype("<i2").tobytes()
+
+
 async def test_livekit_qwen3tts_client_gets_the_word_times_as_its_aligned_transcript(
         server, endless_service):
     from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT
@@ -118,7 +174,7 @@ async def test_socket_closed_mid_turn_cancels_the_engine_session(server, endless
     ({"word_timestamps": True, "non_streaming_mode": True}, "word_timestamps"),
     ({"timestamp_type": "word"}, "word_timestamps"),  # CustomVoice's default is prefill
     ({**STREAMED, "timestamp_type": "phoneme"}, "timestamp_type"),
-    ({**STREAMED, "timestamp_type": "word", "timestamp_transport_strategy": "async"},
+    ({**STREAMED, "timestamp_type": "word", "timestamp_transport_strategy": "batched"},
      "timestamp_transport_strategy"),
 ])
 async def test_word_timestamps_only_on_streamed_turns(server, change, param):

@@ -9,8 +9,9 @@ process-wide registry in :mod:`pipecat_qwen_fast.engine.service`), so a TTS shar
 
 With ``base_url="ws://host:port"`` the engine runs in a ``qwen-fast-tts serve`` process instead
 (remote mode, :mod:`pipecat_qwen_fast.remote`): what LiveKit's process-per-job workers need,
-since no job process then loads a model. Each sentence is one WebSocket turn; closing a stream
-closes its socket, which stops the server's work for it.
+since no job process then loads a model. A ``stream()`` is one WebSocket turn whose text is sent
+as it is pushed (``synthesize()``, and ``stream()`` with ``streaming_text=False``: one turn a
+sentence); closing a stream closes its socket, which stops the server's work for it.
 """
 
 from __future__ import annotations
@@ -97,10 +98,9 @@ class TTS(tts.TTS):
             engine_service: Use this EngineService instead of the process-wide shared one.
             base_url: A ``qwen-fast-tts serve`` server ("ws://host:port") to synthesize on
                 instead of in-process. The server's model is used (``model``, ``device``,
-                ``dtype``, ``backend`` are ignored); ``greedy``, ``chunk_frames`` and
-                ``max_chunk_frames`` must stay at their defaults; ``stream()`` goes sentence by
-                sentence (``streaming_text`` does not apply: no timed transcript). None:
-                in-process.
+                ``dtype``, ``backend`` are ignored); every other option is sent with each request
+                (chunk sizes up to 32 frames), and ``streaming_text`` streams the pushed text to
+                the server, the timed transcript coming back with the audio. None: in-process.
             api_key: The server's API key, if it was started with one.
             sentence_tokenizer: Splits streamed text into sentences (default: blingfire) when
                 ``streaming_text`` is off.
@@ -113,8 +113,6 @@ class TTS(tts.TTS):
         Every option is checked here (and in ``update_options``): a wrong one raises
         InvalidInputError (a ValueError) naming it and what it takes.
         """
-        # The server's protocol speaks whole sentences: remote streams go sentence by sentence.
-        streaming_text = streaming_text and base_url is None
         _check_text_mode(streaming_text, text_mode)
         self._streaming_text = streaming_text
         super().__init__(
