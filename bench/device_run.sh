@@ -6,7 +6,8 @@
 #   startup     qwen-fast-tts bench startup: cold, warm (and prepared) starts, phases timed
 #   fleet       qwen-fast-tts bench fleet, closed loop, with what is left of DEVICE_SECONDS
 #   fleet-open  the same, open loop
-#   fleet-server  the fleet in-process and through the server on loopback, dual-track (issue 37)
+#   fleet-server  the fleet in process and through the server on loopback, level by level on one
+#                 engine, dual-track, levels 32-128 at 15 s (issue 37's 10 % bar: comparison.md)
 #   server-latency  first audio through the server (WebSocket, HTTP) against in-process
 #   streaming-text  the LLM-token benchmark, engine level (the image has no Pipecat or LiveKit)
 #   voice-clone     a random 0.6B Base checkpoint: voice creation and cloned first audio
@@ -41,13 +42,12 @@ left() { echo $(( ${DEVICE_SECONDS:-570} - ($(date +%s) - t0) )); }
                          --runs "${STARTUP_RUNS:-cold,warm}" --timeout "$(left)" ;;
             fleet) python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet" \
                        --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
-            fleet-server) # issue 37's comparison: the same sweep in-process and through the server,
-                          # both in dual-track mode (a server turn is then one engine stream)
-                          half=$(( ($(left) - 20) / 2 ))
-                          python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet-engine" \
-                              --text-mode dual_track --budget "$half" ${FLEET_ARGS:-}
+            fleet-server) # issue 37's comparison: one engine, each level in process then through the
+                          # server, dual-track (a server turn is then one engine stream); every level
+                          # run on both sides; FLEET_ARGS (e.g. --levels) overrides
                           python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet-server" \
-                              --through server --text-mode dual_track --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
+                              --through both --text-mode dual_track --levels 32,48,64,80,96,128 --duration 15 \
+                              --drain 8 --keep-going --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
             fleet-open) python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet-open" \
                             --mode open --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
             server-latency) python3 -m pipecat_qwen_fast.cli bench server-latency --model "$ck" --out "$out/server" ;;

@@ -276,6 +276,54 @@ def test_sweep_through_the_server_on_loopback(endless, tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_sweep_in_process_and_through_the_server_side_by_side(endless, tmp_path):
+    """--through both (issue 37's 10 % comparison in one run): one engine, each level in process
+    then through the server, each endpoint's report in its folder and the two side by side."""
+    out = tmp_path / "fleet-both"
+    rc = fleet.main([
+        "--model", str(endless), "--device", "cpu", "--dtype", "float32", "--backend", "torch", "--out", str(out),
+        "--through", "both", "--text-mode", "dual_track", "--levels", "2,3", "--duration", "2",
+        "--stagger", "0.5", "--drain", "4", "--warmup", "1", "--bar-ms", "1e9", "--keep-going",
+        "--budget", "240", "--commit", "test",
+    ])
+    assert rc == 0
+    results = {name: json.loads((out / name / "fleet.json").read_text()) for name in ("engine", "server")}
+    assert results["engine"]["endpoint"].startswith("in process")
+    assert results["server"]["endpoint"].startswith("the server on loopback")
+    for result in results.values():
+        assert result["load_s"] > 0 and result["warmup"]["utterances"] >= 1
+        levels = result["closed"]["levels"]
+        assert [lv["callers"] for lv in levels] == [2, 3]
+        for lv in levels:
+            assert lv["utterances"] >= lv["callers"] and lv["errors"] == 0 and lv["refused"] == 0
+            assert lv["rounds"]["rounds"] > 0  # the one engine's rounds, timed for either endpoint
+        assert result["closed"]["capacity_callers"] == max(
+            (lv["callers"] for lv in levels if lv["meets_bar"]), default=None)
+        assert (out / ("engine" if "in process" in result["endpoint"] else "server") / "fleet.md").exists()
+    md = (out / fleet_report.COMPARISON).read_text()
+    assert "in process **" in md and "through the server **" in md
+    rows = [line for line in md.splitlines() if line.startswith(("| 2 |", "| 3 |"))]
+    assert len(rows) == 2 and all(row.count("|") == 11 for row in rows)  # 10 columns
+    caps = [results[n]["closed"]["capacity_callers"] for n in ("engine", "server")]
+    if None not in caps:
+        assert f"{100 * caps[1] / caps[0]:.0f} % of in-process" in md
+
+
+def test_comparison_lists_levels_one_side_skipped():
+    level = {"callers": 16, "utterances": 10, "first_audio_ms": {"p50": 5.0, "p95": 9.0, "p99": 9.5},
+             "underrun_utterances": 0, "frames_per_s": 100.0, "meets_bar": True, "misses": []}
+    engine = {"closed": {"bar": "p95 <= 100", "capacity_callers": 32,
+                         "levels": [level, {**level, "callers": 32}]}}
+    server = {"closed": {"bar": "p95 <= 100", "capacity_callers": 16,
+                         "levels": [{**level, "first_audio_ms": {"p50": 6.0, "p95": 11.0, "p99": 12.0}},
+                                    {"callers": 32, "skipped": "time budget (3 s left)"}]}}
+    md = fleet_report.render_comparison({"engine": engine, "server": server})
+    assert "in process **32 callers**, through the server **16 callers**: 50 % of in-process" in md
+    assert "| 16 | 5.0 / 9.0 | 0 of 10 |" in md and md.rstrip().splitlines()[-2].endswith("| 2.0 |")
+    assert "| 32 |" in md and "skipped: time budget" in md
+
+
+@pytest.mark.timeout(300)
 def test_sweep_against_a_server_of_another_process(endless, tmp_path):
     """--server-url: callers on a running server's WebSocket, with no engine in the benchmark's own
     process (the run issue 38 makes through Ray Serve's proxy); no round timing to report."""

@@ -17,6 +17,7 @@ JSON and markdown say why) into --out, all within --budget seconds from the star
     qwen-fast-tts bench fleet --model DIR --out /tmp/f --mode both --levels 16,64,128 --rates 5,10,20
     qwen-fast-tts bench fleet --build-size tiny --device cpu --backend torch --levels 2 --duration 3 --out /tmp/f
     qwen-fast-tts bench fleet --model DIR --through server --text-mode dual_track --out /tmp/f   # via the server
+    qwen-fast-tts bench fleet --model DIR --through both --text-mode dual_track --out /tmp/f     # both, side by side
     qwen-fast-tts bench fleet --server-url http://HOST:8000 --voice ryan --out /tmp/f         # a running server
 """
 
@@ -29,6 +30,8 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -87,9 +90,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float32")
     p.add_argument("--backend", default="auto", help="auto | torch | megakernel | eager")
     p.add_argument("--mode", default="closed", choices=["closed", "open", "both"])
-    p.add_argument("--through", default="engine", choices=["engine", "server"],
+    p.add_argument("--through", default="engine", choices=["engine", "server", "both"],
                    help="engine: callers use the EngineService; server: the same engine behind "
-                        "the server on loopback, callers on its WebSocket (a socket an utterance)")
+                        "the server on loopback, callers on its WebSocket (a socket an utterance); "
+                        "both: each level in process, then through the server, one engine loaded "
+                        "once (OUT/engine, OUT/server, and OUT/comparison.md side by side)")
     p.add_argument("--text-mode", default=None, choices=["prefill", "dual_track"],
                    help="the requests' text mode (default: the variant's); dual_track makes a "
                         "server turn one engine stream, as in-process")
@@ -132,73 +137,113 @@ def _peak_memory_gib(device: torch.device | None) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device is not None and device.type == "cuda" else None
 
 
-async def sweep(args: argparse.Namespace, endpoint: Endpoint, device: torch.device | None, deadline: float,
-                report: Report, save) -> None:
+@dataclass
+class Run:
+    """One endpoint's sweep and the report it writes."""
+
+    name: str
+    endpoint: Endpoint
+    report: Report
+    save: Callable[[], None]
+    stopped: bool = False  # this mode's sweep ended for it (a missed bar)
+
+
+async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device | None, deadline: float,
+                after_level: Callable[[], None] = lambda: None) -> None:
+    """Every level of each mode, for each run in turn (so several endpoints are measured at the
+    same levels, side by side in time): a run stops at its first missed bar unless --keep-going."""
     replies = fleet_replies()
-    # Warm-up only where it leaves room for a level after it.
-    warmup_fits = deadline - time.monotonic() - CLOSE_S > args.warmup + args.drain + args.duration + 2 * LEVEL_MARGIN_S
-    if args.warmup and not warmup_fits:
-        report.put("warmup", {"skipped": "time budget"})
-    elif args.warmup:
-        warm = min(16, args.levels[0]) if args.mode != "open" else 8
-        utts, wall = await closed_loop(endpoint, replies, callers=warm, duration=args.warmup,
-                                       stagger=min(args.stagger, args.warmup / 2), listen=args.listen,
-                                       drain=args.drain, seed=args.seed - 1)
-        endpoint.take_rounds()
-        report.put("warmup", {"callers": warm, "wall_s": wall, **summarize_level(utts, args.warmup)})
-        log(f"warm-up: {warm} callers, {len(utts)} utterances in {wall:.1f} s")
+    # Warm-up only where it leaves room for a level after it, for every run.
+    room = deadline - time.monotonic() - CLOSE_S - len(runs) * (args.warmup + args.drain)
+    warmup_fits = room > len(runs) * (args.duration + 2 * LEVEL_MARGIN_S)
+    for run in runs:
+        if args.warmup and not warmup_fits:
+            run.report.put("warmup", {"skipped": "time budget"})
+        elif args.warmup:
+            warm = min(16, args.levels[0]) if args.mode != "open" else 8
+            utts, wall = await closed_loop(run.endpoint, replies, callers=warm, duration=args.warmup,
+                                           stagger=min(args.stagger, args.warmup / 2), listen=args.listen,
+                                           drain=args.drain, seed=args.seed - 1)
+            run.endpoint.take_rounds()
+            run.report.put("warmup", {"callers": warm, "wall_s": wall, **summarize_level(utts, args.warmup)})
+            log(f"{run.name} warm-up: {warm} callers, {len(utts)} utterances in {wall:.1f} s")
     for mode in _modes(args):
         closed = mode == "closed"
         key, cap_key = ("callers", "capacity_callers") if closed else ("rate_rps", "capacity_rps")
         bar_ms = args.bar_ms if closed else args.open_bar_ms
-        section: dict = {
-            "bar": (f"p95 first audio <= {bar_ms:g} ms" + (", no underrun" if closed else "")
-                    + ", no refused, failed or silent request"),
-            "bar_ms": bar_ms, "levels": [], cap_key: None,
-        }
-        report.put(mode, section)
+        sections = {}
+        for run in runs:
+            run.stopped = False
+            sections[run.name] = {
+                "bar": (f"p95 first audio <= {bar_ms:g} ms" + (", no underrun" if closed else "")
+                        + ", no refused, failed or silent request"),
+                "bar_ms": bar_ms, "levels": [], cap_key: None,
+            }
+            run.report.put(mode, sections[run.name])
         values = args.levels if closed else args.rates
         for i, value in enumerate(values):
-            left = deadline - time.monotonic() - CLOSE_S
-            if left < args.duration + LEVEL_MARGIN_S:
-                for rest in values[i:]:
-                    section["levels"].append({key: rest, "skipped": f"time budget ({left:.0f} s left)"})
-                section["stopped"] = "the time budget ran out"
+            for run in runs:
+                section = sections[run.name]
+                if run.stopped:
+                    continue
+                going = [r for r in runs if not r.stopped and len(sections[r.name]["levels"]) == i]
+                left = deadline - time.monotonic() - CLOSE_S
+                # Each run still to measure this level needs its time: a level is measured by all
+                # or none, and no run goes on to a level another could not measure.
+                if left < len(going) * (args.duration + LEVEL_MARGIN_S):
+                    for other in runs:
+                        if other.stopped:
+                            continue
+                        other.stopped = True
+                        rest_section = sections[other.name]
+                        for rest in values[len(rest_section["levels"]):]:
+                            rest_section["levels"].append({key: rest, "skipped": f"time budget ({left:.0f} s left)"})
+                        rest_section["stopped"] = "the time budget ran out"
+                        other.report.put(mode, rest_section)
+                        other.save()
+                    break
+                drain = min(args.drain, left - len(going) * args.duration - LEVEL_MARGIN_S / 2)
+                if device is not None and device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                run.endpoint.take_rounds()  # rounds of the previous level's tail belong to no level
+                if closed:
+                    utts, wall = await closed_loop(run.endpoint, replies, callers=value, duration=args.duration,
+                                                   stagger=args.stagger, listen=args.listen, drain=drain,
+                                                   seed=args.seed)
+                else:
+                    utts, wall = await open_loop(run.endpoint, replies, rate=value, duration=args.duration,
+                                                 drain=drain, seed=args.seed)
+                rounds = run.endpoint.take_rounds()
+                level = {key: value, "duration_s": args.duration, "drain_s": drain, "wall_s": wall,
+                         **summarize_level(utts, args.duration),
+                         "rounds": summarize_rounds(rounds, wall) if rounds is not None else None,
+                         "peak_gpu_memory_gib": _peak_memory_gib(device)}
+                level["misses"] = verdict(level, bar_ms, underruns_count=closed)
+                level["meets_bar"] = not level["misses"]
+                section["levels"].append(level)
+                section[cap_key] = capacity(section["levels"], key)
+                run.report.put(mode, section)
+                run.save()
+                after_level()
+                fa = level["first_audio_ms"]
+                prefix = f"{run.name}: " if len(runs) > 1 else ""
+                log(f"{prefix}{mode} {key} {value}: {level['utterances']} utterances, first audio p50/p95 "
+                    f"{fa['p50'] or 0:.1f}/{fa['p95'] or 0:.1f} ms, {level['underrun_utterances']} underran, "
+                    f"{level['frames_per_s']:.0f} frames/s, {level['refused']} refused: "
+                    + ("bar met" if level["meets_bar"] else "bar missed"))
+                if level["misses"] and not args.keep_going:
+                    section["stopped"] = f"{key} {value} missed the bar (--keep-going runs the levels after it)"
+                    run.stopped = True
+            if all(r.stopped for r in runs):
                 break
-            drain = min(args.drain, left - args.duration - LEVEL_MARGIN_S / 2)
-            if device is not None and device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            endpoint.take_rounds()  # rounds of the previous level's tail belong to no level
-            if closed:
-                utts, wall = await closed_loop(endpoint, replies, callers=value, duration=args.duration,
-                                               stagger=args.stagger, listen=args.listen, drain=drain, seed=args.seed)
-            else:
-                utts, wall = await open_loop(endpoint, replies, rate=value, duration=args.duration, drain=drain,
-                                             seed=args.seed)
-            rounds = endpoint.take_rounds()
-            level = {key: value, "duration_s": args.duration, "drain_s": drain, "wall_s": wall,
-                     **summarize_level(utts, args.duration),
-                     "rounds": summarize_rounds(rounds, wall) if rounds is not None else None,
-                     "peak_gpu_memory_gib": _peak_memory_gib(device)}
-            level["misses"] = verdict(level, bar_ms, underruns_count=closed)
-            level["meets_bar"] = not level["misses"]
-            section["levels"].append(level)
-            section[cap_key] = capacity(section["levels"], key)
-            report.put(mode, section)
-            save()
-            fa = level["first_audio_ms"]
-            log(f"{mode} {key} {value}: {level['utterances']} utterances, first audio p50/p95 "
-                f"{fa['p50'] or 0:.1f}/{fa['p95'] or 0:.1f} ms, {level['underrun_utterances']} underran, "
-                f"{level['frames_per_s']:.0f} frames/s, {level['refused']} refused: "
-                + ("bar met" if level["meets_bar"] else "bar missed"))
-            if level["misses"] and not args.keep_going:
-                section["stopped"] = f"{key} {value} missed the bar (--keep-going runs the levels after it)"
-                break
-        report.put(mode, section)
-        save()
-    close = getattr(endpoint, "aclose", None)
-    if close is not None:  # the server endpoint's client, on this loop
-        await close()
+        for run in runs:
+            run.report.put(mode, sections[run.name])
+            run.save()
+        after_level()
+    for run in runs:
+        close = getattr(run.endpoint, "aclose", None)
+        if close is not None:  # the server endpoint's client, on this loop
+            await close()
 
 
 def workload(args: argparse.Namespace, replies: list) -> dict:
@@ -215,7 +260,7 @@ def sweep_server(args: argparse.Namespace, deadline: float, report: Report, save
     replies = fleet_replies()
     report.put("workload", workload(args, replies))
     try:
-        asyncio.run(sweep(args, endpoint, None, deadline, report, save))
+        asyncio.run(sweep(args, [Run("server", endpoint, report, save)], None, deadline))
     finally:
         report.put("total_wall_s", time.monotonic() - started)
         save()
@@ -223,13 +268,9 @@ def sweep_server(args: argparse.Namespace, deadline: float, report: Report, save
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    started = time.monotonic()
-    deadline = started + args.budget
-    logging.basicConfig(level=logging.WARNING)
-    args.out.mkdir(parents=True, exist_ok=True)
-    report = Report(args.out / RESULT, {
+def _report(args: argparse.Namespace, out: Path) -> tuple[Report, Callable[[], None]]:
+    out.mkdir(parents=True, exist_ok=True)
+    report = Report(out / RESULT, {
         "benchmark": "fleet",
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": args.commit or git_commit(),
@@ -238,16 +279,38 @@ def main(argv: list[str] | None = None) -> int:
     })
 
     def save() -> None:
-        fleet_report.write(report.data, args.out)
+        fleet_report.write(report.data, out)
         report.save()
 
+    return report, save
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    deadline = started + args.budget
+    logging.basicConfig(level=logging.WARNING)
+    args.out.mkdir(parents=True, exist_ok=True)
     if args.server_url:
-        return sweep_server(args, deadline, report, save, started)
+        return sweep_server(args, deadline, *_report(args, args.out), started)
+    # --through both: each endpoint's report in its own folder, and the two side by side.
+    names = ["engine", "server"] if args.through == "both" else [args.through]
+    outs = {name: args.out / name if len(names) > 1 else args.out for name in names}
+    reports = {name: _report(args, outs[name]) for name in names}
+
+    def put(key: str, value) -> None:
+        for report, _ in reports.values():
+            report.put(key, value)
+
+    def compare() -> None:
+        if len(names) > 1:
+            fleet_report.write_comparison({n: r.data for n, (r, _) in reports.items()}, args.out)
+
     if args.build_size:
-        report.put("checkpoint", build_checkpoint(args.build_size, args.variant, args.checkpoint_dir))
+        put("checkpoint", build_checkpoint(args.build_size, args.variant, args.checkpoint_dir))
         model = args.checkpoint_dir
     else:
-        report.put("checkpoint", {"path": str(args.model), "zero_eos": "as built (not checked here)"})
+        put("checkpoint", {"path": str(args.model), "zero_eos": "as built (not checked here)"})
         model = args.model
 
     def load():
@@ -262,43 +325,53 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.monotonic()
     service = EngineService(load, name="fleet")
+    server = None
     try:
         service.wait_ready_blocking(timeout=max(1.0, deadline - time.monotonic()))
         engine = service.engine
-        report.put("load_s", time.monotonic() - t0)
-        report.put("backend_name", engine.backend.name)
-        report.put("device_info", describe_device(engine.device))
+        put("load_s", time.monotonic() - t0)
+        put("backend_name", engine.backend.name)
+        put("device_info", describe_device(engine.device))
         if not args.no_round_timing:
             service.time_rounds()
-        if args.through == "server":
-            from pipecat_qwen_fast.bench.server_latency import serve_in_thread
+        runs = []
+        for name in names:
+            report, save = reports[name]
+            if name == "server":
+                from pipecat_qwen_fast.bench.server_latency import serve_in_thread
 
-            # No limit of the server's own: the engine's capacity is what is measured.
-            server, server_thread, port = serve_in_thread(service, model, args.device, args.backend,
-                                                          max_streams=100_000)
-            endpoint = ServerEndpoint(f"http://127.0.0.1:{port}", engine.default_voice, args.text_mode,
-                                      service)
-            report.put("endpoint", "the server on loopback (WebSocket) over one EngineService")
-        else:
-            endpoint = InProcessEndpoint(service, engine.default_voice, args.text_mode)
-            report.put("endpoint", "in process: one EngineService")
-        replies = fleet_replies()
-        report.put("workload", workload(args, replies))
-        log(f"engine loaded in {report.data['load_s']:.1f} s ({engine.backend.name} on {engine.device}); "
+                # No limit of the server's own: the engine's capacity is what is measured.
+                server, server_thread, port = serve_in_thread(service, model, args.device, args.backend,
+                                                              max_streams=100_000)
+                endpoint = ServerEndpoint(f"http://127.0.0.1:{port}", engine.default_voice, args.text_mode,
+                                          service)
+                report.put("endpoint", "the server on loopback (WebSocket) over one EngineService")
+            else:
+                endpoint = InProcessEndpoint(service, engine.default_voice, args.text_mode)
+                report.put("endpoint", "in process: one EngineService")
+            runs.append(Run(name, endpoint, report, save))
+        put("workload", workload(args, fleet_replies()))
+        log(f"engine loaded in {time.monotonic() - t0:.1f} s ({engine.backend.name} on {engine.device}); "
             f"{deadline - time.monotonic():.0f} s left for the sweep")
-        asyncio.run(sweep(args, endpoint, engine.device, deadline, report, save))
-        if args.through == "server":
+        asyncio.run(sweep(args, runs, engine.device, deadline, after_level=compare))
+        if server is not None:
             server.should_exit = True
             server_thread.join(10)
     except BaseException as exc:
-        report.put("error", f"{type(exc).__name__}: {exc}")
+        put("error", f"{type(exc).__name__}: {exc}")
         raise
     finally:
         service.close()
-        report.put("total_wall_s", time.monotonic() - started)
-        save()
-    log(f"wrote {args.out / RESULT}, {args.out / fleet_report.MARKDOWN}; plot: {report.data['plot']}")
-    print((args.out / fleet_report.MARKDOWN).read_text())
+        put("total_wall_s", time.monotonic() - started)
+        for _, save in reports.values():
+            save()
+        compare()
+    for name in names:
+        out = outs[name]
+        log(f"wrote {out / RESULT}, {out / fleet_report.MARKDOWN}; plot: {reports[name][0].data['plot']}")
+        print((out / fleet_report.MARKDOWN).read_text())
+    if len(names) > 1:
+        print((args.out / fleet_report.COMPARISON).read_text())
     return 0
 
 

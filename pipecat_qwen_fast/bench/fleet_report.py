@@ -16,6 +16,8 @@ from pipecat_qwen_fast.bench.report import _fmt, _get
 
 MARKDOWN = "fleet.md"
 PLOT = "fleet.png"
+COMPARISON = "comparison.md"  # `--through both`: the two endpoints' levels side by side
+TITLES = {"engine": "in process", "server": "through the server"}
 
 MODES = (
     # mode, level key, column title, unit of the capacity, JSON key of the capacity
@@ -103,6 +105,74 @@ def render(result: dict) -> str:
             out += ["", f"Sweep stopped: {section['stopped']}."]
     out += ["", f"Plot: {result.get('plot')}.", ""]
     return "\n".join(out)
+
+
+def _cells(lv: dict | None) -> list[str]:
+    """first audio p50 / p95, utterances with an underrun, frames/s, bar of one level."""
+    if lv is None:
+        return ["not run", "", "", ""]
+    if "skipped" in lv:
+        return [f"skipped: {lv['skipped']}", "", "", ""]
+    fa = lv["first_audio_ms"]
+    bar = "met" if lv["meets_bar"] else "missed: " + "; ".join(lv["misses"])
+    return [f"{_fmt(fa['p50'])} / {_fmt(fa['p95'])}", f"{lv['underrun_utterances']} of {lv['utterances']}",
+            _fmt(lv["frames_per_s"]), bar]
+
+
+def render_comparison(results: dict[str, dict]) -> str:
+    """The sweeps of one engine in process and through the server (`--through both`), level by
+    level, and the server's capacity as a share of the in-process one (issue 37's bar: within 10 %)."""
+    base, other = results["engine"], results["server"]
+    args, dev, wl = base.get("args", {}), base.get("device_info", {}), base.get("workload", {})
+    device = dev.get("gpu") or dev.get("cpu") or "unknown device"
+    out = [
+        f"# Fleet in process and through the server: {device}, {base.get('date_utc')}",
+        "",
+        (f"Commit `{base.get('commit')}`. Checkpoint: {_checkpoint(base.get('checkpoint') or {})}, backend "
+         f"{base.get('backend_name')}, {args.get('dtype')} on {args.get('device')}, text mode "
+         f"{args.get('text_mode') or 'the variant default'}. One engine, loaded once; each level runs in "
+         "process (callers on its EngineService), then through the server over the same engine "
+         "(`qwen-fast-tts serve`'s WebSocket on loopback, a socket an utterance, the callers in the "
+         f"server's process). {wl.get('duration_s')} s a level; the workload, the bar and each "
+         "endpoint's full table: `engine/fleet.md`, `server/fleet.md`."),
+    ]
+    for mode, key, title, unit, cap_key in MODES:
+        a, b = base.get(mode), other.get(mode)
+        if not a or not b:
+            continue
+        cap_a, cap_b = a.get(cap_key), b.get(cap_key)
+        share = (f"{100 * cap_b / cap_a:.0f} % of in-process" if cap_a and cap_b is not None
+                 else "no ratio (a capacity is missing)")
+        out += [
+            "",
+            f"## {'Closed' if mode == 'closed' else 'Open'} loop",
+            "",
+            (f"Capacity ({a.get('bar')}): in process **{_cap(cap_a, unit)}**, through the server "
+             f"**{_cap(cap_b, unit)}**: {share}."),
+            "",
+            (f"| {title} | in process: first audio p50 / p95 (ms) | underran | frames/s | bar | through the server: "
+             "first audio p50 / p95 (ms) | underran | frames/s | bar | p95 through the server - in process (ms) |"),
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        rows_a = {lv[key]: lv for lv in a.get("levels", [])}
+        rows_b = {lv[key]: lv for lv in b.get("levels", [])}
+        for value in sorted(set(rows_a) | set(rows_b)):
+            la, lb = rows_a.get(value), rows_b.get(value)
+            measured = [lv for lv in (la, lb) if lv is not None and "skipped" not in lv]
+            diff = (_fmt(lb["first_audio_ms"]["p95"] - la["first_audio_ms"]["p95"])
+                    if len(measured) == 2 and None not in (la["first_audio_ms"]["p95"], lb["first_audio_ms"]["p95"])
+                    else "")
+            out.append(f"| {value:g} | " + " | ".join(_cells(la) + _cells(lb)) + f" | {diff} |")
+    out.append("")
+    return "\n".join(out)
+
+
+def _cap(value, unit: str) -> str:
+    return f"{value:g} {unit}" if value is not None else "none"
+
+
+def write_comparison(results: dict[str, dict], out_dir: Path) -> None:
+    (out_dir / COMPARISON).write_text(render_comparison(results))
 
 
 def plot(result: dict, path: Path) -> str:
