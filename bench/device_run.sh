@@ -10,7 +10,8 @@
 #                 engine, dual-track, levels 32-128 at 15 s (issue 37's 10 % bar: comparison.md)
 #   server-latency  first audio through the server (WebSocket, HTTP) against in-process
 #   streaming-text  the LLM-token benchmark, engine level (the image has no Pipecat or LiveKit)
-#   voice-clone     a random 0.6B Base checkpoint: voice creation and cloned first audio
+#   voice-clone     random 0.6B Base and CustomVoice checkpoints: voice creation, cloned first
+#                   audio, and the frame time of ICL and x-vector voices against CustomVoice's
 #   gputests    the test files of the GPU paths (GPU_TESTS), junit XML
 # DEVICE_SECONDS (default 570) bounds the whole call from its start; STARTUP_RUNS picks the starts
 # (default cold,warm); FLEET_ARGS adds arguments to the fleet runs. Everything lands in $OUT.
@@ -55,8 +56,11 @@ left() { echo $(( ${DEVICE_SECONDS:-570} - ($(date +%s) - t0) )); }
                                 --out "$out/streaming" ;;
             voice-clone) [ -f "$ck-base/model.safetensors" ] || python3 -m pipecat_qwen_fast.checkpoints.build \
                              --size 0.6b --variant base --zero-eos --out "$ck-base"
-                         python3 -m pipecat_qwen_fast.bench.voice_clone --model "$ck-base" --device cuda \
-                             --seconds 10 --repeats 20 > "$out/voice_clone.json" ;;
+                         [ -f "$ck/model.safetensors" ] || python3 -m pipecat_qwen_fast.checkpoints.build \
+                             --size 0.6b --variant custom_voice --zero-eos --out "$ck"
+                         python3 -m pipecat_qwen_fast.cli bench voice-clone --model "$ck-base" \
+                             --custom-voice-model "$ck" --device cuda --seconds 10 --repeats 20 \
+                             --frames 160 --frame-repeats 5 --out "$out/voice_clone.json" ;;
             # The test files that exercise the GPU paths (GPU_TESTS to change them); the machine's
             # image has no pipecat or livekit, so the framework tests stay on the CPU.
             gputests) timeout -s INT "$(( $(left) - 10 ))" python3 -m pytest -q -rs -p no:cacheprovider \

@@ -13,6 +13,8 @@ are merged into `results.json` and `results.md` in --out.
 engine (pipecat_qwen_fast/bench/fleet.py; `qwen-fast-tts bench fleet --help`).
 `qwen-fast-tts bench streaming-text ...`: first audio after an LLM's first token, sentence mode
 against token mode in Pipecat and LiveKit (pipecat_qwen_fast/bench/streaming_text.py).
+`qwen-fast-tts bench voice-clone ...`: voice creation, cloned first audio and frame time
+(pipecat_qwen_fast/bench/voice_clone.py).
 """
 
 from __future__ import annotations
@@ -164,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         from pipecat_qwen_fast.bench.fleet import main as fleet_main
 
         return fleet_main(argv[1:])
+    if argv[:1] == ["voice-clone"]:
+        from pipecat_qwen_fast.bench.voice_clone import main as voice_clone_main
+
+        return voice_clone_main(argv[1:])
     args = parse_args(argv)
     started = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
