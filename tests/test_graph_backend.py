@@ -364,7 +364,7 @@ def test_fused_layer_equals_plain_layer(tiny_checkpoint):
     """decode_layer against plain_decode_layer on one layer of the talker and one of the
     predictor: rows in scattered pool slots at different positions, the pool's other rows and
     positions untouched."""
-    from pipecat_qwen_fast.backends.graph import decode_layer, plain_decode_layer
+    from pipecat_qwen_fast.backends.graph import KernelLayerStep, decode_layer, plain_decode_layer
     from pipecat_qwen_fast.model.layers import rotary_cos_sin
 
     engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cpu", dtype="float32")
@@ -384,14 +384,15 @@ def test_fused_layer_equals_plain_layer(tiny_checkpoint):
         valid = (torch.arange(32).view(4, 8)[None] <= pos[:, None, None])[:, None, None]
         heads = torch.arange(kvh)
         outs = []
-        for step in (plain_decode_layer, decode_layer):
+        for step in (plain_decode_layer, decode_layer, KernelLayerStep(False, torch.device("cpu"))):
             k, v = k_pool.clone(), v_pool.clone()
             with torch.no_grad():
-                outs.append((step(layer, x, cos, sin, k, v, pages, wpage, woff, valid, heads), k, v))
-        (want, k_want, v_want), (got, k_got, v_got) = outs
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(k_got, k_want, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(v_got, v_want, rtol=1e-6, atol=1e-6)
+                outs.append((step(layer, x, cos, sin, k, v, pages, wpage, woff, pos, valid, heads), k, v))
+        (want, k_want, v_want), *others = outs
+        for got, k_got, v_got in others:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(k_got, k_want, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(v_got, v_want, rtol=1e-6, atol=1e-6)
         untouched = torch.ones(9, 8, dtype=torch.bool)
         untouched[wpage, woff] = False
         assert torch.equal(k_got.transpose(1, 2)[untouched], k_pool.transpose(1, 2)[untouched])
@@ -438,14 +439,15 @@ def test_fused_step_compiles_a_few_times_for_every_batch_bucket_and_layer(tiny_c
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: the compiled, captured batched frame is GPU-only")
 @pytest.mark.gpu
-def test_compiled_batched_frame_matches_plain_on_gpu(tiny_checkpoint):
+@pytest.mark.parametrize("layer_step", ["kernel", "fused"])
+def test_compiled_batched_frame_matches_plain_on_gpu(tiny_checkpoint, layer_step):
     """Graphs captured from the compiled fused step against graphs of the plain step, in bf16 on
     the same weights, each round from the same pool contents: the talker step's new K/V rows, and
     the codes of 40 batched greedy rounds (bf16 roundings differ, so most, not all)."""
     engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", zero_eos=True), device="cpu", dtype="float32")
     device, dtype = torch.device("cuda"), torch.bfloat16
     talker = engine.model.talker.to(device, dtype)
-    fused = GraphBackend(talker, device, dtype, max_sessions=8, capacity=512, layer_step="fused")
+    fused = GraphBackend(talker, device, dtype, max_sessions=8, capacity=512, layer_step=layer_step)
     plain = GraphBackend(talker, device, dtype, max_sessions=8, capacity=512, layer_step="plain")
     assert fused.compiled and not plain.compiled
 
@@ -481,3 +483,26 @@ def test_compiled_batched_frame_matches_plain_on_gpu(tiny_checkpoint):
     assert len(fused.graphs) >= 2 and all(k[0] in (4, 8) for k in fused.graphs)
     assert sum(agree) / len(agree) > 0.9, agree
     engine.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: the paged-attention kernel is Triton on CUDA")
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_kernel_matches_reference(dtype):
+    """The Triton kernel against the torch reference: rows at positions inside, at the start and at
+    the end of pages, scattered pages, the talker's page (64) and the predictor's (16), GQA 2."""
+    from pipecat_qwen_fast.backends.paged_attention import paged_attention_reference, paged_attention_triton
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for P, npages, positions in ((64, 40, [0, 63, 64, 150, 511, 2047 % 512]), (16, 8, [0, 5, 15])):
+        kvh, hd, H = 8, 128, 16
+        k_pool = torch.randn(npages + 1, kvh, P, hd, generator=g, device="cuda").to(dtype)
+        v_pool = torch.randn(npages + 1, kvh, P, hd, generator=g, device="cuda").to(dtype)
+        pos = torch.tensor(positions, device="cuda")
+        np_ = max(positions) // P + 1
+        pages = torch.stack([torch.randperm(npages, generator=g, device="cuda")[:np_] for _ in positions])
+        q = torch.randn(len(positions), H, hd, generator=g, device="cuda").to(dtype)
+        want = paged_attention_reference(q, k_pool, v_pool, pages, pos)
+        got = paged_attention_triton(q, k_pool, v_pool, pages, pos)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)

@@ -50,6 +50,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipecat_qwen_fast.backends.base import SessionSnapshot
+from pipecat_qwen_fast.backends.paged_attention import paged_attention_reference, paged_attention_triton
 from pipecat_qwen_fast.backends.prefill_graphs import PREFILL_BUCKETS, PrefillGraphs
 from pipecat_qwen_fast.errors import NoFreeSlotError, QwenTTSError
 from pipecat_qwen_fast.model.layers import (
@@ -114,7 +115,8 @@ def _mlp_residual(layer: DecoderLayer, x: Tensor, attn_out: Tensor) -> Tensor:
 
 
 def plain_decode_layer(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
-                       pages: Tensor, wpage: Tensor, woff: Tensor, valid: Tensor, kv_heads: Tensor) -> Tensor:
+                       pages: Tensor, wpage: Tensor, woff: Tensor, pos: Tensor, valid: Tensor,
+                       kv_heads: Tensor) -> Tensor:
     """One decoder layer for one new position of each row: x [bb, D]. K/V live in pages (k_pool /
     v_pool [pages, KVH, P, hd]); row r writes its new K/V at page `wpage[r]`, offset `woff[r]`, then
     attends over its pages `pages[r]` ([bb, np], in position order) where `valid` [bb, 1, 1, np, P]
@@ -150,7 +152,7 @@ def mark_batch_dynamic(x: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_po
 
 
 def decode_layer(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
-                 pages: Tensor, wpage: Tensor, woff: Tensor, valid: Tensor, kv_heads: Tensor) -> Tensor:
+                 pages: Tensor, wpage: Tensor, woff: Tensor, pos: Tensor, valid: Tensor, kv_heads: Tensor) -> Tensor:
     """`plain_decode_layer`'s math with the attention as fp32 products and sums over the rows'
     pages, indexed where they lie: compiled, the indexing becomes the reductions' loads and no
     bucket is copied (eagerly it materialises, so it only pays compiled). The softmax runs over
@@ -172,6 +174,37 @@ def decode_layer(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_poo
     p = e / e.sum((-2, -1), keepdim=True)
     out = (p[..., None] * values[:, :, None]).sum((-3, -2))  # [bb, KVH, rep, hd]
     return _mlp_residual(layer, x, out.reshape(bb, a.num_heads * hd).to(x.dtype))
+
+
+def _attention_inputs(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
+                      wpage: Tensor, woff: Tensor, kv_heads: Tensor) -> Tensor:
+    """The layer up to its attention: q [bb, H, hd]; the new K/V written into their pages."""
+    q, k, v = _heads(layer, x, cos, sin)
+    idx = (wpage[:, None], kv_heads[None], woff[:, None])
+    k_pool.index_put_(idx, k)
+    v_pool.index_put_(idx, v)
+    return q
+
+
+def _layer_output(layer: DecoderLayer, x: Tensor, attn_out: Tensor) -> Tensor:
+    return _mlp_residual(layer, x, attn_out.reshape(x.shape[0], -1))
+
+
+class KernelLayerStep:
+    """The layer as two compiled steps (norms, projections, RoPE and the K/V write; then o_proj and
+    the MLP) around `paged_attention_triton`, which replaces `decode_layer`'s products and sums
+    (the round's largest cost over pages: paged_attention.py). Off CUDA the reference attention
+    runs instead (CPU tests: same signature and math as the other steps)."""
+
+    def __init__(self, compiled: bool, device: torch.device):
+        self.pre = torch.compile(_attention_inputs, dynamic=None) if compiled else _attention_inputs
+        self.post = torch.compile(_layer_output, dynamic=None) if compiled else _layer_output
+        self.attend = paged_attention_triton if device.type == "cuda" else paged_attention_reference
+
+    def __call__(self, layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
+                 pages: Tensor, wpage: Tensor, woff: Tensor, pos: Tensor, valid: Tensor, kv_heads: Tensor) -> Tensor:
+        q = self.pre(layer, x, cos, sin, k_pool, v_pool, wpage, woff, kv_heads)
+        return self.post(layer, x, self.attend(q.contiguous(), k_pool, v_pool, pages, pos))
 
 
 @dataclass
@@ -204,9 +237,10 @@ class GraphBackend:
     ):
         """`capacity`: the most positions one session holds. `pages`: K/V pages of `page_size`
         positions shared by all sessions (None: enough for every slot at full capacity).
-        `layer_step`: "fused" (`decode_layer`, compiled on a GPU where the compiler works) or
-        "plain" (`plain_decode_layer` and the predictor's multi-position pass); None picks "fused"
-        where it compiles, else "plain" (eagerly the fused step materialises what it indexes)."""
+        `layer_step`: "kernel" (`KernelLayerStep`: compiled steps around the paged-attention
+        kernel), "fused" (`decode_layer`, compiled where the compiler works) or "plain"
+        (`plain_decode_layer` and the predictor's multi-position pass); None picks "kernel" where
+        the compiler works, else "plain" (eagerly the fused step materialises what it indexes)."""
         if capacity % page_size or any(b % page_size for b in ATTN_BUCKETS if b <= capacity):
             raise ValueError(f"capacity {capacity} and the attention buckets must be whole pages of {page_size}")
         self.talker = talker
@@ -304,18 +338,20 @@ class GraphBackend:
                                       use_graphs=self.use_graphs)
 
     def _choose_layer_step(self, kind: str | None) -> None:
-        if kind not in (None, "fused", "plain"):
-            raise ValueError(f"layer_step must be 'fused', 'plain' or None; got {kind!r}")
+        if kind not in (None, "kernel", "fused", "plain"):
+            raise ValueError(f"layer_step must be 'kernel', 'fused', 'plain' or None; got {kind!r}")
         reason = compile_blocker(self.device, "QWEN_FAST_COMPILE_BATCH") if self.use_graphs else "no CUDA graphs"
         if kind is None:
-            kind = "fused" if reason is None else "plain"
+            kind = "kernel" if reason is None else "plain"
             if reason is not None and self.use_graphs:
                 logger.info("the batched frame's layers are not compiled: %s", reason)
         self.layer_step = kind
-        self.compiled = kind == "fused" and reason is None
+        self.compiled = kind in ("kernel", "fused") and reason is None
         self._step = plain_decode_layer
         if kind == "fused":
             self._step = torch.compile(decode_layer, dynamic=None) if self.compiled else decode_layer
+        elif kind == "kernel":
+            self._step = KernelLayerStep(self.compiled, self.device)
         if self.graphs:  # captured from the previous step's code: dropped, and their memory pool
             self.graphs.clear()  # with them (a pool whose graphs are all gone cannot take a capture)
             self.capturer = GraphCapturer(self.device)
@@ -657,7 +693,7 @@ class GraphBackend:
         for layer, (k_pool, v_pool) in zip(model.layers, self.talker_kv):
             if self.compiled:
                 mark_batch_dynamic(x, cos, sin, k_pool, v_pool, pages, wpage, woff, valid)
-            x = self._step(layer, x, cos, sin, k_pool, v_pool, pages, wpage, woff, valid, self.kv_heads)
+            x = self._step(layer, x, cos, sin, k_pool, v_pool, pages, wpage, woff, pos, valid, self.kv_heads)
         return model.norm(x)
 
     def _predict(self, h: Tensor, c0: Tensor, bb: int, params: SamplingParams, noise: Tensor | None) -> Tensor:
@@ -690,7 +726,7 @@ class GraphBackend:
         for layer, (k_pool, v_pool) in zip(model.layers, self.pred_kv):
             if self.compiled:
                 mark_batch_dynamic(x, cos, sin, k_pool, v_pool, pages, wpage, woff, valid)
-            x = self._step(layer, x, cos, sin, k_pool, v_pool, pages, wpage, woff, valid, self.kv_heads_pred)
+            x = self._step(layer, x, cos, sin, k_pool, v_pool, pages, wpage, woff, woff, valid, self.kv_heads_pred)
         return model.norm(x)
 
     def _predictor_forward(self, x: Tensor, start: int, bb: int) -> Tensor:
