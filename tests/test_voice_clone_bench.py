@@ -48,8 +48,9 @@ def test_one_run_reports_creation_first_audio_and_frame_times(tiny_checkpoint, t
 def test_frame_time_needs_more_than_one_chunk(tiny_checkpoint):
     from pipecat_qwen_fast import QwenTTSEngine
 
-    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", zero_eos=True), device="cpu",
-                                           dtype="float32", backend="torch", progress=False)
+    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", zero_eos=True),
+                                           device="cpu", dtype="float32", backend="torch",
+                                           progress=False)
     with pytest.raises(RuntimeError, match="raise --frames"):
         voice_clone.time_frames(engine, engine.default_voice, frames=1, repeats=1, warmup=0)
     engine.close()
