@@ -330,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
         service.wait_ready_blocking(timeout=max(1.0, deadline - time.monotonic()))
         engine = service.engine
         put("load_s", time.monotonic() - t0)
+        # Where a load's time goes once the batch path is warmed too (the slowest queued steps).
+        steps = sorted(engine._warmup.timings, key=lambda t: -t[1])
+        put("warmup_steps_s", {"total": round(sum(t for _, t in steps), 1),
+                               "slowest": [[name, round(t, 2)] for name, t in steps[:15]]})
         put("backend_name", engine.backend.name)
         put("device_info", describe_device(engine.device))
         if not args.no_round_timing:

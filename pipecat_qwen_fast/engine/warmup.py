@@ -43,6 +43,7 @@ class Warmup:
     def __init__(self, engine: QwenTTSEngine):
         self.engine = engine
         self.pending: deque[Step] = deque()
+        self.timings: list[tuple[str, float]] = []  # (step, seconds) of the queued steps run so far
 
     @property
     def done(self) -> bool:
@@ -83,6 +84,7 @@ class Warmup:
                 "background warm-up step %r failed, skipped: %s: %s", name, type(e).__name__, e
             )
             return True
+        self.timings.append((name, time.perf_counter() - t0))
         logger.debug(
             "background warm-up: %s (%.2f s, %d steps left)",
             name,
