@@ -182,3 +182,98 @@ def test_batch_rounds_of_streamed_turns_equal_whole_texts(batch):
     drive_many(batch, sessions, parts, rng, lockstep=True)
     for s, w in zip(sessions, whole_sessions, strict=True):
         assert np.array_equal(codes_of(s), codes_of(w))
+
+
+def prompted_state(engine, text: str, params, seed: int, frames: int):
+    from pipecat_qwen_fast.model.prompt import DUAL_TRACK, build_prompt
+
+    prompt = build_prompt(
+        engine.model.talker, engine.tokenizer, engine.config, text=text, speaker="ryan",
+        language="english", instruct=None, text_mode=DUAL_TRACK, voice_clone=None,
+    )
+    st = engine.backend.new_state(
+        max_positions=prompt.embeds.shape[0] + frames + 2, params=params, seed=seed,
+        trailing=prompt.trailing, pad_vec=prompt.pad_vec,
+    )
+    engine.backend.prefill(st, prompt.embeds)
+    return st
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_megakernel_preview_is_frame_0(megakernel, sampled):
+    """preview_frame (frame 0 without the talker step and without the next input, then the next
+    input made by torch) gives a state bit for bit the same as frame 0 run whole: the same codes,
+    the same next input and code-0 set, and the same frames after it."""
+    from pipecat_qwen_fast.model.sampling import SamplingParams
+
+    params = SamplingParams(do_sample=sampled, subtalker_do_sample=sampled)
+    mb = megakernel.backend
+    text = "Hello there, the first frame comes from the prefill."
+    a = prompted_state(megakernel, text, params, seed=9, frames=12)
+    b = prompted_state(megakernel, text, params, seed=9, frames=12)
+    preview = mb.preview_frame(a).clone()
+    assert a.frame == 0 and not a.buffers["seen"].any()
+    assert torch.equal(mb.preview_frame(a), preview)  # made once
+    assert torch.equal(mb.decode_frame(a), preview)
+    assert torch.equal(mb.decode_frame(b), preview)
+    assert torch.equal(a.buffers["pending"], b.buffers["pending"])
+    assert torch.equal(a.buffers["seen"], b.buffers["seen"])
+    for _ in range(10):
+        assert torch.equal(mb.decode_frame(a), mb.decode_frame(b))
+    mb.release(a)
+    mb.release(b)
+
+
+@pytest.mark.parametrize(
+    "first",
+    [["Hello", ","], ["Hel", "lo", ","], ["Hello, ", "there"]],
+    ids=["guessed", "guessed-wrong", "both-final"],
+)
+@pytest.mark.parametrize("sampling", [{"greedy": True}, {"seed": 6}], ids=["greedy", "seeded"])
+def test_megakernel_first_token_alone(megakernel, first, sampling):
+    """The first token final before the second: frame 0's audio goes out from its preview (and,
+    guessed right, from the prefill made with the guess), the turn's codes and audio are the
+    whole text's."""
+    text = "Hello, there: the first frame is spoken before the second token is final."
+    kw = dict(voice="ryan", max_frames=24, **sampling)
+    whole = megakernel.synthesize(text, text_mode="dual_track", **kw)
+    s = megakernel.open_text_session(SynthesisRequest("", **kw))
+    chunks = []
+    for part in first:
+        megakernel.append_text(s, part)
+        chunks += megakernel.poll_text(s) or []
+    if first[-1] == ",":  # "Hello" final, "," not yet: frame 0 was sent
+        assert s.frames_decoded == 1 and [c.num_frames for c in chunks] == [1]
+        assert s.feed.previewed
+    megakernel.append_text(s, text[len("".join(first)) :])
+    megakernel.end_text(s)
+    while not s.done:
+        sent = megakernel.poll_text(s)
+        chunks += sent if sent is not None else megakernel.step(s)
+    assert np.array_equal(codes_of(s), whole.codes)
+    pcm = np.concatenate([c.pcm for c in chunks])
+    assert len(pcm) == len(whole.pcm)
+    a, b = pcm.astype(np.float64), whole.pcm.astype(np.float64)
+    assert np.linalg.norm(a - b) <= 0.1 * np.linalg.norm(b)
+
+
+def test_auto_backend_previews_on_its_megakernel(full_checkpoint):
+    """The default backend: a lone streamed turn runs on its megakernel side, which previews frame
+    0; codes equal the whole text's on the same backend."""
+    engine = engine_for(full_checkpoint, "auto")
+    try:
+        if not hasattr(engine.backend, "fast"):
+            pytest.skip(f"auto picked {engine.backend.name} here")
+        rng = random.Random(8)
+        for text in TEXTS[:2]:
+            kw = {"voice": "serena", "max_frames": 30, "vocode": False, "seed": 2}
+            whole = whole_codes(engine, text, **kw)
+            s = engine.open_text_session(SynthesisRequest("", **kw))
+            engine.append_text(s, text[:5])
+            engine.poll_text(s)
+            assert s.state.on_fast and s.feed.guess is not None
+            parts = split(rng, text[5:], 10)
+            drive_many(engine, [s], [parts], rng, lockstep=False)
+            assert np.array_equal(codes_of(s), whole), text
+    finally:
+        engine.close()

@@ -101,15 +101,21 @@ def streamed(engine, text: str, rng, pieces: int, **kw):
 
 
 @pytest.mark.parametrize("sampling", [{"greedy": True}, {"seed": 11}], ids=["greedy", "seeded"])
-def test_any_split_gives_the_whole_texts_codes(eager, sampling):
+def test_any_split_gives_the_whole_texts_codes(eager, sampling, monkeypatch):
+    """Any split, including the pieces that make frame 0 run from a preview (the first token
+    final, the second not yet) and from a guess at the first token (none final yet)."""
+    previews = []
+    real = eager.backend.preview_frame
+    monkeypatch.setattr(eager.backend, "preview_frame", lambda st: previews.append(st) or real(st))
     rng = random.Random(3)
     kw = dict(voice="ryan", max_frames=28, vocode=False, **sampling)
     for text in TEXTS:
         whole = whole_codes(eager, text, **kw)
-        for pieces in (1, 5, len(text) // 2):
+        for pieces in (1, 5, len(text) // 2, len(text) - 1):
             s, _, codes = streamed(eager, text, rng, pieces, **kw)
             assert np.array_equal(codes, whole), (text, pieces)
             assert s.stop_reason == "frame_cap" and s.state is None
+    assert previews
 
 
 def test_audio_equals_the_whole_texts(eager):
@@ -312,3 +318,94 @@ def test_waiting_sends_decoded_audio(eager):
         eager.poll_text(s) == [] and s.feed.deadline(s) > time.monotonic() + 1
     )  # only the idle timeout left
     eager.cancel(s)
+
+
+def count_prefills(engine, monkeypatch) -> list:
+    calls = []
+    real = engine._prefill
+
+    def counted(sessions, embeds):
+        calls.append(len(sessions))
+        return real(sessions, embeds)
+
+    monkeypatch.setattr(engine, "_prefill", counted)
+    return calls
+
+
+@pytest.mark.parametrize("sampling", [{"greedy": True}, {"seed": 13}], ids=["greedy", "seeded"])
+def test_first_frame_once_the_first_token_is_final(eager, sampling, monkeypatch):
+    """Frame 0's codes need only the first token (in the prefill): its audio goes out once that
+    token is final, before the second one is (a preview of frame 0; the frame's next talker input
+    waits for the second token). Before any token is final the session prefills with a guess at
+    the first one and previews frame 0, so a right guess leaves no GPU work for first audio."""
+    prefills = count_prefills(eager, monkeypatch)
+    kw = dict(voice="ryan", max_frames=20, **sampling)
+    text = "Hello, there friends."
+    whole = eager.synthesize(text, text_mode="dual_track", **kw)
+    s = eager.open_text_session(SynthesisRequest("", **kw))
+    before = len(prefills)
+    eager.append_text(s, "Hello")
+    assert eager.poll_text(s) == [] and s.frames_decoded == 0  # "Hello" may still grow
+    assert len(prefills) == before + 1 and s.feed.guess is not None  # prefilled with the guess
+    assert s.state.preview is not None
+    eager.append_text(s, ",")  # "Hello" is final; "," may still take a newline
+    sent = eager.poll_text(s)
+    assert len(prefills) == before + 1  # the guess was right: no prefill again
+    assert [c.num_frames for c in sent] == [1] and s.frames_decoded == 1
+    assert s.feed.previewed and s.state.frame == 0  # the state waits for the second token
+    assert eager.poll_text(s) == [] and s.frames_decoded == 1
+    eager.append_text(s, " there friends")
+    chunks = list(sent)
+    while not s.done:
+        out = eager.poll_text(s)
+        if out is not None:
+            chunks += out
+            if s.feed.ended_by is None and s.state is not None and s.frames_decoded > 3:
+                eager.append_text(s, ".")
+                eager.end_text(s)
+            continue
+        chunks += eager.step(s)
+    assert np.array_equal(np.stack(s.codes), whole.codes)
+    pcm = np.concatenate([c.pcm for c in chunks])
+    assert len(pcm) == len(whole.pcm)
+    assert np.abs(pcm.astype(np.int32) - whole.pcm.astype(np.int32)).max() <= 1
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        ["Hel", "lo, there friends."],  # the guess "Hel" was wrong: prefilled again
+        ["S", "u", "re", ", I can", " help."],  # the guess changes before the token is final
+        ["Sure", ", I can help.", ""],  # right, and the second token is final at once
+        ["  ", "Sure", ","],  # leading spaces; the turn ends with the second token
+    ],
+)
+def test_guesses_right_and_wrong_keep_the_codes(eager, parts, monkeypatch):
+    prefills = count_prefills(eager, monkeypatch)
+    kw = {"voice": "serena", "seed": 4, "max_frames": 16, "vocode": False}
+    whole = whole_codes(eager, "".join(parts), **kw)
+    before = len(prefills)
+    s = eager.open_text_session(SynthesisRequest("", **kw))
+    for p in parts:
+        eager.append_text(s, p)
+        eager.poll_text(s)
+    eager.end_text(s)
+    while not s.done:
+        eager.step(s)
+    assert np.array_equal(np.stack(s.codes), whole)
+    guessed_right = "Sure" in parts[:2]
+    assert (len(prefills) - before == 1) == guessed_right
+
+
+def test_no_preview_on_the_graph_backend(graph):
+    """A backend without preview_frame waits for the second token, as before (the batch)."""
+    kw = {"voice": "ryan", "greedy": True, "max_frames": 10, "vocode": False}
+    s = graph.open_text_session(SynthesisRequest("", **kw))
+    graph.append_text(s, "Hello")
+    graph.append_text(s, ",")
+    assert graph.poll_text(s) == [] and s.frames_decoded == 0 and s.feed.begun
+    graph.append_text(s, " there.")
+    graph.end_text(s)
+    while not s.done:
+        graph.step(s)
+    assert np.array_equal(np.stack(s.codes), whole_codes(graph, "Hello, there.", **kw))

@@ -221,3 +221,43 @@ def test_segment_rule_is_the_same_for_any_split(tok):
             turn = streamed(tok, random_split(rng, text), max_tokens=20)
             assert [s.text for s in turn.segments] == [s.text for s in whole.segments], text
             assert [s.tokens for s in turn.segments] == [s.tokens for s in whole.segments]
+
+
+def test_first_token_guess(tok):
+    """Before the turn's first token is final, the first token of the text so far (a guess the
+    session prefills with, engine/text_session.py); None once a token is final, before a word, or
+    after the end. A guess matches the final token whenever the text after it cannot join it."""
+    turn = TurnText(tok)
+    assert turn.first_token_guess() is None
+    turn.append("  ")
+    assert turn.first_token_guess() is None  # no word yet
+    turn.append("Hel")
+    hel = turn.first_token_guess()
+    assert hel is not None and not turn.segments
+    assert hel == whole_body(tok, "  Hel")[0]
+    turn.append("lo")
+    assert turn.first_token_guess() == whole_body(tok, "  Hello")[0]
+    appends = turn.appends
+    turn.append(", there")
+    assert turn.appends == appends + 1
+    assert turn.segments and turn.first_token_guess() is None  # final now
+    assert turn.segments[0].tokens[0] == whole_body(tok, "  Hello")[0]
+    ended = TurnText(tok)
+    ended.append("Hi")
+    ended.end()
+    assert ended.first_token_guess() is None
+
+    rng = random.Random(9)
+    right = 0
+    for _ in range(300):
+        text = random_text(rng, rng.randint(1, 30))
+        turn = TurnText(tok)
+        guess = None
+        for part in random_split(rng, text):
+            if not turn.segments:
+                guess = turn.first_token_guess() if turn.appends else None
+            turn.append(part)
+        turn.end()
+        if guess is not None and turn.segments:
+            right += guess == turn.segments[0].tokens[0]
+    assert right > 20

@@ -28,6 +28,11 @@ class DecodeBackend(Protocol):
     # tensor whose rows already read are unchanged.
     def set_trailing(self, state: object, trailing: Tensor) -> None: ...
 
+    # Optional (streamed text's first frame): frame 0's codes made ahead of the frame, from the
+    # prefill alone, the state left at frame 0; decode_frame then returns those codes and makes
+    # the next input from trailing[0] as it is by then. Megakernel and eager have it.
+    #   def preview_frame(self, state: object) -> Tensor: ...
+
 
 @dataclass
 class SessionSnapshot:

@@ -35,6 +35,8 @@ class TorchDecodeState:
     frame: int = 0
     hidden: Tensor | None = None  # post-norm talker hidden at the newest position
     pending: Tensor | None = None  # next talker input
+    # Frame 0's codes made ahead of the frame by `preview_frame`: (returned codes, codes, code 0).
+    preview: tuple[Tensor, Tensor, Tensor] | None = None
     released: bool = field(default=False)
 
 
@@ -78,21 +80,46 @@ class TorchBackend:
         if state.released:
             raise RuntimeError("decode_frame on a released state")
         talker = self.talker
-        if state.frame > 0:
-            state.hidden = talker.model(state.pending[None], state.talker_cache)[-1]
-        h = state.hidden
-        logits = talker.codec_head(h)
-        c0 = sample_code0(logits, state.seen, self.suppress, state.frame, self.eos_id, state.params, state.generator)
+        if state.preview is not None:  # frame 0's codes were made ahead (preview_frame)
+            out, codes, c0 = state.preview
+            state.preview = None
+        else:
+            if state.frame > 0:
+                state.hidden = talker.model(state.pending[None], state.talker_cache)[-1]
+            out, codes, c0 = self._codes(state)
         state.seen[c0] = True
-        codes = self.predict_residual_codes(state, h, c0)
         # Next talker input: Σ16 embeddings + the trailing text vector of this step (or tts_pad).
         text_vec = state.trailing[state.frame] if state.frame < state.trailing.shape[0] else state.pad_vec
         state.pending = talker.embed_frames(codes[None])[0] + text_vec
         state.frame += 1
+        return out
+
+    @torch.no_grad()
+    def preview_frame(self, state: TorchDecodeState) -> Tensor:
+        """Frame 0's codes before the frame runs: they need only the prefill's hidden state, while
+        the frame's next talker input needs trailing[0] (spec §4.5: the second text token), which
+        streamed text may not have yet. The state stays at frame 0; `decode_frame` then returns
+        these codes and makes the next input from the trailing row it has by then. The same
+        operations in the same order as a frame run whole."""
+        if state.released:
+            raise RuntimeError("preview_frame on a released state")
+        if state.frame != 0:
+            raise RuntimeError(f"only frame 0 can be previewed (the state is at frame {state.frame})")
+        if state.preview is None:
+            state.preview = self._codes(state)
+        return state.preview[0]
+
+    def _codes(self, state: TorchDecodeState) -> tuple[Tensor, Tensor, Tensor]:
+        """The codec head, code 0 and the 15 predictor steps on `state.hidden`: (the frame's codes
+        as decode_frame returns them, the 16 codes, code 0)."""
+        h = state.hidden
+        logits = self.talker.codec_head(h)
+        c0 = sample_code0(logits, state.seen, self.suppress, state.frame, self.eos_id, state.params, state.generator)
+        codes = self.predict_residual_codes(state, h, c0)
         # An EOS frame carries no residual codes; mask them without a host sync.
         eos_frame = torch.zeros_like(codes)
         eos_frame[0] = self.eos_id
-        return torch.where(c0 == self.eos_id, eos_frame, codes)
+        return torch.where(c0 == self.eos_id, eos_frame, codes), codes, c0
 
     def predict_residual_codes(self, state: TorchDecodeState, h: Tensor, c0: Tensor) -> Tensor:
         """15 dependent predictor steps -> LongTensor[16] = [c0, c1..c15]."""
@@ -120,6 +147,7 @@ class TorchBackend:
             k=state.talker_cache.k[:, :, :n], v=state.talker_cache.v[:, :, :n], frame=state.frame,
             hidden=state.hidden, pending=state.pending if state.pending is not None else torch.zeros_like(state.hidden),
             seen=state.seen, params=state.params, seed=seed, trailing=state.trailing, pad_vec=state.pad_vec,
+            max_positions=state.talker_cache.max_len,
         )
 
     def set_trailing(self, state: TorchDecodeState, trailing: Tensor) -> None:
@@ -134,5 +162,4 @@ class TorchBackend:
         # Drop the big buffers now rather than when the session object is collected.
         state.talker_cache.k = state.talker_cache.v = torch.empty(0)
         state.predictor_cache.k = state.predictor_cache.v = torch.empty(0)
-        state.hidden = state.pending = None
-            max_positions=state.talker_cache.max_len,
+        state.hidden = state.pending = state.preview = None

@@ -473,6 +473,7 @@ class MegakernelState:
     pad_vec: Tensor
     buffers: dict[str, Tensor]
     frame: int = 0
+    preview: Tensor | None = None  # frame 0's codes, made ahead of the frame (preview_frame)
     released: bool = field(default=False)
 
 
@@ -717,10 +718,14 @@ class MegakernelBackend:
 
     def frame_args(self, state: MegakernelState, *, run_talker: bool, run_predictor: bool = True, pos: int | None = None,
                    force: Tensor | None = None, out: Tensor | None = None,
-                   trace: Tensor | None = None) -> tuple[QmkFrame, Tensor]:
+                   trace: Tensor | None = None, next_input: bool = True) -> tuple[QmkFrame, Tensor]:
+        """`next_input` False: the frame leaves the next talker input unwritten (its text vector
+        is passed as a null address; preview_frame)."""
         p = state.params
         t = state.frame
         trailing = state.trailing[t] if t < state.trailing.shape[0] else state.pad_vec
+        if not next_input:
+            trailing = None
         if out is None:
             out = torch.empty(MAX_GROUPS, dtype=torch.int64, device=self.device)
         f = QmkFrame(
@@ -745,6 +750,11 @@ class MegakernelBackend:
         """One frame; `force` (LongTensor[16] on the device) teacher-forces the fed-back codes."""
         if state.released:
             raise RuntimeError("decode_frame on a released state")
+        if state.preview is not None:  # frame 0's codes were made ahead (preview_frame)
+            codes, state.preview = state.preview, None
+            self._finish_preview(state, codes)
+            state.frame += 1
+            return codes
         run_talker = state.frame > 0
         cache = state.talker_cache
         if run_talker and cache.length >= cache.max_len:
@@ -755,6 +765,51 @@ class MegakernelBackend:
             cache.length += 1
         state.frame += 1
         return out[: self.num_groups]
+
+    @torch.no_grad()
+    def preview_frame(self, state: MegakernelState) -> Tensor:
+        """Frame 0's codes before the frame runs (streamed text, engine/text_session.py): they need
+        only the prefill's hidden state, while the frame's next talker input needs trailing[0]
+        (spec §4.5: the second text token). One launch without the talker step and without the
+        next input; the state stays at frame 0. `decode_frame` then returns these codes and makes
+        the frame's rest without a launch (`_finish_preview`)."""
+        if state.released:
+            raise RuntimeError("preview_frame on a released state")
+        if state.frame != 0:
+            raise RuntimeError(f"only frame 0 can be previewed (the state is at frame {state.frame})")
+        if state.preview is None:
+            f, out = self.frame_args(state, run_talker=False, next_input=False)
+            self.launch(state, f)
+            # The kernel marked code 0 as seen; frame 0 marks it when it runs (nothing was seen
+            # before frame 0: the prefill adds no code-0 ids).
+            state.buffers["seen"].zero_()
+            state.preview = out[: self.num_groups]
+        return state.preview
+
+    def _finish_preview(self, state: MegakernelState, codes: Tensor) -> None:
+        """What the kernel's frame 0 does after its codes (publish_frame): code 0 marked as seen,
+        and the next talker input, the 16 code embeddings summed in fp32 in the kernel's order plus
+        the text vector of the step. Each is a chain of fp32 additions of bf16 values, so this
+        writes the kernel's bits."""
+        t = state.frame
+        trailing = state.trailing[t] if t < state.trailing.shape[0] else state.pad_vec
+        tables = self._embedding_tables()
+        acc = tables[0].index_select(0, codes[:1]).float()
+        for g in range(1, self.num_groups):
+            acc = acc + tables[g].index_select(0, codes[g : g + 1]).float()
+        state.buffers["pending"].copy_((acc + trailing.float())[0])
+        state.buffers["seen"].index_fill_(0, codes[:1], 1)
+
+    def _embedding_tables(self) -> list[Tensor]:
+        """The bf16 tables the kernel's next input reads (qmk_model.talker_emb, pred_emb)."""
+        tables = getattr(self, "_emb_tables", None)
+        if tables is None:
+            cp = self.talker.code_predictor
+            weights = [self.talker.model.codec_embedding.weight]
+            weights += [cp.model.codec_embedding[g].weight for g in range(self.num_groups - 1)]
+            tables = [w.detach().to(self.device, torch.bfloat16) for w in weights]
+            self._emb_tables = tables
+        return tables
 
     def grid_blocks(self, state: MegakernelState) -> int:
         """Blocks of the cooperative grid this state's frames launch with (max_blocks applied)."""
@@ -807,6 +862,7 @@ class MegakernelBackend:
         state.released = True
         state.talker_cache.k = state.talker_cache.v = torch.empty(0)
         state.pred_k = state.pred_v = torch.empty(0)
+        state.preview = None
         state.buffers.clear()
 
     @torch.no_grad()

@@ -21,6 +21,10 @@ pieces and their timing: the same prompt, the same text vectors (computed in ali
 engine for whole dual-track texts too). A text arriving more slowly than the model reads (12.5
 tokens a second) leaves gaps in the audio, never other speech.
 
+First frame. Frame 0's codes need only token 0 (in the prefill): where the backend can preview
+them, they are sent once token 0 is final, and before that a guess at token 0 is prefilled and
+previewed while the LLM writes (text_first_frame.py).
+
 While it waits, frames decoded but not yet vocoded are sent at once if no audio has gone out yet,
 else once the audio already sent is about to run out (LOW_WATER_S): a slow text does not also hold
 back audio already decoded.
@@ -49,6 +53,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pipecat_qwen_fast.engine import text_first_frame as first_frame
 from pipecat_qwen_fast.engine.request import SAMPLE_RATE, AudioChunk, SynthesisRequest
 from pipecat_qwen_fast.engine.text_stream import TextEndedError, TurnText
 from pipecat_qwen_fast.errors import InvalidInputError
@@ -96,13 +101,10 @@ class TextFeed:
         # Engine thread.
         self.segment = 0  # the turn's segment the session is on
         self.begun = False  # its prompt has been prefilled
-        self.seq: list[
-            int
-        ] = []  # text-track ids of the segment: the reference's (ICL), then its tokens
+        # Text-track ids of the segment: the reference's (ICL), then its tokens.
+        self.seq: list[int] = []
         self.k = 1  # text-track positions in the prefill
-        self.rows: Tensor | None = (
-            None  # text vectors of seq[k:] (+ tts_eos), a growing device buffer
-        )
+        self.rows: Tensor | None = None  # text vectors of seq[k:] (+ tts_eos), a growing buffer
         self.trailing = 0  # rows handed to the backend state
         self.closed = False  # the segment's text has ended and tts_eos is in the rows
         self.need = 1  # tokens of a segment its prefill needs (more for ICL voices)
@@ -112,11 +114,14 @@ class TextFeed:
         self.pad_vec: Tensor | None = None
         self.last_reason = "eos"
         self.first_audio_at: float | None = None
+        # Frame 0 sent from its preview, the backend state still at frame 0 (text_first_frame.py).
+        self.previewed = False
+        self.guess: int | None = None  # the first token prefilled before any was final, a guess
+        self.guess_at = -1  # the turn's appends when the guess was last made
         # (turn frame of its frame 0, frames kept in it or None while it runs) per begun segment.
         self.spans: list[list[int | None]] = []
-        self.session = (
-            None  # whose frames read the words (its segment_frames, while a segment runs)
-        )
+        # Whose frames read the words (its segment_frames, while a segment runs).
+        self.session = None
 
     # ---------------------------------------------------------------- any thread
 
@@ -278,7 +283,7 @@ def open_text_session(
     return s
 
 
-def _prompt(engine, s, text: str):
+def _prompt(engine, s, text: str, body: list[int] | None = None):
     req = s.request
     return build_prompt(
         engine.model.talker,
@@ -290,6 +295,7 @@ def _prompt(engine, s, text: str):
         instruct=req.instruct,
         text_mode=DUAL_TRACK,
         voice_clone=req.voice_clone,
+        body=body,
     )
 
 
@@ -329,11 +335,16 @@ def poll(engine, s) -> list[AudioChunk] | None:
             over = feed.turn.ended and feed.segment >= len(feed.turn.segments)
         if over:
             return engine._finish(s, feed.last_reason if feed.spans else "empty")
+        first_frame.speculate(engine, s)
         return _wait(engine, s)
     _push(engine, s)
+    first_frame.catch_up(engine, s)
     if feed.allows(s.segment_frames):
         return None
-    return _wait(engine, s)
+    sent = first_frame.preview(engine, s)
+    if s.done:
+        return sent
+    return sent + _wait(engine, s)
 
 
 def _wait(engine, s) -> list[AudioChunk]:
@@ -354,7 +365,8 @@ def _wait(engine, s) -> list[AudioChunk]:
 
 def _begin(engine, s) -> bool:
     """Start the session's current segment if its text allows: the prompt from its first tokens,
-    a fresh state (the first segment's was reserved at open), the prefill. False: not yet."""
+    a fresh state (the first segment's was reserved at open), the prefill. False: not yet. A
+    prefill made with a right guess at the first token (text_first_frame) is kept."""
     feed = s.feed
     turn = feed.turn
     with turn.lock:
@@ -364,37 +376,54 @@ def _begin(engine, s) -> bool:
         text, tokens, closed = seg.text, list(seg.tokens), seg.closed
     if not closed and len(tokens) < feed.need:
         return False
-    with torch.no_grad():
-        prompt = _prompt(engine, s, text)
-    if prompt.num_text_tokens != len(tokens):
-        raise RuntimeError("a streamed segment's prompt does not hold the tokens it was cut into")
+    # The prompt holds the first token only (no guess for in-context voices): the same prompt.
+    guessed = feed.guess is not None and tokens[:1] == [feed.guess]
+    prompt = None
+    if not guessed:
+        with torch.no_grad():
+            prompt = _prompt(engine, s, text)
+        if prompt.num_text_tokens != len(tokens):
+            raise RuntimeError(
+                "a streamed segment's prompt does not hold the tokens it was cut into"
+            )
     cap = _cap(engine, s, len(tokens) if closed else None)
     s.segment_index = feed.segment
-    if feed.spans:  # a later segment: a state of its own, seeded as the engine seeds segments
-        engine.backend.release(s.state)
-        s.state = None
-        s.state = engine.backend.new_state(
-            max_positions=feed.prompt_len + _budget(engine, s, _cap(engine, s, None)) + 1,
-            params=s.params,
-            seed=s.seed + 1_000_003 * s.segment_index,
-            trailing=prompt.pad_vec[None][:0],
-            pad_vec=prompt.pad_vec,
-        )
+    if feed.spans or (feed.guess is not None and not guessed):
+        # A later segment (a state of its own), or a prefill of a wrong guess to drop.
+        _fresh_state(engine, s)
     s.ahead = None
     s.early = None
     s.frame_cap = cap
     s.segment_frames = 0
-    engine._prefill([s], [prompt.embeds])
+    if prompt is not None:
+        engine._prefill([s], [prompt.embeds])
+    feed.guess = None
+    feed.previewed = False
     feed.begun = True
     feed.seq = list(feed.ref)
     feed.rows, feed.trailing, feed.closed = None, 0, False
-    if feed.ref and closed and len(feed.ref) + len(tokens) + 1 <= feed.k:
+    if prompt is not None and feed.ref and closed and len(feed.ref) + len(tokens) + 1 <= feed.k:
         # The whole text went into the prefill (spec §4.6); every frame adds tts_pad.
         engine.backend.set_trailing(s.state, prompt.trailing)
         feed.closed = True
     with turn.lock:
         feed.spans.append([s.frames_decoded, None])
     return True
+
+
+def _fresh_state(engine, s) -> None:
+    """A new backend state for the session's segment, seeded as the engine seeds segments."""
+    feed = s.feed
+    engine.backend.release(s.state)
+    s.state = None
+    s.state = engine.backend.new_state(
+        max_positions=feed.prompt_len + _budget(engine, s, _cap(engine, s, None)) + 1,
+        params=s.params,
+        seed=s.seed + 1_000_003 * feed.segment,
+        trailing=feed.pad_vec[None][:0],
+        pad_vec=feed.pad_vec,
+    )
+    feed.guess = None
 
 
 def _push(engine, s) -> None:
@@ -450,6 +479,7 @@ def end_segment(engine, s, reason: str) -> list[AudioChunk]:
     s.early = None
     feed.segment += 1
     feed.begun = False
+    feed.previewed = False
     if _begin(engine, s):
         return []
     with feed.turn.lock:

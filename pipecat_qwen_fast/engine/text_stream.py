@@ -199,6 +199,7 @@ class TurnText:
         self._open: SegmentText | None = None  # the segment pieces go to; None: the next starts one
         self._held: list[_Piece] = []  # pieces past sentence_min, waiting for the segment's end
         self._done = 0  # characters of _buf already in segments (a long run cut before its end)
+        self.appends = 0  # append() calls so far: what a reader of the text may have missed
 
     # ---------------------------------------------------------------- input
 
@@ -208,6 +209,7 @@ class TurnText:
         with self.lock:
             if self.ended:
                 raise TextEndedError("text appended after end(): this turn's text has ended")
+            self.appends += 1
             text = self._carry + text
             self._carry = ""
             if text and "\ud800" <= text[-1] <= "\udbff":
@@ -233,6 +235,20 @@ class TurnText:
             if self._open is not None:
                 self._open.closed = True
                 self._open = None
+
+    def first_token_guess(self) -> int | None:
+        """Before the turn's first token is final: the first token its text would have if it
+        ended now (None once a token is final, or with no word yet). A guess: more text may still
+        change it ("Hel" -> "Hello"); the session checks it against the final token
+        (engine/text_first_frame.py)."""
+        with self.lock:
+            if self.segments or self.ended or self._done or self._held or self._open is not None:
+                return None
+            text = self._buf
+            if not text.strip() or len(text) > self._window:
+                return None
+            tokens = self._encode(text, first=True).tokens
+        return tokens[0] if tokens else None
 
     @property
     def empty(self) -> bool:

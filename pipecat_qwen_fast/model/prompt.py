@@ -179,7 +179,10 @@ def build_prompt(
     instruct: str | None,
     text_mode: str,
     voice_clone: VoiceClonePrompt | None,
+    body: list[int] | None = None,
 ) -> Prompt:
+    """`body`: the text's body tokens (spec §4.2) when the caller has them, else `text` is
+    tokenized (streamed text: tokens already final, or a guess at them)."""
     tc = cfg.talker
     device = talker.codec_head.weight.device
 
@@ -202,7 +205,8 @@ def build_prompt(
         return _memo(talker, ("C", *x), codec_weights, lambda: C(x))
 
     bos_vec, eos_vec, pad_vec = T_const([cfg.tts_bos_id, cfg.tts_eos_id, cfg.tts_pad_id])
-    body = _target_body(tok, cfg, text)
+    if body is None:
+        body = _target_body(tok, cfg, text)
 
     # Codec control prefix: think/lang or nothink, then the speaker slot, then pad, bos.
     lang_id = None if language == "auto" else tc.language_ids[language]
