@@ -9,12 +9,15 @@
 #   fleet-server  the fleet in process and through the server on loopback, level by level on one
 #                 engine, dual-track, levels 32-128 at 15 s (issue 37's 10 % bar: comparison.md)
 #   server-latency  first audio through the server (WebSocket, HTTP) against in-process
-#   streaming-text  the LLM-token benchmark, engine level (the image has no Pipecat or LiveKit)
+#   streaming-text  the LLM-token benchmark (issue 35): the engine alone, then Pipecat and LiveKit
+#               where they import (their wheels carried in .whl/; bench/device_stubs stands in for
+#               two packages LiveKit imports and the benchmark never uses, too big to carry)
 #   voice-clone     random 0.6B Base and CustomVoice checkpoints: voice creation, cloned first
 #                   audio, and the frame time of ICL and x-vector voices against CustomVoice's
 #   gputests    the test files of the GPU paths (GPU_TESTS), junit XML
 # DEVICE_SECONDS (default 570) bounds the whole call from its start; STARTUP_RUNS picks the starts
-# (default cold,warm); FLEET_ARGS adds arguments to the fleet runs. Everything lands in $OUT.
+# (default cold,warm); FLEET_ARGS adds arguments to the fleet runs; STREAMING_ARGS to the
+# streaming-text run (default --runs 8). Everything lands in $OUT.
 set -u
 t0=$(date +%s)
 out=${OUT:-/tmp/device-out}
@@ -52,8 +55,29 @@ left() { echo $(( ${DEVICE_SECONDS:-570} - ($(date +%s) - t0) )); }
             fleet-open) python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet-open" \
                             --mode open --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
             server-latency) python3 -m pipecat_qwen_fast.cli bench server-latency --model "$ck" --out "$out/server" ;;
-            streaming-text) python3 -m pipecat_qwen_fast.cli bench streaming-text --model "$ck" --frameworks engine \
-                                --out "$out/streaming" ;;
+            streaming-text) # Stand-ins for two packages LiveKit imports and never uses here (too big to
+                            # carry; bench/device_stubs/README.md), each only where it is missing.
+                            st="$PYTHONPATH"
+                            python3 -c 'import av' 2>/dev/null || st="$st:$PWD/bench/device_stubs/av"
+                            python3 -c 'import livekit.local_inference' 2>/dev/null \
+                                || st="$st:$PWD/bench/device_stubs/local_inference"
+                            # The frameworks that import (else why not, and the engine alone).
+                            fw=engine
+                            for f in pipecat livekit; do
+                                case $f in
+                                    pipecat) imp='import pipecat.pipeline.worker, pipecat.workers.runner
+from pipecat_qwen_fast import QwenFastTTSService' ;;
+                                    livekit) imp='from livekit import rtc
+from livekit.agents.voice import Agent, AgentSession, io
+from livekit.plugins import qwen_fast' ;;
+                                esac
+                                if why=$(PYTHONPATH="$st" python3 -c "$imp" 2>&1); then fw="$fw,$f"
+                                else echo "$f not importable: $(echo "$why" | tail -1)"; fi
+                            done
+                            echo "frameworks: $fw"
+                            PYTHONPATH="$st" timeout -s INT "$(( $(left) - 5 ))" python3 -m pipecat_qwen_fast.cli \
+                                bench streaming-text --model "$ck" --frameworks "$fw" --out "$out/streaming" \
+                                ${STREAMING_ARGS:---runs 8} ;;
             voice-clone) [ -f "$ck-base/model.safetensors" ] || python3 -m pipecat_qwen_fast.checkpoints.build \
                              --size 0.6b --variant base --zero-eos --out "$ck-base"
                          [ -f "$ck/model.safetensors" ] || python3 -m pipecat_qwen_fast.checkpoints.build \

@@ -274,7 +274,15 @@ async def livekit_runs(
     tts = qwen_fast.TTS(
         model=model, **placement, seed=1, max_frames=max_frames, streaming_text=mode == "token"
     )
-    session = AgentSession(llm=PacedLLM(), tts=tts, use_tts_aligned_transcript=mode == "token")
+    # Typed turns: no user audio, so no VAD and no end-of-turn model (AgentSession's defaults load
+    # both, livekit-local-inference's, which would only sit beside the measure).
+    session = AgentSession(
+        llm=PacedLLM(),
+        tts=tts,
+        vad=None,
+        turn_handling={"turn_detection": "manual"},
+        use_tts_aligned_transcript=mode == "token",
+    )
     session.output.audio = TimedOutput()
     await session.start(agent=Agent(instructions="Answer."))
     out = []
