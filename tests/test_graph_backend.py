@@ -142,6 +142,44 @@ def test_codes_do_not_depend_on_slot_or_pages(tiny_checkpoint):
     assert all(np.array_equal(runs[0], codes) for codes in runs[1:])
 
 
+def test_last_chunks_join_a_rounds_vocoder_call_and_keep_their_audio(pair):
+    # Streams of 13, 17 and 30 frames in one batch: the first two end with tails (13 = 1+3+6+3,
+    # 17 = 1+3+6+7) flushed in rounds where the third sends other chunks: each tail is vocoded padded to a size of that round (or of the schedule) and must keep exactly its own
+    # audio: every stream's audio equals the same request decoded alone.
+    _, fast = pair
+    reqs = [SynthesisRequest(f"Stream {i} with a tail of its own.", voice="ryan", greedy=True, max_frames=n)
+            for i, n in enumerate((13, 17, 30))]
+    alone = []
+    for r in reqs:  # each alone, the same chunks, each vocoded by itself
+        s = fast.open_session(r)
+        chunks = []
+        while not s.done:
+            chunks += fast.step(s)
+        alone.append(np.concatenate([c.pcm for c in chunks]))
+    sizes = []
+    real = fast._vocode_round
+
+    def spy(sessions, results, jobs):
+        sizes.append(sorted((job.codes.shape[1], job.final) for _, job in jobs))
+        return real(sessions, results, jobs)
+
+    fast._vocode_round = spy
+    try:
+        sessions = [fast.open_session(r) for r in reqs]
+        audio = [[] for _ in reqs]
+        while not all(s.done for s in sessions):
+            live = [i for i, s in enumerate(sessions) if not s.done]
+            for i, chunks in zip(live, fast.step_many([sessions[i] for i in live])):
+                audio[i] += [c.pcm for c in chunks]
+    finally:
+        del fast._vocode_round
+    assert any(final and n not in (1, 3, 6, 12, 32) for row in sizes for n, final in row), sizes
+    for got, want in zip(audio, alone):
+        got = np.concatenate(got)
+        assert got.shape == want.shape
+        assert np.abs(got.astype(np.int32) - want.astype(np.int32)).max() <= 1
+
+
 def test_capacity_bounds_the_frame_cap(tiny_checkpoint):
     _, fast = _engines(tiny_checkpoint("custom_voice", zero_eos=True), capacity=64)
     s = fast.open_session(SynthesisRequest("Hello there.", voice="ryan", seed=0, vocode=False))

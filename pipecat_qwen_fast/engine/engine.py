@@ -544,14 +544,32 @@ class QwenTTSEngine(text_session.TextSessions):
         flushed one of that size (batched graphs on a GPU), their audio copied to the host
         behind it, one wait for all. Each job in `results` is replaced by its AudioChunk; a failed
         call ends its sessions with the error."""
-        by_size: dict[int, list[tuple[int, VocoderJob]]] = {}
+        # size -> [(result index, job, codes [16, size])]
+        by_size: dict[int, list[tuple[int, VocoderJob, Tensor]]] = {}
+        finals = []
         for i, job in jobs:
-            by_size.setdefault(job.codes.shape[1], []).append((i, job))
+            if job.final:
+                finals.append((i, job))
+            else:
+                by_size.setdefault(job.codes.shape[1], []).append((i, job, job.codes))
+        # A stream's last chunk has any length (a stream ends where its text does), so at a fleet's
+        # scale each round had several sizes, a vocoder call each (~1.5 ms, latency-bound). Its
+        # state is not used again: it joins the smallest size of this round that holds it, or of
+        # the default schedule (graphs captured for them), padded with its last frame; only its
+        # own frames' audio is kept.
+        for i, job in finals:
+            n = job.codes.shape[1]
+            size = next((m for m in sorted(by_size) if m >= n), None)
+            size = size or next((m for m in schedule_sizes(sessions[i].request) if m >= n), n)
+            codes = job.codes
+            if size > n:
+                codes = torch.cat([codes, codes[:, -1:].expand(-1, size - n)], 1)
+            by_size.setdefault(size, []).append((i, job, codes))
         made = []
         for n, group in by_size.items():
             try:
-                codes = torch.stack([job.codes for _, job in group])  # [k, 16, n]
-                streams = [job.stream for _, job in group]
+                codes = torch.stack([c for _, _, c in group])  # [k, 16, n]
+                streams = [job.stream for _, job, _ in group]
                 with torch.no_grad():
                     if self.vocoder_graphs is not None:
                         wav = self.vocoder_graphs.decode_many(codes, streams)
@@ -559,15 +577,17 @@ class QwenTTSEngine(text_session.TextSessions):
                         wav = self.vocoder.decode_streams(codes, streams, check_values=False)
                     made.append((n, group, *to_host(to_pcm(wav[:, 0]))))
             except Exception as e:  # noqa: BLE001 - reported to those sessions' callers
-                for i, _ in group:
+                for i, _, _ in group:
                     sessions[i].stop_reason = "error"
                     self.close_session(sessions[i])
                     results[i] = e
         for n, group, pcm, done in made:
             if done is not None:
                 done.synchronize()
-            for j, (i, job) in enumerate(group):
-                chunk = AudioChunk(pcm[j].numpy().copy(), job.start, n, job.host_codes)
+            for j, (i, job, _) in enumerate(group):
+                frames = job.codes.shape[1]  # fewer than n for a padded last chunk
+                chunk = AudioChunk(pcm[j, : pcm.shape[1] // n * frames].numpy().copy(), job.start, frames,
+                                   job.host_codes)
                 results[i] = [chunk if c is job else c for c in results[i]]
 
     def _after_frame(self, s: Session, codes: Tensor, host: np.ndarray) -> list[AudioChunk]:
@@ -599,12 +619,12 @@ class QwenTTSEngine(text_session.TextSessions):
         return self._finish(s, reason)
 
     def _finish(self, s: Session, reason: str) -> list[AudioChunk]:
-        chunks = self._flush(s)
+        chunks = self._flush(s, final=True)
         s.stop_reason = reason
         self.close_session(s)
         return chunks
 
-    def _flush(self, s: Session, launch_next: bool = False) -> list[AudioChunk]:
+    def _flush(self, s: Session, launch_next: bool = False, final: bool = False) -> list[AudioChunk]:
         if not s.pending:
             return []
         n = len(s.pending)
@@ -621,7 +641,7 @@ class QwenTTSEngine(text_session.TextSessions):
             pcm, done = torch.zeros(0, dtype=torch.int16), None
         elif self._defer_vocoder and not launch_next:
             # Replaced by its AudioChunk at the round's end (_step_round collects it from the results).
-            return [VocoderJob(s.vocoder_state, torch.stack(pending).T, start, host_codes)]
+            return [VocoderJob(s.vocoder_state, torch.stack(pending).T, start, host_codes, final=final)]
         else:
             codes = torch.stack(pending).T[None]  # [1, 16, n]
             with torch.no_grad():

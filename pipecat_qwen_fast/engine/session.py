@@ -85,3 +85,6 @@ class VocoderJob:
     codes: Tensor  # [16, n] on the device
     start: int
     host_codes: np.ndarray
+    # The stream's last chunk: its vocoder state is not used again, so the round may pad it to
+    # another chunk's size and vocode it in that call (only its own frames' audio is kept).
+    final: bool = False
