@@ -54,3 +54,54 @@ def test_livekit_gets_a_retryable_error_for_a_refusal():
     refused = to_api_error(EngineOverloadedError("the TTS engine is serving its limit of 2 streams"))
     assert isinstance(refused, APIConnectionError) and refused.retryable
     assert not to_api_error(InvalidInputError("unknown voice 'x'; valid voices: ryan")).retryable
+
+
+async def test_slow_rounds_refuse_new_streams_while_streams_are_live(engine):
+    # A limit every CPU round exceeds: with a stream live, the next is refused, naming the round
+    # time and the limit; once nothing is live, a stream is admitted again.
+    async with EngineService.for_engine(engine, max_round_ms=1e-3) as service:
+        await service.wait_ready()
+        live = service.open_stream(SynthesisRequest("Live.", seed=1, max_frames=200))
+        await asyncio.wait_for(live.__anext__(), TIMEOUT)
+        await asyncio.wait_for(live.__anext__(), TIMEOUT)  # rounds have run and been timed
+        with pytest.raises(EngineOverloadedError, match="max_round_ms") as err:
+            service.open_stream(SynthesisRequest("Refused.", seed=2, max_frames=3))
+        assert err.value.retry_after_s > 0
+        await live.aclose()
+        pcm = await asyncio.wait_for(service.synthesize(SynthesisRequest("Next.", seed=3, max_frames=3)), TIMEOUT)
+        assert len(pcm) == 3 * 1920
+    # "auto" is no limit off a GPU, and the limit is checked.
+    async with EngineService.for_engine(engine) as service:
+        await service.wait_ready()
+        assert service.max_round_ms is None
+    with pytest.raises(ValueError, match="max_round_ms"):
+        EngineService.for_engine(engine, max_round_ms=0)
+
+
+async def test_streams_ahead_of_playback_sit_out_rounds_under_contention(engine):
+    # Contention from 2 ready streams on: a stream more than 50 ms of audio ahead waits while a new
+    # one (no audio yet) gets its frames; with nobody due, all run. Audio is unchanged.
+    rounds = []
+    step_many = engine.step_many
+
+    def spy(sessions):
+        rounds.append({s.request.text for s in sessions})
+        return step_many(sessions)
+
+    engine.step_many = spy
+    try:
+        async with EngineService.for_engine(engine, max_lead_s=0.05, max_round_ms=None) as service:
+            service.contention_rows = 1
+            await service.wait_ready()
+            ahead = service.open_stream(SynthesisRequest("Ahead.", seed=1, max_frames=60))
+            first = [await asyncio.wait_for(ahead.__anext__(), TIMEOUT) for _ in range(2)]
+            new = service.open_stream(SynthesisRequest("New.", seed=2, max_frames=12))
+            got_new = [c async for c in new]
+            got_ahead = first + [c async for c in ahead]
+    finally:
+        del engine.step_many
+    opened = next(i for i, r in enumerate(rounds) if "New." in r)
+    assert rounds[opened] == {"New."}, rounds[opened - 2 : opened + 3]
+    assert sum(c.num_frames for c in got_new) == 12 and sum(c.num_frames for c in got_ahead) == 60
+    alone = engine.synthesize("New.", seed=2, max_frames=12, first_chunk_frames=1, chunk_frames=3, max_chunk_frames=32)
+    assert len(alone.pcm) == sum(len(c.pcm) for c in got_new)

@@ -56,6 +56,18 @@ ROUND_TIMINGS_KEPT = 200_000
 # How often the engine thread looks at a stream paused by backpressure while nothing else wakes it:
 # one whose consumer's event loop has closed will never be read again, and is released.
 PAUSED_POLL_S = 0.25
+# Deadline scheduling (docs/PERFORMANCE.md, "A fleet"): once more than CONTENTION_ROWS streams are
+# ready in a round, those more than MAX_LEAD_S of audio ahead of their playback (assumed to start
+# at their first chunk, in real time) sit the round out, so the calls that are due (new ones
+# first: they have no audio yet) get shorter rounds. Below it every ready stream runs: a lone
+# caller is never slowed to real time.
+MAX_LEAD_S = 1.0
+CONTENTION_ROWS = 64
+# Admission on a GPU: a call is refused while rounds take longer than this, the time in which a
+# new call's second chunk (3 frames, one a round) must follow its first (1 frame, 80 ms of audio).
+MAX_ROUND_MS = 25.0
+ROUND_EWMA = 0.2  # weight of the newest round in the smoothed round time
+FRAME_S = 0.08
 
 # At exit, how long a model still loading is waited for (see _stop_services_at_exit).
 LOAD_EXIT_WAIT_S = 10.0
@@ -146,6 +158,15 @@ class SynthesisStream:
         self._closed.set_running_or_notify_cancel()
         self.cancel_requested = False
         self.session: Any = None
+        self._first_post_at: float | None = None  # engine thread: when its first chunk was posted
+        self._audio_posted_s = 0.0
+
+    def lead(self, now: float) -> float:
+        """Seconds of audio posted ahead of its playback, which starts at the first chunk and
+        runs in real time (-inf before the first chunk: the most urgent)."""
+        if self._first_post_at is None:
+            return float("-inf")
+        return self._first_post_at + self._audio_posted_s - now
 
     # -- engine thread hooks: a whole text's; a streamed-text turn overrides them -------------
 
@@ -227,6 +248,11 @@ class SynthesisStream:
     # -- producer side (engine thread) -------------------------------------------------------
 
     def _post(self, item: Any) -> None:
+        frames = getattr(item, "num_frames", None)
+        if frames is not None:
+            if self._first_post_at is None:
+                self._first_post_at = time.monotonic()
+            self._audio_posted_s += frames * FRAME_S
         self._items.append(item)
         try:
             self._loop.call_soon_threadsafe(self._ready.set)
@@ -251,6 +277,11 @@ class EngineService:
         max_buffered_chunks: unread chunks per stream before its session is paused.
         max_streams: streams admitted at once (queued, waiting for a slot or live); one more is
             refused with EngineOverloadedError instead of being served late. None: no limit.
+        max_round_ms: a new stream is refused (EngineOverloadedError) while the smoothed round
+            time exceeds this and streams are live: its chunks could not keep ahead of its
+            playback. "auto": MAX_ROUND_MS on a GPU, no limit elsewhere; None: no limit.
+        max_lead_s: under contention (more than CONTENTION_ROWS ready streams), streams this far
+            ahead of their playback sit a round out; None: every ready stream runs every round.
     """
 
     def __init__(
@@ -261,12 +292,20 @@ class EngineService:
         max_buffered_chunks: int = DEFAULT_MAX_BUFFERED_CHUNKS,
         owns_engine: bool = True,
         max_streams: int | None = None,
+        max_round_ms: float | str | None = "auto",
+        max_lead_s: float | None = MAX_LEAD_S,
     ) -> None:
         if max_buffered_chunks < 1:
             raise ValueError(f"max_buffered_chunks must be >= 1, got {max_buffered_chunks}")
         if max_streams is not None and max_streams < 1:
             raise ValueError(f"max_streams must be >= 1 or None, got {max_streams}")
         self.max_streams = max_streams
+        if not (max_round_ms is None or max_round_ms == "auto" or (isinstance(max_round_ms, (int, float)) and max_round_ms > 0)):
+            raise ValueError(f"max_round_ms must be > 0, 'auto' or None, got {max_round_ms!r}")
+        self._max_round_ms = max_round_ms
+        self.max_lead_s = max_lead_s
+        self.contention_rows = CONTENTION_ROWS
+        self.round_ms = 0.0  # smoothed wall time of the rounds that ran frames (engine thread)
         # Streams handed in and not yet ended: counted here rather than from the lists, which a
         # stream leaves while the engine thread opens it.
         self._admitted = 0
@@ -415,6 +454,16 @@ class EngineService:
         return self._admit(SynthesisStream(self, request, stream_id))
 
     @property
+    def max_round_ms(self) -> float | None:
+        """The round time over which new streams are refused (None: none; "auto" resolves once the
+        engine is loaded: MAX_ROUND_MS on a GPU)."""
+        if self._max_round_ms != "auto":
+            return self._max_round_ms
+        engine = self._engine
+        device = getattr(engine, "device", None)
+        return MAX_ROUND_MS if device is not None and getattr(device, "type", None) == "cuda" else None
+
+    @property
     def admitted_streams(self) -> int:
         """Streams queued, being opened, waiting for a slot, or live."""
         return self._admitted
@@ -429,6 +478,13 @@ class EngineService:
                 raise EngineOverloadedError(
                     f"the TTS engine is serving its limit of {self.max_streams} streams "
                     f"(max_streams); retry shortly"
+                )
+            limit = self.max_round_ms
+            if limit is not None and self._active and self.round_ms > limit:
+                raise EngineOverloadedError(
+                    f"the TTS engine is at capacity: its rounds take {self.round_ms:.1f} ms, over the "
+                    f"{limit:g} ms that keeps every stream ahead of its playback (max_round_ms); "
+                    f"retry shortly"
                 )
             self._inbox.append(stream)
             self._admitted += 1
@@ -515,6 +571,7 @@ class EngineService:
             if timer is not None:
                 timer.begin()
             waiting, self._waiting = self._waiting, []
+            started = time.perf_counter()  # a round's time includes opening the new streams
             self._open(waiting + new)
             ready = []
             for stream in list(self._active):
@@ -524,6 +581,10 @@ class EngineService:
                     self._finish(stream, None, reason="cancelled")
                 elif stream._buffered() < self._max_buffered and stream.can_step():
                     ready.append(stream)
+            if len(ready) > self.contention_rows and self.max_lead_s is not None:
+                now = time.monotonic()
+                due = [stream for stream in ready if stream.lead(now) < self.max_lead_s]
+                ready = due or ready  # nobody due: all run, the GPU never idles
             if ready:
                 # One frame for every ready session; the engine batches them where it can.
                 try:
@@ -537,6 +598,8 @@ class EngineService:
                     results = [exc] * len(ready)
                 for stream, result in zip(ready, results):
                     self._after_step(stream, result)
+                ms = (time.perf_counter() - started) * 1e3
+                self.round_ms = ms if self.round_ms == 0.0 else self.round_ms + ROUND_EWMA * (ms - self.round_ms)
                 if timer is not None:
                     timer.end(len(ready))
             elif self._waiting and not self._active:
