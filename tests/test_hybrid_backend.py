@@ -218,3 +218,29 @@ def test_burst_opened_together(engine):
     for codes, expected in zip(_run(engine, sessions), solo):
         assert np.array_equal(codes, expected)
     assert hb.moved == moved and (hb.live_fast, hb.live_bulk) == (0, 0)
+
+
+def test_a_call_with_a_previewed_frame_stays_until_that_frame_has_run(tiny_checkpoint):
+    # Streamed text sends frame 0 from a preview (engine/text_first_frame.py); the batch taking the
+    # call before the frame ran would make frame 0 again. It moves once the frame has run, and
+    # its codes are those of the call left on the per-call side.
+    engine = _hybrid_engine(tiny_checkpoint("custom_voice", zero_eos=True), fast_sessions=1)
+    hb = engine.backend
+    req = SynthesisRequest("A previewed first frame.", voice="aiden", greedy=True, max_frames=8, vocode=False)
+    want = _solo(engine, req, on_fast=True)
+    s = engine.open_session(req)
+    assert s.state.on_fast
+    previewed = hb.fast.preview_frame(s.state.inner)
+    other = engine.open_session(_request(1))  # the batch now has a call
+    assert not other.state.on_fast
+    moves = []
+    adopt = hb.bulk.adopt_state
+    hb.bulk.adopt_state = lambda snap: moves.append(snap.frame) or adopt(snap)
+    try:
+        engine.step_many([s, other])
+    finally:
+        del hb.bulk.adopt_state
+    assert moves == [1], "moved before its previewed frame ran"
+    assert torch.equal(torch.from_numpy(s.codes[0]), previewed.cpu())
+    codes = _run(engine, [s, other])[0]
+    assert hb.moved >= 1 and np.array_equal(codes, want)

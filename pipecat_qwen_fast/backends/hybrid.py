@@ -116,6 +116,10 @@ class HybridBackend:
             return
         before = self.moved
         for hs in list(self.on_fast):
+            if getattr(hs.inner, "preview", None) is not None:
+                # Its frame 0 was sent from a preview (streamed text, engine/text_first_frame.py):
+                # that frame finishes here, with the codes already sent, and the call moves after.
+                continue
             try:
                 moved = self.bulk.adopt_state(self.fast.export_state(hs.inner))
             except NoFreeSlotError:
