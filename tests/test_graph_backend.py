@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -178,6 +179,30 @@ def test_last_chunks_join_a_rounds_vocoder_call_and_keep_their_audio(pair):
         got = np.concatenate(got)
         assert got.shape == want.shape
         assert np.abs(got.astype(np.int32) - want.astype(np.int32)).max() <= 1
+
+
+def test_adopts_a_snapshot_of_another_dtype(tiny_checkpoint):
+    # The megakernel's snapshots hold fp32 K/V; the batch pool is bf16 on a GPU. An H200 fleet run
+    # failed 4 calls moved into the batch ("index_copy_(): ... BFloat16 and ... Float").
+    from pipecat_qwen_fast.backends.base import SessionSnapshot
+
+    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", zero_eos=True), device="cpu",
+                                           dtype="bfloat16", backend="eager")
+    gb = GraphBackend(engine.model.talker, engine.device, torch.bfloat16, max_sessions=2, capacity=512,
+                      use_graphs=False)
+    text = " ".join(f"word{i}" for i in range(60))  # a prompt of whole pages and a partial one
+    s = engine.open_session(SynthesisRequest(text, voice="ryan", greedy=True, max_frames=4, vocode=False,
+                                             text_mode="prefill"))
+    engine.step(s)
+    snap = engine.backend.export_state(s.state.inner if hasattr(s.state, "inner") else s.state)
+    n = snap.k.shape[2]
+    assert n > 64  # whole pages and a partial one
+    snap = dataclasses.replace(snap, k=snap.k.float(), v=snap.v.float())
+    state = gb.adopt_state(snap)
+    k, v = gb.read_positions(state.slot, n)
+    assert torch.equal(k, snap.k.to(torch.bfloat16)) and torch.equal(v, snap.v.to(torch.bfloat16))
+    engine.cancel(s)
+    engine.close()
 
 
 def test_capacity_bounds_the_frame_cap(tiny_checkpoint):

@@ -453,13 +453,14 @@ class GraphBackend:
 
     def _write_positions(self, slot: int, k: Tensor, v: Tensor, n: int) -> None:
         """Positions 0..n-1 of k / v [layers, KVH, >= n, hd] into the slot's pages: the whole pages
-        in one indexed copy each for K and V, the partial last page in one more."""
+        in one indexed copy each for K and V, the partial last page in one more. Any dtype: the
+        megakernel's snapshots hold fp32 K/V (index_copy_ converts nothing)."""
         P = self.page_size
         full, tail = divmod(n, P)
         if full:
             idx = self.page_table[slot, :full]
             for pool, src in ((self.pool_k, k), (self.pool_v, v)):
-                pool.index_copy_(1, idx, src[:, :, : full * P].unflatten(2, (full, P)).transpose(1, 2))
+                pool.index_copy_(1, idx, src[:, :, : full * P].unflatten(2, (full, P)).transpose(1, 2).to(pool.dtype))
         if tail:
             page = self.slot_pages[slot][full]
             self.pool_k[:, page, :, :tail].copy_(k[:, :, full * P : n])
