@@ -6,6 +6,7 @@
 #   startup     qwen-fast-tts bench startup: cold, warm (and prepared) starts, phases timed
 #   fleet       qwen-fast-tts bench fleet, closed loop, with what is left of DEVICE_SECONDS
 #   fleet-open  the same, open loop
+#   fleet-server-proc  the fleet against a server in its own process, then in process (issue 37)
 #   fleet-server  the fleet in process and through the server on loopback, level by level on one
 #                 engine, dual-track, levels 32-128 at 15 s (issue 37's 10 % bar: comparison.md)
 #   server-latency  first audio through the server (WebSocket, HTTP) against in-process
@@ -52,6 +53,28 @@ left() { echo $(( ${DEVICE_SECONDS:-570} - ($(date +%s) - t0) )); }
                           python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet-server" \
                               --through both --text-mode dual_track --levels 32,48,64,80,96,128 --duration 15 \
                               --drain 8 --keep-going --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
+            fleet-server-proc) # issue 37 as deployed: the server in a process of its own (no caller
+                          # shares its interpreter), callers here over loopback; then the same
+                          # sweep in process. Both dual-track (a server turn is one engine stream).
+                          python3 -m pipecat_qwen_fast.cli serve --model "$ck" --port 8177 --max-streams 100000 \
+                              > "$out/serve.log" 2>&1 &
+                          spid=$!
+                          python3 - <<'PY'
+import json, time, urllib.request
+for _ in range(400):  # ready, and the batch path's background warm-up done (as bench fleet does in process)
+    try:
+        if json.load(urllib.request.urlopen("http://127.0.0.1:8177/ready", timeout=2)).get("fully_warm"):
+            break
+    except Exception:
+        pass
+    time.sleep(1)
+PY
+                          half=$(( ($(left) - 30) / 2 ))
+                          python3 -m pipecat_qwen_fast.cli bench fleet --server-url http://127.0.0.1:8177 \
+                              --text-mode dual_track --out "$out/fleet-server-proc" --budget "$half" ${FLEET_ARGS:-}
+                          kill -TERM $spid; wait $spid
+                          python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --text-mode dual_track \
+                              --out "$out/fleet-engine-proc" --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
             fleet-open) python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet-open" \
                             --mode open --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
             server-latency) python3 -m pipecat_qwen_fast.cli bench server-latency --model "$ck" --out "$out/server" ;;

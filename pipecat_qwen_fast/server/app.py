@@ -117,6 +117,10 @@ async def ready(request: Request) -> JSONResponse:
     ctx = context_of(request)
     state = state_of(ctx)
     body = {"ready": state == "ready", "status": state}
+    if state == "ready":
+        # Ready serves a call at full speed; the batch path's graphs follow in the background
+        # while idle (engine/warmup.py), so a load test waits for this too.
+        body["fully_warm"] = bool(getattr(ctx.service.engine, "fully_warm", True))
     return JSONResponse(body, status_code=200 if state == "ready" else 503)
 
 

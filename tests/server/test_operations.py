@@ -72,7 +72,7 @@ async def test_ready_only_once_the_engine_is_loaded_and_warm(endless_path):
                     if (ready := await http.get("/ready")).status_code == 200:
                         break
                     await asyncio.sleep(0.1)
-                assert ready.json() == {"ready": True, "status": "ready"}
+                assert ready.json() == {"ready": True, "status": "ready", "fully_warm": True}
                 speech = await http.post("/v1/audio/speech", json={
                     "input": "Now?", "voice": VOICE, "response_format": "pcm",
                     "max_new_tokens": 6})
