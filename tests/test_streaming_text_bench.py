@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pipecat_qwen_fast.bench.streaming_text import REPLY, Run, llm_tokens, main
+from pipecat_qwen_fast.bench.streaming_text import REPLY, Run, llm_tokens, llm_words, main
 from pipecat_qwen_fast.checkpoints.load import load_text_tokenizer
 
 
@@ -37,6 +37,11 @@ def test_llm_tokens_are_the_reply_in_tokenizer_pieces(tiny_checkpoint):
     assert "".join(pieces) == REPLY and len(pieces) > len(REPLY.split())
     emoji = llm_tokens(tok, "a 😀 b")
     assert "".join(emoji) == "a 😀 b" and not any("\ufffd" in p for p in emoji)
+
+
+def test_llm_words_are_whole_words_with_their_space():
+    pieces = llm_words(REPLY)
+    assert "".join(pieces) == REPLY and pieces[:4] == ["Sure", ",", " I", " can"]
 
 
 def test_cpu_smoke_run_writes_json(endless_model, tmp_path):

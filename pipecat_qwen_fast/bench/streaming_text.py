@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import re
 import statistics
 import sys
 import time
@@ -69,6 +70,19 @@ class Run:
             "gap_s": gap,
             "audio_s": sum(s for _, s in self.audio),
         }
+
+
+LLM_WORD = re.compile(r" ?\w+| ?[^\w\s]+|\s+")
+
+
+def llm_words(text: str) -> list[str]:
+    """`text` as an LLM's tokenizer sends common English: a word with its leading space, a run of
+    punctuation, whitespace. The checkpoints measured here are random, with a synthetic tokenizer
+    whose small vocabulary splits words (it sent "Sure" as "S" + "ure", so the first word was
+    complete only at the third token); an LLM sends "Sure" whole."""
+    pieces = LLM_WORD.findall(text)
+    assert "".join(pieces) == text
+    return pieces
 
 
 def llm_tokens(tokenizer, text: str) -> list[str]:
@@ -384,6 +398,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--backend", default="auto")
     p.add_argument("--rates", default="40,100", help="LLM tokens a second, comma list")
+    p.add_argument("--llm-tokens", choices=["words", "tokenizer"], default="words",
+                   help="the scripted LLM's pieces: words as an LLM sends them, or the TTS tokenizer's")
     p.add_argument("--runs", type=int, default=10, help="runs per framework, mode and rate")
     p.add_argument(
         "--frameworks",
@@ -417,7 +433,8 @@ async def measure(args: argparse.Namespace, model: str) -> dict:
     deadline = time.monotonic() + 600
     while not getattr(engine, "fully_warm", True) and time.monotonic() < deadline:
         await asyncio.sleep(0.5)  # the deferred warm-up runs while the engine thread is idle
-    tokens = llm_tokens(engine.tokenizer, REPLY)
+    # --llm-tokens: word pieces as an LLM sends them (default), or the TTS tokenizer's pieces.
+    tokens = llm_words(REPLY) if args.llm_tokens == "words" else llm_tokens(engine.tokenizer, REPLY)
     results: dict = {
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "model": model,
@@ -425,6 +442,8 @@ async def measure(args: argparse.Namespace, model: str) -> dict:
         "backend_name": getattr(engine.backend, "name", None),
         "reply": REPLY,
         "llm_tokens": len(tokens),
+        "llm_token_pieces": args.llm_tokens,
+        "first_llm_tokens": tokens[:4],
         "runs": args.runs,
         "max_frames": args.max_frames,
         "frameworks": {},
