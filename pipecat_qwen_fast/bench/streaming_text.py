@@ -43,6 +43,7 @@ REPLY = (
 )
 MODES = ("sentence", "token")
 FRAMEWORKS = ("pipecat", "livekit", "engine")
+LIVEKIT_TEXT_TRANSFORMS = "default"  # --livekit-text-transforms
 # Where a sentence ends for the engine-only measure's sentence mode (as a sentence aggregator
 # would see it: the punctuation, then the next token's whitespace).
 SENTENCE_END = (".", "!", "?")
@@ -296,6 +297,9 @@ async def livekit_runs(
         vad=None,
         turn_handling={"turn_detection": "manual"},
         use_tts_aligned_transcript=mode == "token",
+        # LiveKit's default transforms (markdown, emoji) hold each piece until the next split
+        # token arrives: one LLM interval before the TTS sees the end of a word.
+        **({} if LIVEKIT_TEXT_TRANSFORMS == "default" else {"tts_text_transforms": None}),
     )
     session.output.audio = TimedOutput()
     await session.start(agent=Agent(instructions="Answer."))
@@ -398,6 +402,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--backend", default="auto")
     p.add_argument("--rates", default="40,100", help="LLM tokens a second, comma list")
+    p.add_argument("--livekit-text-transforms", choices=["default", "none"], default="default",
+                   help="AgentSession's tts_text_transforms: LiveKit's default (markdown and emoji "
+                        "filters) or none")
     p.add_argument("--llm-tokens", choices=["words", "tokenizer"], default="words",
                    help="the scripted LLM's pieces: words as an LLM sends them, or the TTS tokenizer's")
     p.add_argument("--runs", type=int, default=10, help="runs per framework, mode and rate")
@@ -434,6 +441,8 @@ async def measure(args: argparse.Namespace, model: str) -> dict:
     while not getattr(engine, "fully_warm", True) and time.monotonic() < deadline:
         await asyncio.sleep(0.5)  # the deferred warm-up runs while the engine thread is idle
     # --llm-tokens: word pieces as an LLM sends them (default), or the TTS tokenizer's pieces.
+    global LIVEKIT_TEXT_TRANSFORMS
+    LIVEKIT_TEXT_TRANSFORMS = args.livekit_text_transforms
     tokens = llm_words(REPLY) if args.llm_tokens == "words" else llm_tokens(engine.tokenizer, REPLY)
     results: dict = {
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -443,6 +452,7 @@ async def measure(args: argparse.Namespace, model: str) -> dict:
         "reply": REPLY,
         "llm_tokens": len(tokens),
         "llm_token_pieces": args.llm_tokens,
+        "livekit_text_transforms": args.livekit_text_transforms,
         "first_llm_tokens": tokens[:4],
         "runs": args.runs,
         "max_frames": args.max_frames,
