@@ -113,7 +113,8 @@ from livekit.plugins import qwen_fast' ;;
             gputests) timeout -s INT "$(( $(left) - 10 ))" python3 -m pytest -q -rs -p no:cacheprovider \
                           --junitxml "$out/gputests.xml" ${GPU_TESTS:-tests/test_megakernel.py \
                           tests/test_vocoder_graphs.py tests/test_prefill_graphs.py tests/test_graph_backend.py \
-                          tests/test_hybrid_backend.py tests/test_startup.py} ;;
+                          tests/test_hybrid_backend.py tests/test_startup.py tests/test_fleet_gpu.py \
+                          tests/test_text_gpu.py tests/test_voice_clone_gpu.py} ;;
             *) echo "unknown step $step" ;;
         esac
         echo "== step $step exit $? at $(( $(date +%s) - t0 )) s"
