@@ -47,8 +47,8 @@ def test_max_streams_must_be_positive(engine):
 
 def test_livekit_gets_a_retryable_error_for_a_refusal():
     from livekit.agents import APIConnectionError
-
     from livekit.plugins.qwen_fast.errors import to_api_error
+
     from pipecat_qwen_fast import InvalidInputError
 
     refused = to_api_error(EngineOverloadedError("the TTS engine is serving its limit of 2 streams"))

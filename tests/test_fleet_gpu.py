@@ -43,7 +43,7 @@ async def _churn(service: EngineService, rng: random.Random) -> tuple[int, int, 
     live: dict[int, tuple[asyncio.Task, int, object]] = {}
     counter = 0
 
-    async def consume(stream, frames: int) -> int:
+    async def consume(stream) -> int:
         got = 0
         async for chunk in stream:
             got += chunk.num_frames
@@ -56,7 +56,7 @@ async def _churn(service: EngineService, rng: random.Random) -> tuple[int, int, 
         req = SynthesisRequest(f"Caller {counter} says a few words here.", voice="ryan", seed=counter,
                                greedy=counter % 2 == 0, max_frames=frames)
         stream = service.open_stream(req)
-        live[counter] = (asyncio.ensure_future(consume(stream, frames)), frames, stream)
+        live[counter] = (asyncio.ensure_future(consume(stream)), frames, stream)
 
     for _ in range(LIVE):
         open_one()

@@ -184,7 +184,6 @@ def test_last_chunks_join_a_rounds_vocoder_call_and_keep_their_audio(pair):
 def test_adopts_a_snapshot_of_another_dtype(tiny_checkpoint):
     # The megakernel's snapshots hold fp32 K/V; the batch pool is bf16 on a GPU. An H200 fleet run
     # failed 4 calls moved into the batch ("index_copy_(): ... BFloat16 and ... Float").
-    from pipecat_qwen_fast.backends.base import SessionSnapshot
 
     engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", zero_eos=True), device="cpu",
                                            dtype="bfloat16", backend="eager")
@@ -554,7 +553,10 @@ def test_compiled_batched_frame_matches_plain_on_gpu(tiny_checkpoint, layer_step
 def test_paged_attention_kernel_matches_reference(dtype):
     """The Triton kernel against the torch reference: rows at positions inside, at the start and at
     the end of pages, scattered pages, the talker's page (64) and the predictor's (16), GQA 2."""
-    from pipecat_qwen_fast.backends.paged_attention import paged_attention_reference, paged_attention_triton
+    from pipecat_qwen_fast.backends.paged_attention import (
+        paged_attention_reference,
+        paged_attention_triton,
+    )
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for P, npages, positions in ((64, 40, [0, 63, 64, 150, 511, 2047 % 512]), (16, 8, [0, 5, 15])):

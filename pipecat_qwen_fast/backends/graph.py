@@ -51,7 +51,10 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipecat_qwen_fast.backends.base import SessionSnapshot
-from pipecat_qwen_fast.backends.paged_attention import paged_attention_reference, paged_attention_triton
+from pipecat_qwen_fast.backends.paged_attention import (
+    paged_attention_reference,
+    paged_attention_triton,
+)
 from pipecat_qwen_fast.backends.prefill_graphs import PREFILL_BUCKETS, PrefillGraphs
 from pipecat_qwen_fast.errors import NoFreeSlotError, QwenTTSError
 from pipecat_qwen_fast.model.layers import (
@@ -216,8 +219,8 @@ class GraphState:
     trailing: Tensor
     pad_vec: Tensor
     position: int = 0  # positions written so far
-    # trailing's rows as views, made once: indexing a tensor per row per frame cost ~4 us a row
-    # (2 ms a round at 512 rows).
+    # trailing's rows as views, made once (set_trailing writes both): indexing a tensor per row per
+    # frame cost ~4 us a row (2 ms a round at 512 rows).
     text_rows: tuple[Tensor, ...] = ()
     frame: int = 0
     released: bool = field(default=False)
@@ -307,8 +310,7 @@ class GraphBackend:
             torch.arange(pred.num_code_groups, device=device), ps.head_dim, ps.rope_theta, dtype
         )
         self.kv_heads = torch.arange(stack.num_kv_heads, device=device)
-        self.positions = torch.arange(capacity, device=device)
-        self.page_positions = self.positions.view(self.pages_per_slot, page_size)
+        self.page_positions = torch.arange(capacity, device=device).view(self.pages_per_slot, page_size)
         # Per-layer views made once, and the predictor's per-position inputs for the fused step:
         # a compiled step sees the same inputs every frame, so it never recompiles after warm-up.
         self.talker_kv = [(self.pool_k[i], self.pool_v[i]) for i in range(stack.num_layers)]
@@ -417,9 +419,9 @@ class GraphBackend:
         self.pool_seen[slot].zero_()
         state = GraphState(
             slot=slot, params=params, generator=generator,
-            trailing=trailing.to(self.device, self.dtype), pad_vec=pad_vec.to(self.device, self.dtype),
+            trailing=trailing, pad_vec=pad_vec.to(self.device, self.dtype),
         )
-        state.text_rows = state.trailing.unbind(0)
+        self.set_trailing(state, trailing)
         self._draw_noise(state)  # its first frame's
         return state
 

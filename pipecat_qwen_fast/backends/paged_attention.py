@@ -46,12 +46,12 @@ def paged_attention_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, pages: Ten
         q, k_pool, v_pool, pages, pos, out,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         pages.stride(0), out.stride(0), out.stride(1), hd**-0.5,
-        REP=rep, REP_PAD=max(2, triton_next_pow2(rep)), P=P, HD=hd,
+        REP=rep, REP_PAD=max(2, _next_pow2(rep)), P=P, HD=hd,
     )
     return out
 
 
-def triton_next_pow2(n: int) -> int:
+def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
@@ -81,7 +81,7 @@ def _triton_kernel():
         m = tl.full([REP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([REP_PAD], tl.float32)
         acc = tl.zeros([REP_PAD, HD], tl.float32)
-        for j in range(0, pos // P + 1):
+        for j in range(pos // P + 1):
             page = tl.load(pages_ptr + b * stride_pb + j)
             base = page * stride_kp + g * stride_kh + o[:, None] * stride_ko + d[None, :]
             k = tl.load(k_ptr + base).to(tl.float32)  # [P, HD]
