@@ -294,7 +294,12 @@ class GraphBackend:
         self.pool_noise0 = torch.ones(slots, v, device=device, dtype=torch.float32)
         self.pool_noise = torch.ones(slots, self.num_groups - 1, pv, device=device, dtype=torch.float32)
         self.codes = torch.zeros(b, self.num_groups, device=device, dtype=torch.long)
+        # Teacher forcing (fidelity tests): the codes fed back instead of the rows' own, and what a
+        # forced frame keeps of each row's hidden states (talker; predictor passes 1-15) to compare.
+        self.forced_codes = torch.zeros(b, self.num_groups, device=device, dtype=torch.long)
+        self.forced_hidden = torch.zeros(b, d, device=device, dtype=dtype)
         ps = pred.stack
+        self.forced_pred_hidden = torch.zeros(b, self.num_groups - 1, ps.hidden_size, device=device, dtype=dtype)
         pred_shape = (ps.num_layers, b, ps.num_kv_heads, pred.num_code_groups, ps.head_dim)
         self.pred_k = _offset_zeros(pred_shape, device, dtype)
         self.pred_v = _offset_zeros(pred_shape, device, dtype)
@@ -556,8 +561,13 @@ class GraphBackend:
         return self.decode_frames([state])[0]
 
     @torch.no_grad()
-    def decode_frames(self, states: list[GraphState]) -> Tensor:
-        """One frame for each state (same sampling settings) -> LongTensor [n, 16] on the device."""
+    def decode_frames(self, states: list[GraphState], force: Tensor | None = None) -> Tensor:
+        """One frame for each state (same sampling settings) -> LongTensor [n, 16] on the device.
+        `force` (LongTensor [n, 16] on the device) teacher-forces the fed-back codes: each row's
+        predictor passes, code-0 history and next talker input take them, while the codes returned
+        are still the rows' own; the frame also keeps the rows' hidden states in `forced_hidden`
+        and `forced_pred_hidden` until the next frame. Forced frames have graphs of their own, so
+        the unforced ones are unchanged."""
         n = len(states)
         params = states[0].params
         if any(s.params != params for s in states):
@@ -586,8 +596,10 @@ class GraphBackend:
         rows[:, :bb].copy_(torch.from_numpy(table))
         self.rows[:, :bb].copy_(rows[:, :bb], non_blocking=True)
         self.text_vec[:n].copy_(torch.stack(text))
+        if force is not None:
+            self.forced_codes[:n].copy_(force)
         attn = 0 if longest == 0 else self._attn_bucket(longest)
-        self._run(bb, attn, params)
+        self._run(bb, attn, params, force is not None)
         for s in states:
             if s.frame > 0:
                 s.position += 1
@@ -615,17 +627,18 @@ class GraphBackend:
     def _attn_bucket(self, length: int) -> int:
         return next((b for b in ATTN_BUCKETS if length <= b <= self.capacity), self.capacity)
 
-    def _run(self, bb: int, attn: int, params: SamplingParams) -> None:
+    def _run(self, bb: int, attn: int, params: SamplingParams, forced: bool = False) -> None:
         if not self.use_graphs:
-            self._frame(bb, attn, params)
+            self._frame(bb, attn, params, forced)
             return
-        graph = self.graphs.get((bb, attn, params))
+        key = (bb, attn, params, True) if forced else (bb, attn, params)
+        graph = self.graphs.get(key)
         if graph is None:
-            graph = self._capture(bb, attn, params)
+            graph = self._capture(bb, attn, params, forced)
         graph.replay()
 
     @torch.no_grad()
-    def _capture(self, bb: int, attn: int, params: SamplingParams) -> torch.cuda.CUDAGraph:
+    def _capture(self, bb: int, attn: int, params: SamplingParams, forced: bool = False) -> torch.cuda.CUDAGraph:
         # The capturer's warm-up really runs the frame on the current inputs: its K/V writes are
         # the rows the replay writes next, but the per-session pools it updates must be put back.
         # That warm-up is also where the fused step compiles (never inside the capture: the
@@ -633,18 +646,18 @@ class GraphBackend:
         saved = [t.clone() for t in (self.pool_pending, self.pool_seen, self.codes)]
         try:
             with recompile_limit(64):
-                graph, _ = self.capturer.capture(lambda: self._frame(bb, attn, params))
+                graph, _ = self.capturer.capture(lambda: self._frame(bb, attn, params, forced))
         except Exception as e:  # a compiler failure: the plain layers still work
             if not self.compiled:
                 raise
             logger.warning("compiling the batched frame's layer step failed (%s: %s); using plain graphs",
                            type(e).__name__, str(e)[:300])
             self._choose_layer_step("plain")
-            graph, _ = self.capturer.capture(lambda: self._frame(bb, attn, params))
+            graph, _ = self.capturer.capture(lambda: self._frame(bb, attn, params, forced))
         finally:
             for dst, src in zip((self.pool_pending, self.pool_seen, self.codes), saved):
                 dst.copy_(src)
-        self.graphs[(bb, attn, params)] = graph
+        self.graphs[(bb, attn, params, True) if forced else (bb, attn, params)] = graph
         return graph
 
     @torch.no_grad()
@@ -669,22 +682,31 @@ class GraphBackend:
 
     # -------------------------------------------------------------- the frame
 
-    def _frame(self, bb: int, attn: int, params: SamplingParams) -> None:
-        """One frame for rows [0, bb). attn 0: every row is at frame 0 (no talker step)."""
+    def _frame(self, bb: int, attn: int, params: SamplingParams, forced: bool = False) -> None:
+        """One frame for rows [0, bb). attn 0: every row is at frame 0 (no talker step). `forced`:
+        the rows are fed `forced_codes` (decode_frames' `force`)."""
         talker = self.talker
         slot = self.rows[ROW_SLOT, :bb]
         first = (self.rows[ROW_FIRST, :bb] == 1)[:, None]
         hidden = self.pool_hidden.index_select(0, slot)
         h = hidden if attn == 0 else torch.where(first, hidden, self._talker_step(bb, attn))
+        if forced:
+            self.forced_hidden[:bb].copy_(h)
         seen = self.pool_seen.index_select(0, slot)
         noise0 = self.pool_noise0.index_select(0, slot) if params.do_sample else None
         c0 = sample_code0(talker.codec_head(h), seen, self.suppress, self.rows[ROW_FRAME, :bb], self.eos_id,
                           params, None, noise=noise0)
-        self.pool_seen.index_copy_(0, slot, seen.scatter(1, c0[:, None], True))
+        fed0 = self._fed(c0, 0, bb, forced)
+        self.pool_seen.index_copy_(0, slot, seen.scatter(1, fed0[:, None], True))
         noise = self.pool_noise.index_select(0, slot) if params.subtalker_do_sample else None
-        codes = self._predict(h, c0, bb, params, noise)
+        codes = self._predict(h, c0, bb, params, noise, forced)
         self.codes[:bb].copy_(torch.where((c0 == self.eos_id)[:, None], self.eos_frame, codes))
-        self.pool_pending.index_copy_(0, slot, talker.embed_frames(codes) + self.text_vec[:bb])
+        fed = self.forced_codes[:bb] if forced else codes
+        self.pool_pending.index_copy_(0, slot, talker.embed_frames(fed) + self.text_vec[:bb])
+
+    def _fed(self, code: Tensor, group: int, bb: int, forced: bool) -> Tensor:
+        """The code of `group` that rows [0, bb) feed back: their own, or on a forced frame the teacher's."""
+        return self.forced_codes[:bb, group] if forced else code
 
     def _talker_step(self, bb: int, attn: int) -> Tensor:
         model = self.talker.model
@@ -705,26 +727,33 @@ class GraphBackend:
             x = self._step(layer, x, cos, sin, k_pool, v_pool, pages, wpage, woff, pos, valid, self.kv_heads)
         return model.norm(x)
 
-    def _predict(self, h: Tensor, c0: Tensor, bb: int, params: SamplingParams, noise: Tensor | None) -> Tensor:
-        """Codes 1-15 for rows [0, bb); `noise` [bb, 15, vocab] (sampling) or None (argmax)."""
+    def _predict(self, h: Tensor, c0: Tensor, bb: int, params: SamplingParams, noise: Tensor | None,
+                 forced: bool = False) -> Tensor:
+        """Codes 1-15 for rows [0, bb); `noise` [bb, 15, vocab] (sampling) or None (argmax);
+        `forced`: each pass is fed the teacher's code (see `_frame`)."""
         cp = self.talker.code_predictor
         proj = cp.small_to_mtp_projection
+        fed0 = self._fed(c0, 0, bb, forced)
         if self.layer_step == "plain":
-            x = torch.stack([h, self.talker.embed_codec(c0)], dim=1)  # [bb, 2, D]
+            x = torch.stack([h, self.talker.embed_codec(fed0)], dim=1)  # [bb, 2, D]
             out = self._predictor_forward(proj(x), 0, bb)[:, -1]
         else:  # the fused step takes one position at a time
             self._predictor_position(proj(h), 0, bb)
-            out = self._predictor_position(proj(self.talker.embed_codec(c0)), 1, bb)
+            out = self._predictor_position(proj(self.talker.embed_codec(fed0)), 1, bb)
         code = sample_residual(cp.lm_head[0](out), params, None, noise=None if noise is None else noise[:, 0])
         codes = [c0, code]
         for g in range(2, self.num_groups):
-            e = cp.model.codec_embedding[g - 2](code)
+            if forced:
+                self.forced_pred_hidden[:bb, g - 2].copy_(out)
+            e = cp.model.codec_embedding[g - 2](self._fed(code, g - 1, bb, forced))
             if self.layer_step == "plain":
                 out = self._predictor_forward(proj(e[:, None]), g, bb)[:, -1]
             else:
                 out = self._predictor_position(proj(e), g, bb)
             code = sample_residual(cp.lm_head[g - 1](out), params, None, noise=None if noise is None else noise[:, g - 1])
             codes.append(code)
+        if forced:
+            self.forced_pred_hidden[:bb, -1].copy_(out)
         return torch.stack(codes, dim=1).long()
 
     def _predictor_position(self, x: Tensor, g: int, bb: int) -> Tensor:
