@@ -257,6 +257,45 @@ def test_megakernel_first_token_alone(megakernel, first, sampling):
     assert np.linalg.norm(a - b) <= 0.1 * np.linalg.norm(b)
 
 
+@pytest.mark.parametrize("stale", [False, True], ids=["kept", "another-call-between"])
+def test_megakernel_guessed_frame_0_audio(megakernel, stale):
+    """A right guess at the first token: frame 0's audio, made during the LLM's interval
+    (text_first_frame.speculate), goes out with no vocoder call once the token is final, and is
+    bit for bit the audio frame 0 gets without a guess. If another call of the same vocoder graph
+    ran in between (another turn's one-frame chunk), that early audio is dropped and made anew."""
+    text = "Hello, the first audio is made before the first token is final."
+    kw = dict(voice="ryan", max_frames=6, greedy=True)
+    whole = megakernel.synthesize(text, text_mode="dual_track", first_chunk_frames=1, **kw)
+    graphs = megakernel.vocoder_graphs
+    s = megakernel.open_text_session(SynthesisRequest("", **kw))
+    megakernel.append_text(s, "Hello")
+    assert megakernel.poll_text(s) == []  # not final: nothing sent, the guess prefilled
+    assert s.early is not None and s.feed.guess is not None
+    runs = graphs.entries[1].runs
+    if stale:
+        other = megakernel.open_text_session(SynthesisRequest("", voice="serena", max_frames=4, greedy=True))
+        megakernel.append_text(other, "Another turn speaks first.")
+        megakernel.end_text(other)
+        while other.frames_decoded < 1:
+            sent = megakernel.poll_text(other)
+            if sent is None:
+                megakernel.step(other)
+        megakernel.cancel(other)
+        assert graphs.entries[1].runs > runs
+        runs = graphs.entries[1].runs
+    megakernel.append_text(s, ",")
+    chunks = megakernel.poll_text(s)
+    assert [c.num_frames for c in chunks] == [1]
+    assert graphs.entries[1].runs == runs + (1 if stale else 0)
+    assert np.array_equal(chunks[0].pcm, whole.pcm[: len(chunks[0].pcm)])
+    megakernel.append_text(s, text[len("Hello,") :])
+    megakernel.end_text(s)
+    while not s.done:
+        sent = megakernel.poll_text(s)
+        chunks += sent if sent is not None else megakernel.step(s)
+    assert np.array_equal(codes_of(s), whole.codes)
+
+
 def test_auto_backend_previews_on_its_megakernel(full_checkpoint):
     """The default backend: a lone streamed turn runs on its megakernel side, which previews frame
     0; codes equal the whole text's on the same backend."""

@@ -468,7 +468,8 @@ class QwenTTSEngine(text_session.TextSessions):
                 return False
             entry, out = launched
             pcm, done = to_host(to_pcm(out[0, 0]))
-        s.early = EarlyChunk(start=s.chunk_start, frames=len(frames), entry=entry, pcm=pcm, done=done)
+        s.early = EarlyChunk(start=s.chunk_start, frames=len(frames), entry=entry, run=entry.runs, pcm=pcm,
+                             done=done)
         return True
 
     def step_many(self, sessions: list[Session]) -> list[list[AudioChunk] | Exception]:
@@ -633,8 +634,10 @@ class QwenTTSEngine(text_session.TextSessions):
         s.chunk_start += n
         host_codes = np.stack(s.codes[start : start + n])
         early, s.early = s.early, None
-        if early is not None and (early.start, early.frames) == (start, n):
-            # Queued before the chunk's last frame was read, and that frame was kept.
+        if early is not None and (early.start, early.frames, early.run) == (start, n, early.entry.runs):
+            # Queued before the chunk's last frame was read (or, for a streamed turn's frame 0,
+            # before its first token was final), that frame was kept, and no call of the entry's
+            # size has run since.
             self.vocoder_graphs.commit(early.entry, s.vocoder_state, n)
             pcm, done = early.pcm, early.done
         elif not s.request.vocode:

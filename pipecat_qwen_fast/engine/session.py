@@ -72,6 +72,7 @@ class EarlyChunk:
     start: int  # the chunk's first frame
     frames: int
     entry: object  # the vocoder graph entry holding the state after the call
+    run: int  # the entry's call count after this call: another call since makes it stale
     pcm: Tensor  # host int16 (pinned on a GPU), complete once `done` is
     done: object | None  # torch.cuda.Event; None on the CPU
 

@@ -42,13 +42,18 @@ def speculate(engine, s) -> None:
         return
     if feed.guess is not None:
         ts._fresh_state(engine, s)  # it holds the prefill of another guess
+        s.early = None
     with torch.no_grad():
         prompt = ts._prompt(engine, s, "", body=[guess])
     engine._prefill([s], [prompt.embeds])
     feed.guess = guess
     found = previewer(engine, s)
     if found is not None:
-        found[0].preview_frame(found[1])
+        codes = found[0].preview_frame(found[1])
+        # Frame 0's audio too, on the vocoder graph's own copy of the state (committed by the
+        # flush only if the guess was right and no call of its size ran since): with a right
+        # guess, the turn's first audio then waits for no GPU work at all once the token is final.
+        engine._vocode_early(s, codes)
 
 
 def previewer(engine, s) -> tuple | None:

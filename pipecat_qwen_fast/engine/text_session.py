@@ -392,7 +392,8 @@ def _begin(engine, s) -> bool:
         # A later segment (a state of its own), or a prefill of a wrong guess to drop.
         _fresh_state(engine, s)
     s.ahead = None
-    s.early = None
+    if not guessed:
+        s.early = None  # frame 0's audio made for another guess (text_first_frame.speculate)
     s.frame_cap = cap
     s.segment_frames = 0
     if prompt is not None:

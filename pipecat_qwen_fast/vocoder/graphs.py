@@ -59,9 +59,13 @@ class _Entry:
     out: Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
     rows: list[VocoderStream] | None = None  # batched entries: each row of `stream` as a batch-1 view
+    # Calls made so far: a call queued ahead and committed later (engine.EarlyChunk) is valid
+    # only while no other call of the entry's size has overwritten its state and output.
+    runs: int = 0
 
     def run(self, vocoder: Vocoder) -> Tensor:
         """The call on the entry's own state: its graph's replay, or the eager step."""
+        self.runs += 1
         if self.graph is not None:
             self.graph.replay()
             return self.out
