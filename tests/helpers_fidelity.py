@@ -52,16 +52,24 @@ class Reference:
     pred_hidden: Tensor  # [frames, 15, Dp] the predictor's post-norm hidden at passes 1-15
 
 
-def make_prompts(hidden_size: int, count: int, device: torch.device, seed: int = 1) -> list[Prompt]:
-    """`count` distinct texts, prompts of 10-52 positions and 3-59 text rows: the batch then holds
-    rows at different positions and offsets into their pages."""
+def make_prompts(hidden_size: int, count: int, device: torch.device, seed: int = 1, shortest: int = 10) -> list[Prompt]:
+    """`count` distinct texts, prompts of `shortest` to `shortest` + 42 positions and 3-59 text
+    rows: the batch then holds rows at different positions and offsets into their pages."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def draw(*shape: int) -> Tensor:
         return (torch.randn(shape, device=device, generator=gen) * 0.05).to(torch.bfloat16)
 
-    return [Prompt(draw(10 + 6 * (i % 8), hidden_size), draw(3 + 8 * (i % 8), hidden_size), draw(hidden_size))
+    return [Prompt(draw(shortest + 6 * (i % 8), hidden_size), draw(3 + 8 * (i % 8), hidden_size), draw(hidden_size))
             for i in range(count)]
+
+
+def bucket_edge_prompts(hidden_size: int, device: torch.device) -> list[Prompt]:
+    """3 texts of 114, 120 and 126 positions: a batch's first frames attend over the 128-position
+    bucket with its longest rows on that bucket's last page, and its fourth frame crosses into the
+    256 bucket (where a frame that read another frame's positions would index a page past its
+    bucket)."""
+    return make_prompts(hidden_size, 3, device, shortest=114)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,17 +159,53 @@ def session_positions(prompt: Prompt, frames: int) -> int:
     return prompt.embeds.shape[0] + frames + 1
 
 
+def open_states(gb: GraphBackend, prompts: list[Prompt], texts: list[int], frames: int) -> list:
+    """len(texts) sessions, row r reading text texts[r], prefilled by the backend itself (as
+    deployed: one by one under `batched_prefill_min` rows, else in one pass)."""
+    states = []
+    try:
+        for i in texts:
+            states.append(gb.new_state(max_positions=session_positions(prompts[i], frames), params=GREEDY, seed=0,
+                                       trailing=prompts[i].trailing, pad_vec=prompts[i].pad))
+        gb.prefill_many(states, [prompts[i].embeds for i in texts])
+    except BaseException:
+        for s in states:
+            gb.release(s)
+        raise
+    return states
+
+
+@torch.no_grad()
+def decode_rows(gb: GraphBackend, prompts: list[Prompt], texts: list[int], frames: int, force: Tensor | None = None,
+                run_ahead: bool = False) -> Tensor:
+    """`frames` frames of len(texts) rows (`force` [frames, rows, 16]: each frame's forced codes)
+    -> their codes [frames, rows, 16]. By default the host waits for each frame, as the engine
+    does (it reads each round's codes back). `run_ahead` (CUDA): the host reads nothing back, as
+    the fidelity runs do, and the stream is held busy before each frame, so the host is always a
+    frame ahead of the GPU, whatever the batch's size; run the same frames without it first, so
+    that no frame captures a graph (a capture waits for the GPU)."""
+    states = open_states(gb, prompts, texts, frames)
+    try:
+        out = []
+        for t in range(frames):
+            if run_ahead:
+                torch.cuda._sleep(100_000_000)  # ~50 ms: far longer than the host takes to queue a frame
+            out.append(gb.decode_frames(states, force=None if force is None else force[t]))
+            if not run_ahead and gb.device.type == "cuda":
+                torch.cuda.synchronize(gb.device)
+        return torch.stack(out).cpu()
+    finally:
+        for s in states:
+            gb.release(s)
+
+
 @torch.no_grad()
 def teacher_forced_rows(gb: GraphBackend, prompts: list[Prompt], refs: list[Reference], texts: list[int],
                         frames: int) -> dict:
-    """One batch of len(texts) rows, row r reading text texts[r]: each prefilled by the backend
-    itself (as deployed: one by one under `batched_prefill_min` rows, else in one pass), then
-    `frames` frames, each fed its text's reference codes. Sums and extremes over rows and frames
-    (host syncs only at the end)."""
-    states = [gb.new_state(max_positions=session_positions(prompts[i], frames), params=GREEDY, seed=0,
-                           trailing=prompts[i].trailing, pad_vec=prompts[i].pad) for i in texts]
+    """One batch of len(texts) rows (`open_states`), then `frames` frames, each fed its text's
+    reference codes. Sums and extremes over rows and frames (host syncs only at the end)."""
+    states = open_states(gb, prompts, texts, frames)
     try:
-        gb.prefill_many(states, [prompts[i].embeds for i in texts])
         idx = torch.tensor(texts, device=gb.device)
         ref_codes = torch.stack([r.codes for r in refs])  # [texts, frames, 16]
         ref_hidden = torch.stack([r.hidden for r in refs])

@@ -2,8 +2,10 @@
 bars are tests/test_batch_fidelity_gpu.py's): GraphBackend in fp32 on the tiny checkpoint, fed the
 fp32 TorchBackend's codes, gives the reference's argmaxes and hidden states at every frame, with
 either predictor pass (the plain layers' multi-position pass, the kernel step's one position at a
-time). Teacher forcing itself: a forced frame returns the row's own codes, feeds back the forced
-ones, and leaves the unforced frames' graphs alone."""
+time), and at 512 rows (the largest batch bucket) across an attention bucket's edge, the shape whose
+GPU run hit a device assert (the host overwriting a queued frame's rows: a race the CPU cannot show,
+tests/test_batch_fidelity_gpu.py has it). Teacher forcing itself: a forced frame returns the row's
+own codes, feeds back the forced ones, and leaves the unforced frames' graphs alone."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 from helpers_fidelity import (
     GREEDY,
+    bucket_edge_prompts,
     make_prompts,
     measure_batch,
     reference_module,
@@ -25,6 +28,7 @@ from pipecat_qwen_fast.backends.graph import GraphBackend
 FRAMES = 40
 TEXTS = 3
 BAR = 1e-5
+EDGE_FRAMES = 4  # bucket_edge_prompts' batch crosses from the 128 into the 256 bucket at its fourth frame
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +58,25 @@ def test_teacher_forced_fp32_matches_the_reference(talker, references, layer_ste
     assert f["code0_agreement"] == f["argmax_agreement"] == 1.0
     assert f["talker_hidden_rel_err_max"] < BAR
     assert f["predictor_hidden_rel_err_max"] < BAR
+
+
+@pytest.fixture(scope="module")
+def edge_references(talker):
+    prompts = bucket_edge_prompts(talker.cfg.hidden_size, torch.device("cpu"))
+    return prompts, run_references(TorchBackend(talker, torch.device("cpu"), torch.float32), prompts, EDGE_FRAMES)
+
+
+def test_teacher_forced_largest_batch_across_a_bucket_edge(talker, edge_references):
+    # 512 rows fill the row buffers (no padding rows) and prefill in one batched pass.
+    prompts, refs = edge_references
+    gb = GraphBackend(talker, torch.device("cpu"), torch.float32, max_sessions=512, capacity=512, use_graphs=False,
+                      layer_step="kernel", pages=3 * 512)
+    assert gb.max_batch == 512
+    f = measure_batch(gb, prompts, refs, 512, EDGE_FRAMES)
+    assert f["code0_agreement"] == f["argmax_agreement"] == 1.0
+    assert f["talker_hidden_rel_err_max"] < BAR
+    assert f["predictor_hidden_rel_err_max"] < BAR
+    assert len(gb.free_pages) == gb.num_pages
 
 
 def test_references_decode_freely(references):

@@ -10,7 +10,12 @@ three batch sizes (tests/helpers_fidelity.py). The references cost the most (an 
 ~80 ms), so there are few texts, each repeated across the rows: QWEN_FAST_FIDELITY_TEXTS (default
 3) and QWEN_FAST_FIDELITY_FRAMES (default 500) change that. Each batch size prints a one-line
 summary (run pytest with -s to see it), and with QWEN_FAST_FIDELITY_OUT set (a path) the figures
-are written there as JSON after each."""
+are written there as JSON after each.
+
+First, quickly, on the tiny checkpoint: 512 rows (the largest batch bucket, whose rows reach the
+GPU by a truly asynchronous copy out of one pinned buffer) with the host a frame ahead of the GPU,
+as in the fidelity runs, across an attention bucket's edge: the codes of a run that waits for each
+frame, forced and not (before the fix, batch 512's device assert)."""
 
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_fidelity import (
+    bucket_edge_prompts,
+    decode_rows,
     eager_prefill_err,
     make_prompts,
     measure_batch,
@@ -32,6 +39,7 @@ from helpers_fidelity import (
     summary_line,
 )
 
+from pipecat_qwen_fast import QwenTTSEngine
 from pipecat_qwen_fast.backends.eager import TorchBackend
 from pipecat_qwen_fast.backends.graph import GraphBackend
 
@@ -47,6 +55,25 @@ BATCHES = (1, 64, 512)
 HIDDEN_BAR = 1e-2
 AGREEMENT_BAR = 0.99
 FIGURES: dict = {}
+
+
+def test_host_ahead_of_the_gpu_at_the_largest_batch(tiny_checkpoint):
+    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", zero_eos=True), device="cpu",
+                                           dtype="float32", backend="eager")
+    dev = torch.device("cuda")
+    talker = engine.model.talker.to(dev)
+    gb = GraphBackend(talker, dev, torch.float32, max_sessions=512, capacity=512, layer_step="plain", pages=3 * 512)
+    assert gb.use_graphs and gb.max_batch == 512
+    prompts = bucket_edge_prompts(talker.cfg.hidden_size, dev)
+    rows = [r % len(prompts) for r in range(512)]
+    frames = 4  # the fourth crosses from the 128 into the 256 bucket
+    waited = decode_rows(gb, prompts, rows, frames)
+    assert torch.equal(decode_rows(gb, prompts, rows, frames, run_ahead=True), waited)
+    force = waited.to(dev)
+    forced = decode_rows(gb, prompts, rows, frames, force=force)
+    assert torch.equal(decode_rows(gb, prompts, rows, frames, force=force, run_ahead=True), forced)
+    assert {k[:2] for k in gb.graphs} == {(512, 0), (512, 128), (512, 256)}
+    engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -290,6 +290,8 @@ class GraphBackend:
         pv = pred.vocab_size
         self.rows = torch.zeros(5, b, device=device, dtype=torch.long)
         self.rows_host = torch.zeros(5, b, dtype=torch.long, pin_memory=device.type == "cuda")
+        # Recorded behind each frame's copy out of rows_host (see _writable_rows_host).
+        self.rows_copied = torch.cuda.Event() if device.type == "cuda" else None
         self.text_vec = torch.zeros(b, d, device=device, dtype=dtype)
         self.pool_noise0 = torch.ones(slots, v, device=device, dtype=torch.float32)
         self.pool_noise = torch.ones(slots, self.num_groups - 1, pv, device=device, dtype=torch.float32)
@@ -592,9 +594,11 @@ class GraphBackend:
         table[ROW_FIRST, :n] = first
         longest = max((s.position + 1 for f, s in zip(first, states) if not f), default=0)
         text = [s.text_rows[s.frame] if s.frame < len(s.text_rows) else s.pad_vec for s in states]
-        rows = self.rows_host
+        rows = self._writable_rows_host()
         rows[:, :bb].copy_(torch.from_numpy(table))
         self.rows[:, :bb].copy_(rows[:, :bb], non_blocking=True)
+        if self.rows_copied is not None:
+            self.rows_copied.record(torch.cuda.current_stream(self.device))
         self.text_vec[:n].copy_(torch.stack(text))
         if force is not None:
             self.forced_codes[:n].copy_(force)
@@ -608,6 +612,19 @@ class GraphBackend:
         for s in states:  # queued behind this frame, which has read the slots' noise
             self._draw_noise(s)
         return codes
+
+    def _writable_rows_host(self) -> Tensor:
+        """rows_host once the GPU has read the last frame's rows out of it. At the largest batch
+        bucket the slice copied is the whole pinned buffer, a true asynchronous DMA that reads it
+        when the stream gets there (a smaller bucket's slice is strided, and torch stages it
+        through a pageable copy at once). A caller that reads nothing back between frames (the
+        fidelity test) queues frames ahead of the GPU; without the wait a queued frame would read
+        a later frame's positions, past its own attention bucket: an out-of-bounds page gather,
+        the 512-row device assert. The engine reads every round's codes back, so there the wait
+        finds the copy done."""
+        if self.rows_copied is not None:
+            self.rows_copied.synchronize()
+        return self.rows_host
 
     def set_trailing(self, state: GraphState, trailing: Tensor) -> None:
         """Replace the text vectors the state's frames add (streamed text grows them as it
@@ -669,7 +686,7 @@ class GraphBackend:
             self.prefills.capture_all()
         batches = batches or self.batch_buckets
         attn = (0, *sorted({self._attn_bucket(b) for b in ATTN_BUCKETS}))
-        rows = self.rows_host
+        rows = self._writable_rows_host()
         for params in params_list:
             for bb in batches:
                 rows.zero_()
