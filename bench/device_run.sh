@@ -15,6 +15,8 @@
 #               two packages LiveKit imports and the benchmark never uses, too big to carry)
 #   voice-clone     random 0.6B Base and CustomVoice checkpoints: voice creation, cloned first
 #                   audio, and the frame time of ICL and x-vector voices against CustomVoice's
+#   prefill-modes  the megakernel's fp32 prefill against bf16 and an fp32 weight copy, one engine
+#               (bench/probes/prefill_modes.py: GPU ms per bucket, warm TTFC, memory, error)
 #   gputests    the test files of the GPU paths (GPU_TESTS), junit XML
 # DEVICE_SECONDS (default 570) bounds the whole call from its start; STARTUP_RUNS picks the starts
 # (default cold,warm); FLEET_ARGS adds arguments to the fleet runs; STREAMING_ARGS to the
@@ -78,6 +80,8 @@ PY
             fleet-open) python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet-open" \
                             --mode open --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
             server-latency) python3 -m pipecat_qwen_fast.cli bench server-latency --model "$ck" --out "$out/server" ;;
+            prefill-modes) timeout -s INT "$(( $(left) - 5 ))" python3 bench/probes/prefill_modes.py \
+                               --out "$out/prefill_modes" ;;
             streaming-text) # Stand-ins for two packages LiveKit imports and never uses here (too big to
                             # carry; bench/device_stubs/README.md), each only where it is missing.
                             st="$PYTHONPATH"
@@ -114,7 +118,7 @@ from livekit.plugins import qwen_fast' ;;
                           --junitxml "$out/gputests.xml" ${GPU_TESTS:-tests/test_megakernel.py \
                           tests/test_vocoder_graphs.py tests/test_prefill_graphs.py tests/test_graph_backend.py \
                           tests/test_hybrid_backend.py tests/test_startup.py tests/test_fleet_gpu.py \
-                          tests/test_text_gpu.py tests/test_voice_clone_gpu.py} ;;
+                          tests/test_text_gpu.py tests/test_voice_clone_gpu.py tests/test_megakernel_prefill.py} ;;
             *) echo "unknown step $step" ;;
         esac
         echo "== step $step exit $? at $(( $(date +%s) - t0 )) s"

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define QMK_ABI_VERSION 12
+#define QMK_ABI_VERSION 13
 #define QMK_MAX_GROUPS 16
 #define QMK_HEAD_DIM 128
 
@@ -128,7 +128,7 @@ typedef struct {
     int32_t trace_steps;  /* with `trace`: also stamp the steps inside each phase (phases/schedule.cuh STEP_*) */
     qmk_sampler talker_s, pred_s;
     uint64_t seed;
-    uint64_t trailing;    /* bf16 [Dt] text vector added to the next talker input */
+    uint64_t trailing;    /* fp32 [Dt] text vector added to the next talker input */
     uint64_t force_codes; /* int64 [16] teacher forcing (feedback uses these) or 0 */
     uint64_t codes_out;   /* int64 [16] */
     uint64_t trace;       /* int64 [3 * QMK_TRACE_MAX] (clock64, globaltimer, phase id + 32 * step) of

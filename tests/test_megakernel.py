@@ -15,6 +15,7 @@ import ctypes
 import importlib.util
 import subprocess
 import tomllib
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -222,7 +223,8 @@ GREEDY = SamplingParams(do_sample=False, subtalker_do_sample=False)
 
 
 def start(mb, talker, params, frames, seed=0, prompt_len=PROMPT_LEN):
-    """A megakernel state after its own prefill (the engine's path: bf16 torch prefill, fp32 cache)."""
+    """A megakernel state after its own prefill (the engine's path: the captured fp32 prefill, or
+    the eager one past its buckets)."""
     embeds, trailing, pad = REF.prompt_inputs(talker.cfg.hidden_size, prompt_len)
     st = mb.new_state(max_positions=prompt_len + frames + 2, params=params, seed=seed, trailing=trailing, pad_vec=pad)
     mb.prefill(st, embeds)
@@ -639,19 +641,24 @@ def test_eos_frame_stops_early_and_the_session_goes_on(backends):
 @pytest.mark.gpu
 def test_auto_backend_places_and_moves_calls(backends):
     """backend="auto" on a GPU, built as the engine builds it (the graph backend fuses the weights
-    in place first, then the megakernel takes their addresses; both share the captured prefills),
-    on a copy of the talker so the module's other tests keep their weights.
+    in place first, then the megakernel takes their addresses; they share the captured prefills
+    only where the megakernel's is bf16 too), on a copy of the talker so the module's other tests
+    keep their weights.
     1. Rounds that mix megakernel calls and a batch (backends that cannot move calls): each call's
        codes equal the same call run alone on its side.
-    2. Calls moved from the megakernel into the batch at frame 0 (their prefill K/V and hidden go
-       fp32 -> bf16 exactly) give the codes of calls started in the batch."""
+    2. Calls moved from the megakernel into the batch at frame 0 give the codes of calls started
+       in the batch, where the megakernel prefills as the batch does (prefill="bf16": the K/V and
+       hidden then go fp32 -> bf16 exactly); its default fp32 prefill gives the batch K/V rows a
+       bf16 rounding of the fp32 ones instead."""
     from types import SimpleNamespace
 
     from pipecat_qwen_fast.backends.select import _hybrid_backend
 
     talker = copy.deepcopy(backends.talker)
     hb = _hybrid_backend(SimpleNamespace(talker=talker), torch.device("cuda"), torch.bfloat16)
-    assert isinstance(hb.fast, mk.MegakernelBackend) and hb.fast.prefills is hb.bulk.prefills
+    assert isinstance(hb.fast, mk.MegakernelBackend)
+    assert (hb.fast.prefills is hb.bulk.prefills) == (hb.fast.prefill_mode == "bf16")
+    hb.bulk.prefills.capture_all()  # the batch's own, as the engine's warm-up captures them
     assert hb.name == "megakernel+torch-cudagraph" and hb.can_move
     frames = 6
 
@@ -716,7 +723,8 @@ def test_auto_backend_places_and_moves_calls(backends):
     with hb.placed(False):
         started = run([begin(i, GREEDY) for i in range(3)])
     hb.fast_sessions = 2
-    states = [begin(i, GREEDY) for i in range(2)]
+    with bf16_prefill(hb.fast, hb.bulk.prefills):
+        states = [begin(i, GREEDY) for i in range(2)]
     assert [s.on_fast for s in states] == [True, True]
     moved = hb.moved
     states.append(begin(2, GREEDY))
@@ -725,3 +733,14 @@ def test_auto_backend_places_and_moves_calls(backends):
     assert [s.on_fast for s in states] == [False, False, False] and hb.moved - moved == 2
     assert torch.equal(codes, started)
     assert (hb.live_fast, hb.live_bulk) == (0, 0)
+
+
+@contextmanager
+def bf16_prefill(mb, graphs):
+    """The megakernel prefilling as the batch does (prefill="bf16", on the batch's graphs)."""
+    saved = mb.prefill_mode, mb.prefills
+    mb.prefill_mode, mb.prefills = "bf16", graphs
+    try:
+        yield
+    finally:
+        mb.prefill_mode, mb.prefills = saved

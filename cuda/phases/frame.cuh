@@ -14,13 +14,13 @@ __device__ void publish_frame(const qmk_model& m, const qmk_frame& f, bool full)
     if (blockIdx.x == 0 && threadIdx.x == 0) dptr<uint8_t>(m.seen)[fed()[0]] = 1;
     if (!full) return;
     // Next talker input: the 16 embeddings summed in order, then the text vector (fp32, the
-    // reference's `total = total + emb` chain).
+    // reference's `total = total + emb` chain; the text vector is the fp32 prompt's own).
     const int Dt = m.talker.hidden;
     const int i = blockIdx.x * QMK_THREADS + threadIdx.x;
     if (i < Dt && f.trailing != 0) {
         float acc = ld_weight1(bfp(m.talker_emb) + (size_t)fed()[0] * Dt + i);
         for (int g = 1; g < G; ++g) acc = acc + ld_weight1(bfp(m.pred_emb[g - 1]) + (size_t)fed()[g] * Dt + i);
-        dptr<float>(m.pending)[i] = acc + ld_weight1(bfp(f.trailing) + i);
+        dptr<float>(m.pending)[i] = acc + dptr<const float>(f.trailing)[i];
     }
 }
 

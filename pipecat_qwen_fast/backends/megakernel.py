@@ -9,7 +9,9 @@ host read per frame is the engine's look at code 0.
 
 The kernel reads the checkpoint's bf16 weights and computes everything else in fp32: activations,
 both stacks' K/V caches, RoPE tables and logits. That is the official model's fp32 arithmetic at
-bf16 weight bandwidth, so its reference is `TorchBackend` on an fp32 copy of the same weights.
+bf16 weight bandwidth, so its reference is `TorchBackend` on an fp32 copy of the same weights. The
+talker's prefill and the prompt's vectors are fp32 too (`prefill`, QWEN_FAST_MK_PREFILL), and so
+are the text vectors the kernel adds: a call's greedy codes from text are the fp32 model's.
 
 One file over 500 lines: the ctypes mirror of cuda/qwen_mk.h, the cached build and the backend
 that fills the structs change together whenever the kernel's ABI does.
@@ -36,9 +38,17 @@ import torch
 from torch import Tensor
 
 from pipecat_qwen_fast.backends.base import SessionSnapshot
-from pipecat_qwen_fast.backends.prefill_graphs import PrefillGraphs
+from pipecat_qwen_fast.backends.prefill_graphs import (
+    PrefillGraphs,
+    StackOwner,
+    exact_products_blocker,
+    fp32_matmuls,
+    prefill_from_start,
+    prefill_layer_fp32,
+    stack_copy,
+)
 from pipecat_qwen_fast.errors import UnsupportedFeatureError
-from pipecat_qwen_fast.model.layers import KVCache, rotary_cos_sin
+from pipecat_qwen_fast.model.layers import KVCache, fuse_projections, rotary_cos_sin
 from pipecat_qwen_fast.model.sampling import SamplingParams
 from pipecat_qwen_fast.utils.cache import cache_dir, digest_matches, write_digest
 from pipecat_qwen_fast.utils.phases import phase
@@ -51,9 +61,18 @@ PHASE_FILES = ("schedule", "producer", "consumer", "matvec", "mlp", "attention",
                "pred_first", "stack", "frame", "host")
 SOURCE_FILES = ("qwen_mk.h", "mk_util.cuh", "mk_stream.cuh", "mk_matvec.cuh", "mk_attention.cuh", "mk_sample.cuh",
                 *(f"phases/{name}.cuh" for name in PHASE_FILES), "qwen_mk.cu")
-ABI_VERSION = 12
+ABI_VERSION = 13
 # MegakernelBackend(long_kernel=...) -> qmk_model.long_kernel
 LONG_KERNEL = {"auto": 0, "always": 1, "never": -1}
+# MegakernelBackend(prefill=...), default QWEN_FAST_MK_PREFILL, else "fp32". The talker's prefill and
+# the prompt's vectors:
+#   fp32       in fp32 on the bf16 weights, as the kernel's decode: every product exact on the
+#              tensor cores (prefill_graphs.exact_linear), no extra memory;
+#   fp32-copy  the same on an fp32 copy of the talker's layers, cuBLAS fp32 products (+1.7 GB for
+#              the 0.6B, +5.6 GB for the 1.7B), the fp32 reference's own arithmetic;
+#   bf16       at the checkpoint's dtype (before issue 34): K/V rows, hidden state and prompt
+#              rounded to bf16, so greedy codes part from the fp32 model's within a few frames.
+PREFILL_MODES = ("fp32", "fp32-copy", "bf16")
 TRACE_MAX = 8192
 MAX_GROUPS = 16
 HEAD_DIM = 128
@@ -461,6 +480,14 @@ def carve(device: torch.device, dtype: torch.dtype, zero: bool, shapes: dict[str
     return {name: arena[o:o + math.prod(shape)].view(shape) for (name, shape), o in zip(shapes.items(), offsets.values())}
 
 
+def prefill_mode(mode: str | None) -> str:
+    """`mode`, or QWEN_FAST_MK_PREFILL, or "fp32"; checked against PREFILL_MODES."""
+    mode = mode or os.environ.get("QWEN_FAST_MK_PREFILL") or "fp32"
+    if mode not in PREFILL_MODES:
+        raise ValueError(f"the megakernel's prefill must be one of {list(PREFILL_MODES)}, got {mode!r}")
+    return mode
+
+
 @dataclass
 class MegakernelState:
     model: QmkModel
@@ -485,9 +512,11 @@ class MegakernelBackend:
     def __init__(self, talker, device: torch.device, dtype: torch.dtype, warmup: bool = True,
                  input_tables: bool = True, split_down: bool = True, fuse_attn_o: bool = True,
                  group_qkv: bool = True, merge_first: bool = True, fuse_talker_attn_o: bool = True,
-                 max_blocks: int = 0, long_kernel: str = "auto", prefills: PrefillGraphs | None = None):
+                 max_blocks: int = 0, long_kernel: str = "auto", prefills: PrefillGraphs | None = None,
+                 prefill: str | None = None):
         if long_kernel not in LONG_KERNEL:
             raise ValueError(f"long_kernel must be one of {sorted(LONG_KERNEL)}, got {long_kernel!r}")
+        prefill = prefill_mode(prefill)
         reason = shape_unsupported_reason(talker)
         if reason:
             raise UnsupportedFeatureError(reason)
@@ -496,6 +525,19 @@ class MegakernelBackend:
         self.talker = talker
         self.device = device
         self.dtype = dtype
+        reason = exact_products_blocker(device) if prefill == "fp32" else None
+        if reason:
+            logger.warning("the prefill's exact bf16 products cannot run here (%s): fp32-copy instead", reason)
+            prefill = "fp32-copy"
+        self.prefill_mode = prefill
+        if prefill != "bf16":
+            # The prompt's vectors at fp32 too (model/prompt.py): the megakernel's calls read the
+            # fp32 model's prompt. The auto backend's batch gets them too and rounds them to bf16.
+            talker.prompt_dtype = torch.float32
+            # One exact product for q/k/v and one for gate/up (prefill_layer_fp32): fused in
+            # place, as the batch backend fuses them, before the kernel takes the weights' addresses.
+            fuse_projections(talker.model)
+        self._prefill_stack = stack_copy(talker.model, torch.float32) if prefill == "fp32-copy" else talker.model
         self.lib = library_for(device)
         # Floats of the residual accumulators (resid, pres): fixed by the library, which gives
         # them several copies each (blocks add into different ones).
@@ -555,8 +597,10 @@ class MegakernelBackend:
         # time before the prefill, on the time to first audio; docs/journal/NOTES.md, eighteenth session).
         self._weight_ptrs = self._model_weight_ptrs()
         # The captured prefill per prompt-length bucket: made at warm-up, or shared with another
-        # backend on the same weights (the auto backend's batch).
-        self.prefills: PrefillGraphs | None = prefills
+        # backend on the same weights whose graphs compute what this one's would (the auto
+        # backend's batch, with prefill="bf16").
+        self.prefills: PrefillGraphs | None = (
+            prefills if prefills is not None and prefills.kind == self._prefill_kind() else None)
         if warmup:
             with phase("megakernel warm-up"):
                 self.warmup()
@@ -625,7 +669,7 @@ class MegakernelBackend:
 
     def new_state(self, *, max_positions: int, params: SamplingParams, seed: int | None, trailing: Tensor,
                   pad_vec: Tensor) -> MegakernelState:
-        dev, bf, f32 = self.device, torch.bfloat16, torch.float32
+        dev, f32 = self.device, torch.float32
         ts, ps = self.tcfg.stack, self.pcfg.stack
         Dt, Dp = ts.hidden_size, ps.hidden_size
         G = self.num_groups
@@ -661,8 +705,11 @@ class MegakernelBackend:
         buf["seen"] = flags.pop("seen")
         buf |= {name: t.view(torch.int32) for name, t in flags.items()}
         buf |= {
-            "trailing": trailing.to(dev, bf).contiguous(),
-            "pad_vec": pad_vec.to(dev, bf).contiguous(),
+            # fp32, as the fp32 model adds them (qmk_frame.trailing): an fp32 prompt's text
+            # vectors rounded to bf16 parted the codes from the fp32 model's within ~60-100 frames
+            # (docs/PERFORMANCE.md, "The prefill in fp32").
+            "trailing": trailing.to(dev, f32).contiguous(),
+            "pad_vec": pad_vec.to(dev, f32).contiguous(),
             "rope": self._talker_rope(max_positions),
         }
         w = self._weight_ptrs
@@ -686,9 +733,23 @@ class MegakernelBackend:
         return MegakernelState(model=m, talker_cache=talker_cache, pred_k=pk, pred_v=pv, params=params,
                                seed=seed & (2**64 - 1), trailing=buf["trailing"], pad_vec=buf["pad_vec"], buffers=buf)
 
+    @property
+    def prefill_dtype(self) -> torch.dtype:
+        return self.dtype if self.prefill_mode == "bf16" else torch.float32
+
+    def _prefill_kind(self) -> str:
+        """PrefillGraphs.kind of the graphs this backend's prefill runs."""
+        return str(self.dtype).removeprefix("torch.") if self.prefill_mode == "bf16" else self.prefill_mode
+
+    def new_prefill_graphs(self) -> PrefillGraphs:
+        if self.prefill_mode == "bf16":
+            return PrefillGraphs(self.talker, self.device, self.dtype)
+        return PrefillGraphs(StackOwner(self.tcfg, self._prefill_stack), self.device, torch.float32,
+                             step=prefill_layer_fp32, kind=self.prefill_mode)
+
     @torch.no_grad()
     def prefill(self, state: MegakernelState, embeds: Tensor) -> None:
-        embeds = embeds.to(self.device, self.dtype)
+        embeds = embeds.to(self.device, self.prefill_dtype)
         n = embeds.shape[0]
         cache = state.talker_cache
         captured = self.prefills.run(embeds) if self.prefills is not None and n <= cache.max_len else None
@@ -697,10 +758,16 @@ class MegakernelBackend:
             k, v, hidden = captured
             self.load_prefill(state, k, v, n, hidden)
             return
-        # One batched torch pass in bf16 writes the KV cache in the layout the kernel reads (the
-        # attention upcasts on store and casts back on read, so the fp32 cache takes bf16 values).
-        hidden = self.talker.model(embeds, cache)
-        state.buffers["hidden"].copy_(hidden[-1])
+        state.buffers["hidden"].copy_(self._eager_prefill(embeds, cache))
+
+    def _eager_prefill(self, embeds: Tensor, cache: KVCache) -> Tensor:
+        """One batched torch pass that writes the KV cache in the layout the kernel reads; the
+        post-norm hidden of the last position. Prompts past the captured buckets take it."""
+        if self.prefill_mode == "bf16":
+            # The attention upcasts on store and casts back on read: the fp32 cache takes bf16 values.
+            return self.talker.model(embeds, cache)[-1]
+        with fp32_matmuls():
+            return prefill_from_start(self._prefill_stack, embeds, cache)
 
     @torch.no_grad()
     def load_prefill(self, state: MegakernelState, k: Tensor, v: Tensor, n: int, hidden: Tensor) -> None:
@@ -854,7 +921,7 @@ class MegakernelBackend:
     def set_trailing(self, state: MegakernelState, trailing: Tensor) -> None:
         """Replace the text vectors the state's frames add (streamed text grows them as it
         arrives); frame t reads row t when it runs, so only rows of frames not yet run may change."""
-        state.trailing = state.buffers["trailing"] = trailing.to(self.device, torch.bfloat16).contiguous()
+        state.trailing = state.buffers["trailing"] = trailing.to(self.device, torch.float32).contiguous()
 
     def release(self, state: MegakernelState) -> None:
         if state.released:
@@ -869,7 +936,7 @@ class MegakernelBackend:
     def warmup(self) -> None:
         """Run greedy and sampled frames once so the first request pays no build or load cost."""
         try:
-            prefills = self.prefills or PrefillGraphs(self.talker, self.device, self.dtype)
+            prefills = self.prefills or self.new_prefill_graphs()
             with phase("capturing the prefill graphs"):
                 prefills.capture_all()
             self.prefills = prefills

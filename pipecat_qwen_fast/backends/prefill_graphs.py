@@ -11,18 +11,37 @@ layer and every bucket (the layers share its code, the length is symbolic; ~10 s
 A captured prefill of the eager layers is ~37 kernels a layer, ~1050 in all: 2.7-2.8 ms for a
 short prompt on the H200, of ~8 ms to first audio; from the compiled step 1.6 ms (docs/journal/NOTES.md,
 "The prefill compiled"). `QWEN_FAST_COMPILE_PREFILL=0` keeps the eager layers.
+
+The megakernel's prefill runs in fp32 on the bf16 weights (`prefill_layer_fp32`), as its decode
+does, so that a call's codes are the fp32 model's (issue 34). Its products are exact
+(`exact_linear`): the fp32 activation is cut into three bf16 terms that sum to it, and each term
+meets the bf16 weight on the tensor cores with fp32 accumulation, where an fp32 copy of the weights
+would take the GPU's fp32 (non-tensor) units and twice the memory (docs/PERFORMANCE.md, "The
+prefill in fp32").
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from pipecat_qwen_fast.model.layers import DecoderLayer, rotary_cos_sin
+from pipecat_qwen_fast.config import TalkerConfig
+from pipecat_qwen_fast.model.layers import (
+    Attention,
+    DecoderLayer,
+    DecoderStack,
+    KVCache,
+    apply_rotary,
+    fuse_projections,
+    rotary_cos_sin,
+)
 from pipecat_qwen_fast.model.talker import Talker
 from pipecat_qwen_fast.utils.cuda_graphs import (
     GraphCapturer,
@@ -48,6 +67,146 @@ def prefill_layer(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_ou
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
+# ---------------------------------------------------------------------------------------------
+# The fp32 layer step
+
+
+def top_bits(x: Tensor) -> Tensor:
+    """fp32 x cut to its sign, exponent and 7 leading mantissa bits: a bf16 value, x - top_bits(x)
+    exact. A bit mask, not a cast: inductor computes a cast to bf16 inside a fused kernel in fp32,
+    without the rounding."""
+    return (x.view(torch.int32) & -65536).view(torch.float32)
+
+
+def split_bf16(x: Tensor) -> Tensor:
+    """fp32 x [n, K] as three bf16 terms whose sum is x exactly, stacked: [3n, K]. Each term takes
+    the next 8 significant bits of x's 24, so the last one's ≤ 8 bits are exact in bf16."""
+    hi = top_bits(x)
+    rest = x - hi
+    mid = top_bits(rest)
+    return torch.cat([hi, mid, rest - mid]).to(torch.bfloat16)
+
+
+def exact_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x @ weight.T at fp32, x fp32 [n, K]. fp32 weights: the fp32 product. bf16 weights: each of
+    x's three bf16 terms times the weight, products exact and summed at fp32 (the tensor cores' bf16
+    product with an fp32 result), the terms' results added smallest first."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight)
+    n = x.shape[0]
+    terms = split_bf16(x)
+    if x.is_cuda:
+        parts = torch.mm(terms, weight.t(), out_dtype=torch.float32)
+    else:  # no bf16 product with an fp32 result on the CPU: the same exact products at fp32
+        parts = torch.mm(terms.float(), weight.t().float())
+    return parts[:n] + (parts[n : 2 * n] + parts[2 * n :])
+
+
+def exact_products_blocker(device: torch.device) -> str | None:
+    """Why `exact_linear`'s bf16 product with an fp32 result cannot run on `device`, or None (the
+    CPU runs its own form)."""
+    if device.type != "cuda":
+        return None
+    try:
+        a = torch.ones(2, 8, device=device, dtype=torch.bfloat16)
+        torch.mm(a, a.t(), out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+def fused_qkv(attn: Attention) -> Tensor:
+    if attn.qkv_weight is not None:
+        return attn.qkv_weight
+    return torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+
+
+def causal_attention(attn: Attention, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """q [H, n, hd] over k / v [KVH, n, hd], causal, before o_proj: [n, H * hd]."""
+    rep = attn.num_heads // attn.num_kv_heads
+    out = F.scaled_dot_product_attention(q[None], k.repeat_interleave(rep, dim=0)[None],
+                                         v.repeat_interleave(rep, dim=0)[None], is_causal=True)[0]
+    return out.transpose(0, 1).reshape(q.shape[1], attn.num_heads * attn.head_dim)
+
+
+def prefill_layer_fp32(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_out: Tensor,
+                       v_out: Tensor) -> Tensor:
+    """`prefill_layer` with its activations in fp32 (x, cos, sin, k_out, v_out fp32) on the layer's
+    weights as they are: `DecoderLayer.forward`'s math as the fp32 model computes it, the norms'
+    weights upcast by promotion, every product through `exact_linear`. Reads q/k/v as one matrix
+    where they are fused (`fuse_projections`), else joins them on each call."""
+    attn, mlp = layer.self_attn, layer.mlp
+    n, hd = x.shape[0], attn.head_dim
+    q, k, v = exact_linear(layer.input_layernorm(x), fused_qkv(attn)).split(
+        [attn.num_heads * hd, attn.num_kv_heads * hd, attn.num_kv_heads * hd], dim=-1)
+    q = apply_rotary(attn.q_norm(q.reshape(n, attn.num_heads, hd)).transpose(0, 1), cos, sin)
+    k = apply_rotary(attn.k_norm(k.reshape(n, attn.num_kv_heads, hd)).transpose(0, 1), cos, sin)
+    v = v.reshape(n, attn.num_kv_heads, hd).transpose(0, 1)
+    k_out.copy_(k)
+    v_out.copy_(v)
+    x = x + exact_linear(causal_attention(attn, q, k, v), attn.o_proj.weight)
+    h = layer.post_attention_layernorm(x)
+    if mlp.gate_up_weight is not None:
+        gate, up = exact_linear(h, mlp.gate_up_weight).chunk(2, dim=-1)
+    else:
+        gate, up = exact_linear(h, mlp.gate_proj.weight), exact_linear(h, mlp.up_proj.weight)
+    return x + exact_linear(F.silu(gate) * up, mlp.down_proj.weight)
+
+
+@torch.no_grad()
+def prefill_from_start(stack: DecoderStack, x: Tensor, cache: KVCache, step: Callable = prefill_layer_fp32) -> Tensor:
+    """A whole prompt x [n, D] from position 0 through `stack`, one `step` a layer, its K/V rows
+    into cache positions 0..n-1 (any float dtype); the post-norm hidden of position n - 1. The
+    eager form of the captured prefill, for prompts past its buckets."""
+    n = x.shape[0]
+    if n > cache.max_len:
+        raise RuntimeError(f"KV cache overflow: {n} prefill positions > capacity {cache.max_len}")
+    cos, sin = rotary_cos_sin(torch.arange(n, device=x.device), stack.cfg.head_dim, stack.cfg.rope_theta, x.dtype)
+    for i, layer in enumerate(stack.layers):
+        x = step(layer, x, cos, sin, cache.k[i, :, :n], cache.v[i, :, :n])
+    cache.length = n
+    return stack.norm(x[-1:])[0]
+
+
+@contextlib.contextmanager
+def fp32_matmuls() -> Iterator[None]:
+    """fp32 matrix products at fp32, not TF32, whatever the process asked for (the fp32 reference
+    computes them so); a captured graph keeps the kernels chosen inside."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@dataclass
+class StackOwner:
+    """What PrefillGraphs reads of a Talker: its config and a decoder stack (an fp32 copy of the
+    talker's, say)."""
+
+    cfg: TalkerConfig
+    model: DecoderStack
+
+
+@torch.no_grad()
+def stack_copy(stack: DecoderStack, dtype: torch.dtype) -> DecoderStack:
+    """The layers and final norm of `stack` at `dtype`, without the embeddings a TalkerModel also
+    holds, q/k/v and gate/up fused."""
+    with torch.device("meta"):
+        out = DecoderStack(stack.cfg)
+    out = out.to_empty(device=stack.norm.weight.device).to(dtype)
+    source = dict(stack.named_parameters())
+    for name, p in out.named_parameters():
+        p.requires_grad_(False).copy_(source[name])
+    fuse_projections(out)
+    return out.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# The graphs
+
+
 def mark_length_dynamic(e: dict) -> None:
     """The bucket's length symbolic in a compiled step's inputs: one compile for every bucket
     (where dynamo keeps it so; it would recompile per bucket otherwise)."""
@@ -59,11 +218,19 @@ def mark_length_dynamic(e: dict) -> None:
 
 
 class PrefillGraphs:
-    def __init__(self, talker: Talker, device: torch.device, dtype: torch.dtype, buckets=PREFILL_BUCKETS,
-                 use_graphs: bool | None = None, compile: bool | None = None):
+    """`talker`: a Talker, or a StackOwner; `dtype`: the activations' and K/V buffers'; `step`: the
+    layer step (`prefill_layer`: the modules at their own dtype; `prefill_layer_fp32`); `kind`
+    names the arithmetic, so that a backend shares only graphs that compute what its own would
+    (default: the dtype's name)."""
+
+    def __init__(self, talker: Talker | StackOwner, device: torch.device, dtype: torch.dtype, buckets=PREFILL_BUCKETS,
+                 use_graphs: bool | None = None, compile: bool | None = None, step: Callable = prefill_layer,
+                 kind: str | None = None):
         self.talker = talker
         self.device = device
         self.dtype = dtype
+        self.step = step
+        self.kind = kind or str(dtype).removeprefix("torch.")
         self.buckets = tuple(buckets)
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.entries: dict[int, dict] = {}
@@ -133,7 +300,8 @@ class PrefillGraphs:
             self._capture(bucket)
         self.plain_buckets.clear()
 
-    def _body(self, e: dict, step: Callable = prefill_layer) -> None:
+    def _body(self, e: dict, step: Callable | None = None) -> None:
+        step = step or self.step
         stack = self.talker.model
         x = e["embeds"]
         cos, sin = e["rope"]
@@ -145,16 +313,20 @@ class PrefillGraphs:
     def _compiled_layer(self, e: dict) -> Callable:
         """The compiled layer step, compiled now (outside any capture) if it was not yet."""
         if self._compiled is None:
-            self._compiled = torch.compile(prefill_layer, dynamic=None)
+            self._compiled = torch.compile(self.step, dynamic=None)
         mark_length_dynamic(e)
         with recompile_limit(64):
             self._body(e, self._compiled)
         return self._compiled
 
     def _capture(self, bucket: int) -> dict:
+        with fp32_matmuls() if self.dtype == torch.float32 else contextlib.nullcontext():
+            return self._capture_bucket(bucket)
+
+    def _capture_bucket(self, bucket: int) -> dict:
         e = self.prepare(bucket)
         if self.capturer is not None:
-            step: Callable = prefill_layer
+            step: Callable = self.step
             if self.compile and plain_only():
                 self.plain_buckets.add(bucket)
             elif self.compile:
@@ -168,7 +340,7 @@ class PrefillGraphs:
                     logger.warning("compiling the prefill's layer step failed (%s: %s); using plain graphs",
                                    type(e_).__name__, str(e_)[:300])
                     self.compile = False
-                    step = prefill_layer
+                    step = self.step
             with recompile_limit(64):
                 e["graph"], _ = self.capturer.capture(lambda: self._body(e, step))
         return e

@@ -59,7 +59,8 @@ def _hybrid_backend(net: Qwen3TTSModel, device: torch.device, dtype: torch.dtype
     from pipecat_qwen_fast.backends.megakernel import MegakernelBackend
 
     # The graph backend first: it fuses the q/k/v and gate/up weights in place, and the megakernel
-    # must take its weight addresses after that. The two share the captured prefills.
+    # must take its weight addresses after that. The two share the captured prefills where both
+    # prefill in bf16 (the megakernel's prefill="bf16"); by default the megakernel's are fp32.
     with phase("building the batch backend"):
         bulk = _torch_backend(net, device, dtype)
     with phase("building the megakernel backend"):

@@ -110,16 +110,14 @@ class Warmup:
             # The batch backend alone (backend="torch"): its batch of one is the single call.
             now.append(("capturing the batch graphs", lambda: capture(params, (1,))))
         now.append(("preparing the engine thread", e.prepare_thread))
-        prefills = next(
-            (
-                p
-                for b in (backend, getattr(backend, "fast", None), getattr(backend, "bulk", None))
-                if (p := getattr(b, "prefills", None)) is not None
-            ),
-            None,
-        )
-        if defer and prefills is not None:
-            later.append(("compiled prefill graphs", prefills.compile_plain))
+        # The megakernel's fp32 prefill has graphs of its own beside the batch's bf16 ones.
+        prefills = {
+            id(p): p
+            for b in (backend, getattr(backend, "fast", None), getattr(backend, "bulk", None))
+            if (p := getattr(b, "prefills", None)) is not None
+        }
+        if defer:
+            later += [("compiled prefill graphs", p.compile_plain) for p in prefills.values()]
         if e.vocoder_graphs is not None:
             first = list(schedule_sizes(SynthesisRequest("")))
             now.append(("capturing the vocoder graphs", lambda: e.vocoder_graphs.capture(first)))

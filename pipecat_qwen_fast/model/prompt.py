@@ -131,19 +131,26 @@ def _target_body(tok: TextTokenizer, cfg: ModelConfig, text: str) -> list[int]:
 TEXT_ROW_BLOCK = 32
 
 
+def prompt_dtype(talker: Talker) -> torch.dtype:
+    """The dtype of a prompt's vectors: the talker's `prompt_dtype` where set (float32 for the
+    megakernel's fp32 prefill, whose calls then read the fp32 model's prompt), else its weights'."""
+    return getattr(talker, "prompt_dtype", None) or talker.codec_head.weight.dtype
+
+
 def text_rows(talker: Talker, ids: list[int], fill_id: int, start: int = 0) -> Tensor:
     """T(ids[start:]) for dual-track text: [len(ids) - start, D], each row computed in its
     TEXT_ROW_BLOCK-aligned block, rows past the end of `ids` filled with `fill_id`."""
     device = talker.codec_head.weight.device
+    dtype = prompt_dtype(talker)
     out = []
     first = start - start % TEXT_ROW_BLOCK
     for b in range(first, len(ids), TEXT_ROW_BLOCK):
         block = ids[b : b + TEXT_ROW_BLOCK]
         padded = block + [fill_id] * (TEXT_ROW_BLOCK - len(block))
-        rows = talker.embed_text(torch.tensor(padded, dtype=torch.long, device=device))
+        rows = talker.embed_text(torch.tensor(padded, dtype=torch.long, device=device), dtype)
         out.append(rows[max(start - b, 0) : len(block)])
     if not out:
-        return talker.embed_text(torch.zeros(0, dtype=torch.long, device=device))
+        return talker.embed_text(torch.zeros(0, dtype=torch.long, device=device), dtype)
     return torch.cat(out)
 
 
@@ -185,18 +192,21 @@ def build_prompt(
     tokenized (streamed text: tokens already final, or a guess at them)."""
     tc = cfg.talker
     device = talker.codec_head.weight.device
+    dtype = prompt_dtype(talker)
 
     def ids(x: list[int]) -> Tensor:
         return torch.tensor(x, dtype=torch.long, device=device)
 
     def T(x: list[int]) -> Tensor:
-        return talker.embed_text(ids(x))
+        return talker.embed_text(ids(x), dtype)
 
     def C(x: list[int]) -> Tensor:
-        return talker.embed_codec(ids(x))
+        return talker.embed_codec(ids(x)).to(dtype)
 
-    text_weights = _weights_key((talker.model.text_embedding, talker.text_projection))
-    codec_weights = _weights_key((talker.model.codec_embedding,))
+    # The dtype is part of the key: a prompt made after the talker's prompt_dtype changed
+    # recomputes the shared vectors at the new one.
+    text_weights = (dtype, _weights_key((talker.model.text_embedding, talker.text_projection)))
+    codec_weights = (dtype, _weights_key((talker.model.codec_embedding,)))
 
     def T_const(x: list[int]) -> Tensor:
         return _memo(talker, ("T", *x), text_weights, lambda: T(x))
@@ -239,7 +249,7 @@ def build_prompt(
         ref_body = _ref_body(tok, cfg, voice_clone.ref_text)
         seq_vecs = T(ref_body + body) if text_mode == PREFILL else text_rows(talker, ref_body + body, cfg.tts_pad_id)
         text_vecs = torch.cat([seq_vecs, eos_vec[None]])  # [R+N+1, D]
-        codec_vecs = torch.cat([codec_bos[None], talker.embed_frames(ref_codes)])  # [T_ref+1, D]
+        codec_vecs = torch.cat([codec_bos[None], talker.embed_frames(ref_codes, dtype)])  # [T_ref+1, D]
         if text_mode == PREFILL:
             parts.append(text_vecs + codec_pad)
             parts.append(codec_vecs + pad_vec)

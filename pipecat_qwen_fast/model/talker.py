@@ -6,6 +6,8 @@ the checkpoint's `talker.*` tensors (spec appendix).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor, nn
 
@@ -65,18 +67,40 @@ class Talker(nn.Module):
         self.text_projection = TextProjection(cfg.text_hidden_size, cfg.hidden_size)
         self.codec_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.code_predictor = CodePredictor(predictor_cfg, cfg.hidden_size)
+        # The dtype prompts are built at (model/prompt.py); None: the weights'. The megakernel's
+        # fp32 prefill sets float32: a bf16 checkpoint's prompt is then the fp32 model's.
+        self.prompt_dtype: torch.dtype | None = None
 
-    def embed_text(self, ids: Tensor) -> Tensor:
-        """T(ids): text embedding + projection, [n] -> [n, D]."""
-        return self.text_projection(self.model.text_embedding(ids))
+    def embed_text(self, ids: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """T(ids): text embedding + projection, [n] -> [n, D]. With a `dtype` other than the
+        weights', the projection runs at it on a copy of its weights (an upcast is exact), as the
+        same checkpoint loaded at that dtype computes it."""
+        e = self.model.text_embedding(ids)
+        if dtype is None or dtype == e.dtype:
+            return self.text_projection(e)
+        return self._projection_at(dtype)(e.to(dtype))
+
+    def _projection_at(self, dtype: torch.dtype) -> nn.Module:
+        """`text_projection` at `dtype`, copied again once its weights change (new storage or an
+        in-place edit)."""
+        key = (dtype, tuple((p.data_ptr(), p._version, p.device) for p in self.text_projection.parameters()))
+        held = self.__dict__.get("_projection_copy")
+        if held is None or held[0] != key:
+            held = (key, copy.deepcopy(self.text_projection).to(dtype))
+            # Kept out of the module tree, so that state_dict() and .to() see the checkpoint only.
+            self.__dict__["_projection_copy"] = held
+        return held[1]
 
     def embed_codec(self, ids: Tensor) -> Tensor:
         """C(ids): rows of the talker's codec table, [n] -> [n, D]."""
         return self.model.codec_embedding(ids)
 
-    def embed_frames(self, codes: Tensor) -> Tensor:
-        """Σ of the 16 code embeddings per frame, codes [T, 16] -> [T, D] (talker input / ICL frames)."""
+    def embed_frames(self, codes: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """Σ of the 16 code embeddings per frame, codes [T, 16] -> [T, D] (talker input / ICL frames),
+        summed at `dtype` (None: the weights')."""
         total = self.model.codec_embedding(codes[:, 0])
+        if dtype is not None:
+            total = total.to(dtype)
         for g in range(1, codes.shape[1]):
             total = total + self.code_predictor.model.codec_embedding[g - 1](codes[:, g])
         return total
