@@ -4,6 +4,7 @@ on SIGTERM, and logs that never hold the text spoken."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -92,6 +93,18 @@ def test_the_engines_overload_error_is_a_503_with_its_retry_after():
     assert (error.status, error.code, error.headers()) == (503, "overloaded", {"Retry-After": "4"})
     assert "48 streams running" in error.message
     assert from_engine_error(RuntimeError("boom"), retry_after_s=1).status == 500
+
+
+async def test_a_server_that_loads_its_engine_freezes_the_heap(endless_path):
+    # The loaded model's objects leave the collector's reach: a full collection would stall
+    # every stream (docs/SERVER.md, "Performance").
+    gc.unfreeze()
+    try:
+        with running(settings_for(endless_path)) as srv:
+            await eventually(lambda: srv.ctx.ready, within=LOAD_TIMEOUT, what="the engine")
+            await eventually(lambda: gc.get_freeze_count() > 10_000, what="the freeze")
+    finally:
+        gc.unfreeze()
 
 
 def test_server_exits_when_its_model_fails_to_load(tmp_path):
