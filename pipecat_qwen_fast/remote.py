@@ -3,8 +3,11 @@ WebSocket (``/v1/audio/speech/stream``, vLLM-Omni's Qwen3-TTS protocol; docs/SER
 
 Each utterance is one socket: session.config, input.text, input.done, then audio until
 session.done. A socket per utterance makes cancelling exact: closing it mid-turn makes the
-server cancel that turn's engine stream at once, and no later turn can be confused with it. On
-loopback or a LAN the handshake costs well under a millisecond next to the engine's first chunk.
+server cancel that turn's engine stream at once, and no later turn can be confused with it. The
+handshake is kept off the next utterance's first audio: once a turn's first audio is in, the
+client connects a spare socket (`spare_sockets`, default 1) that the next utterance takes if it is
+under SPARE_MAX_AGE_S old. On loopback a handshake is a fraction of a millisecond when the server is
+idle, but a few of its event loop's turns under load (docs/SERVER.md, "Performance").
 
 A streamed-text turn (`RemoteTTSClient.open_text_stream`, the adapters' token mode) is one socket
 too: each `append` is an input.text message as it comes, `end` is input.done, and the server
@@ -24,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import math
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -43,6 +47,9 @@ _DEFAULTS = SynthesisRequest("")
 # graphs cover); the client refuses more when the option is set, not at the first utterance.
 MAX_CHUNK_FRAMES = 32
 FRAME_SAMPLES = SAMPLE_RATE * 2 // 25  # one 80 ms codec frame
+# A spare socket older than this is closed rather than used: the server closes a socket that sends
+# no session.config within its ws_config_timeout_s (10 s by default).
+SPARE_MAX_AGE_S = 5.0
 # Error codes of requests the server will refuse again however often they are retried.
 _INPUT_CODES = frozenset({"invalid_request_error", "input_too_long", "authentication_error",
                           "missing_api_key", "invalid_api_key", "protocol_error", "turn_ended"})
@@ -171,12 +178,16 @@ class RemoteWord:
 
 
 class RemoteTTSClient:
-    """One server's client, shared by all the streams of one adapter instance."""
+    """One server's client, shared by all the streams of one adapter instance. It keeps
+    `spare_sockets` sockets connected ahead of the next utterances (0: a handshake each)."""
 
     sample_rate = SAMPLE_RATE
 
     def __init__(self, base_url: str, api_key: str | None = None, *,
-                 connect_timeout_s: float = 10.0, close_timeout_s: float = 2.0) -> None:
+                 connect_timeout_s: float = 10.0, close_timeout_s: float = 2.0,
+                 spare_sockets: int = 1) -> None:
+        if spare_sockets < 0:
+            raise ValueError(f"spare_sockets must be >= 0, got {spare_sockets}")
         self.url = stream_url(base_url)
         self.base_url = base_url
         self.api_key = api_key
@@ -186,6 +197,11 @@ class RemoteTTSClient:
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.ready = False  # a stream or /ready has succeeded
+        # Sockets connected ahead of the utterances that will take them, with when each opened.
+        self.spare_sockets = spare_sockets
+        self._spares: list[tuple[float, aiohttp.ClientWebSocketResponse]] = []
+        self._spares_connecting = 0
+        self._chores: set[asyncio.Task] = set()  # spares connecting or closing
 
     def open_stream(self, request: SynthesisRequest) -> RemoteStream:
         """A stream of the request's audio; it connects on its first read. Options the server
@@ -220,7 +236,46 @@ class RemoteTTSClient:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=None, connect=self._connect_timeout_s))
             self._loop = loop
+            self._spares = []  # the old session's
         return self._session
+
+    async def socket(self) -> aiohttp.ClientWebSocketResponse:
+        """A socket for one utterance: a spare connected ahead of it if a fresh one is there (its
+        handshake then costs the utterance nothing; under load it took milliseconds of the
+        server's event loop, docs/SERVER.md "Performance"), else a new one."""
+        self.http()
+        now = time.monotonic()
+        while self._spares:
+            opened_at, ws = self._spares.pop(0)
+            if not ws.closed and now - opened_at < SPARE_MAX_AGE_S:
+                return ws
+            self._chore(_close(ws))
+        return await self.connect()
+
+    def connect_spares(self) -> None:
+        """Start connecting the spare sockets that are missing; never waits. A spare that fails
+        to connect is dropped: the next utterance connects on its own and reports the error."""
+        session = self.http()
+        for _ in range(self.spare_sockets - len(self._spares) - self._spares_connecting):
+            self._spares_connecting += 1
+            self._chore(self._connect_spare(session))
+
+    async def _connect_spare(self, session: aiohttp.ClientSession) -> None:
+        try:
+            ws = await self.connect()
+        except Exception:  # noqa: BLE001 - see connect_spares
+            return
+        finally:
+            self._spares_connecting -= 1
+        if self._session is not session or session.closed:  # closed, or another loop's session
+            await _close(ws)
+            return
+        self._spares.append((time.monotonic(), ws))
+
+    def _chore(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._chores.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._chores.discard)
 
     async def connect(self) -> aiohttp.ClientWebSocketResponse:
         try:
@@ -243,6 +298,13 @@ class RemoteTTSClient:
 
     async def aclose(self) -> None:
         if self._session is not None and self._loop is asyncio.get_running_loop():
+            chores = list(self._chores)
+            for task in chores:
+                task.cancel()
+            await asyncio.gather(*chores, return_exceptions=True)
+            spares, self._spares = self._spares, []
+            for _, ws in spares:
+                await _close(ws)
             await self._session.close()
         self._session = None
 
@@ -276,7 +338,7 @@ class RemoteStream:
 
     async def _open(self) -> aiohttp.ClientWebSocketResponse | None:
         """The socket with the whole utterance sent on it; None if cancelled meanwhile."""
-        ws = await self._client.connect()
+        ws = await self._client.socket()
         if self._cancelled:  # cancelled while connecting: nothing is sent
             await _close(ws)
             return None
@@ -298,6 +360,10 @@ class RemoteStream:
                 raise StopAsyncIteration
             if msg.type == aiohttp.WSMsgType.BINARY:
                 if msg.data:
+                    if not self._frames:
+                        # Not before: the handshake's work in the server would then compete with
+                        # this utterance's first frame (docs/SERVER.md, "Performance").
+                        self._client.connect_spares()
                     pcm = np.frombuffer(msg.data, dtype=np.int16)
                     frames = len(pcm) // FRAME_SAMPLES
                     chunk = RemoteChunk(pcm, self._frames, frames)
@@ -412,7 +478,7 @@ class RemoteTextStream(RemoteStream):
 
     async def _send_all(self) -> None:
         try:
-            ws = await self._client.connect()
+            ws = await self._client.socket()
             if self._cancelled:
                 await _close(ws)
                 return
