@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from pipecat_qwen_fast.bench import fleet, fleet_report, texts
+from pipecat_qwen_fast.bench import fleet, fleet_callers, fleet_report, texts
 from pipecat_qwen_fast.bench.fleet_callers import is_overload
 from pipecat_qwen_fast.bench.fleet_workload import (
     COMPLETE,
@@ -161,6 +161,32 @@ def test_overload_is_recognised_by_name(monkeypatch):
 @pytest.fixture(scope="module")
 def endless(tiny_checkpoint):
     return tiny_checkpoint("custom_voice", zero_eos=True)
+
+
+@pytest.mark.timeout(180)
+def test_in_process_streamed_turns_take_the_servers_engine_path(endless):
+    """--in-process-turns streamed: each reply a streamed-text turn given its whole text, as a
+    server's dual-track turn is; as much audio as the whole text's."""
+    from pipecat_qwen_fast.engine.engine import QwenTTSEngine
+
+    engine = QwenTTSEngine.from_pretrained(endless, device="cpu", dtype="float32", backend="torch", progress=False)
+    service = EngineService.for_engine(engine)
+    reply = fleet_replies()[0]
+
+    async def hear(streamed: bool) -> list[int]:
+        endpoint = fleet_callers.InProcessEndpoint(service, engine.default_voice, "dual_track", streamed)
+        samples = [n async for n in endpoint.speak(fleet_callers.Reply(reply.text, 6), seed=3)]
+        await endpoint.settle()
+        return samples
+
+    try:
+        whole, streamed = asyncio.run(hear(False)), asyncio.run(hear(True))
+        assert sum(whole) == sum(streamed) == 6 * FRAME
+        with pytest.raises(SystemExit, match="dual_track"):
+            fleet.parse_args(["--model", str(endless), "--out", "x", "--in-process-turns", "streamed"])
+    finally:
+        service.close()
+        engine.close()
 
 
 @pytest.mark.timeout(180)

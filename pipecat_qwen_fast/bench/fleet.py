@@ -18,6 +18,7 @@ JSON and markdown say why) into --out, all within --budget seconds from the star
     qwen-fast-tts bench fleet --build-size tiny --device cpu --backend torch --levels 2 --duration 3 --out /tmp/f
     qwen-fast-tts bench fleet --model DIR --through server --text-mode dual_track --out /tmp/f   # via the server
     qwen-fast-tts bench fleet --model DIR --through both --text-mode dual_track --out /tmp/f     # both, side by side
+    qwen-fast-tts bench fleet --model DIR --text-mode dual_track --in-process-turns streamed --out /tmp/f  # the server's engine path
     qwen-fast-tts bench fleet --server-url http://HOST:8000 --voice ryan --out /tmp/f         # a running server
 """
 
@@ -98,6 +99,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--text-mode", default=None, choices=["prefill", "dual_track"],
                    help="the requests' text mode (default: the variant's); dual_track makes a "
                         "server turn one engine stream, as in-process")
+    p.add_argument("--in-process-turns", default="whole", choices=["whole", "streamed"],
+                   help="in process: whole (each reply opened with its text, open_stream) or streamed "
+                        "(a streamed-text turn given the whole reply and ended at once, the engine "
+                        "path of a server's dual-track WebSocket turn; needs --text-mode dual_track)")
     p.add_argument("--levels", default="16,32,64,128,256,512,768", help="closed loop: callers per level")
     p.add_argument("--rates", default="5,10,15,20,30,40,60,80,120,160", help="open loop: requests/s per level")
     p.add_argument("--duration", type=float, default=30.0, help="seconds a level submits requests")
@@ -124,6 +129,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if len(listen) != 2 or listen[0] > listen[1]:
         raise SystemExit(f"--listen: expected min,max seconds, got {args.listen!r}")
     args.listen = tuple(listen)
+    if args.in_process_turns == "streamed" and args.text_mode != "dual_track":
+        raise SystemExit("--in-process-turns streamed needs --text-mode dual_track")
     if args.duration <= 0 or args.stagger < 0 or args.drain < 0 or args.warmup < 0:
         raise SystemExit("--duration must be > 0; --stagger, --drain and --warmup >= 0")
     return args
@@ -351,8 +358,10 @@ def main(argv: list[str] | None = None) -> int:
                                           service)
                 report.put("endpoint", "the server on loopback (WebSocket) over one EngineService")
             else:
-                endpoint = InProcessEndpoint(service, engine.default_voice, args.text_mode)
-                report.put("endpoint", "in process: one EngineService")
+                streamed = args.in_process_turns == "streamed"
+                endpoint = InProcessEndpoint(service, engine.default_voice, args.text_mode, streamed)
+                report.put("endpoint", "in process: one EngineService" + (
+                    ", streamed-text turns (the server's engine path)" if streamed else ""))
             runs.append(Run(name, endpoint, report, save))
         put("workload", workload(args, fleet_replies()))
         log(f"engine loaded in {time.monotonic() - t0:.1f} s ({engine.backend.name} on {engine.device}); "

@@ -10,6 +10,7 @@ loop: Poisson arrivals) only see that, so the same workload can drive the engine
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections.abc import AsyncIterator
@@ -50,16 +51,26 @@ def is_overload(exc: BaseException) -> bool:
 
 
 class InProcessEndpoint:
-    """The engine in this process, through its EngineService (as the Pipecat and LiveKit adapters use it)."""
+    """The engine in this process, through its EngineService (as the Pipecat and LiveKit adapters use it).
+    `streamed`: each reply is a streamed-text turn given its whole text and ended at once, the
+    engine path of a server's dual-track WebSocket turn, so that a comparison with the server
+    can tell the server's own cost from that path's."""
 
-    def __init__(self, service: Any, voice: str | None, text_mode: str | None = None) -> None:
+    def __init__(self, service: Any, voice: str | None, text_mode: str | None = None,
+                 streamed: bool = False) -> None:
         self.service = service
         self.voice = voice
         self.text_mode = text_mode
+        self.streamed = streamed
         self._streams: list[Any] = []
 
     def open(self, request: SynthesisRequest) -> Any:
-        return self.service.open_stream(request)
+        if not self.streamed:
+            return self.service.open_stream(request)
+        stream = self.service.open_text_stream(dataclasses.replace(request, text=""))
+        stream.append(request.text)
+        stream.end()
+        return stream
 
     async def speak(self, reply: Reply, seed: int) -> AsyncIterator[int]:
         stream = self.open(SynthesisRequest(reply.text, voice=self.voice, seed=seed, max_frames=reply.frames,
