@@ -1,0 +1,31 @@
+"""`qwen-fast-tts serve` over the stand-in engine (sim_engine.py), its timelines traced
+(timeline.py). Arguments are serve's. Environment, for A/Bs of what the server does under load:
+NO_FREEZE=1 leaves the heap unfrozen (server/app.py freeze_heap), LOOP=asyncio|uvloop picks
+uvicorn's event loop (the GPU machine's image has no uvloop), SWITCH=seconds sets
+sys.setswitchinterval.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import sim_engine
+import timeline
+
+sim_engine.install()
+timeline.install_server()
+if os.environ.get("NO_FREEZE"):
+    from pipecat_qwen_fast.server import app
+
+    app.freeze_heap = lambda **kw: None
+if os.environ.get("SWITCH"):
+    sys.setswitchinterval(float(os.environ["SWITCH"]))
+if os.environ.get("LOOP"):
+    import uvicorn.config
+
+    uvicorn.config.LOOP_FACTORIES["auto"] = uvicorn.config.LOOP_FACTORIES[os.environ["LOOP"]]
+
+from pipecat_qwen_fast.cli import main
+
+sys.exit(main(["serve", *sys.argv[1:]]))
