@@ -98,6 +98,8 @@ async def report_load(ctx: ServerContext,
         while service.alive and not getattr(service.engine, "fully_warm", True):
             await asyncio.sleep(1.0)
         freeze_heap(collect=False)
+        logger.info("fully warm; %d objects frozen out of the garbage collector's reach",
+                    gc.get_freeze_count())
 
 
 def freeze_heap(*, collect: bool) -> None:
