@@ -59,8 +59,9 @@ def from_engine_error(exc: BaseException, retry_after_s: float) -> ApiError:
     """The client's view of an exception raised by the engine service for one stream."""
     if is_overload(exc):
         hint = getattr(exc, "retry_after_s", None) or getattr(exc, "retry_after", None)
-        return refused(f"the TTS engine is at capacity: {exc}", float(hint or retry_after_s),
-                       "overloaded")
+        # The engine's own refusals already say that the engine is full, and how.
+        message = str(exc) if str(exc).startswith("the TTS engine") else f"the TTS engine is at capacity: {exc}"
+        return refused(message, float(hint or retry_after_s), "overloaded")
     if isinstance(exc, InvalidInputError):
         return bad_request(str(exc))
     if isinstance(exc, EngineClosedError):

@@ -91,7 +91,10 @@ def test_the_engines_overload_error_is_a_503_with_its_retry_after():
 
     error = from_engine_error(EngineOverloadedError("48 streams running"), retry_after_s=1)
     assert (error.status, error.code, error.headers()) == (503, "overloaded", {"Retry-After": "4"})
-    assert "48 streams running" in error.message
+    assert error.message == "the TTS engine is at capacity: 48 streams running"
+    # The engine's own refusal says so already: not twice.
+    own = from_engine_error(EngineOverloadedError("the TTS engine is at capacity: rounds of 27 ms"), 1)
+    assert own.message == "the TTS engine is at capacity: rounds of 27 ms"
     assert from_engine_error(RuntimeError("boom"), retry_after_s=1).status == 500
 
 
