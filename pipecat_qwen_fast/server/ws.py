@@ -466,10 +466,14 @@ class SpeechSocket:
             item = await self.queue.get()
             if isinstance(item, TurnDone):
                 turn = item.turn
-                await self.send_json({"type": "session.done",
-                                      "total_sentences": turn.sentences if turn else 0})
-                if turn is not None:
-                    turn.end()
+                try:
+                    await self.send_json({"type": "session.done",
+                                          "total_sentences": turn.sentences if turn else 0})
+                finally:
+                    # A client gone while session.done is sent (one that hung up on a refused
+                    # turn's error, say) must not keep the turn's slot: it left the queue already.
+                    if turn is not None:
+                        turn.end()
             elif isinstance(item, StreamedTurn):
                 await self.speak_turn(item.turn)
             elif item.turn.speaking:

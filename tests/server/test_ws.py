@@ -296,3 +296,29 @@ async def test_idle_socket_is_closed_after_the_idle_timeout(endless_service, end
                     items = await read_until_done(ws, within=10)
                 assert events(items)[0]["code"] == "timeout"
                 assert items[-1] == ("closed", 1000)
+
+
+async def test_clients_gone_as_their_refused_turns_end_leave_no_slot(endless_service, endless_path):
+    """Turns the engine refuses (admission by round time), each client hanging up on the refusal:
+    the server sends session.done into a closing socket, and the turns' slots still
+    come back (an H200 fleet run ended with 129 slots held by such turns)."""
+    held = endless_service.open_stream(SynthesisRequest(LONG_TEXT, voice=VOICE, max_frames=400))
+    saved = endless_service._max_round_ms
+    try:
+        await eventually(lambda: endless_service.round_ms > 0, what="a round")
+        endless_service._max_round_ms = 1e-6  # any round is too long: every new stream is refused
+        with running(settings_for(endless_path, max_frames=12), endless_service) as srv:
+            async with aiohttp.ClientSession() as http:
+                for _ in range(20):
+                    # Dual-track: the refusal is told as the text arrives, session.done follows
+                    # from the speaker's side; the client hangs up between the two.
+                    async with http.ws_connect(srv.ws_url) as ws:
+                        await ws.send_json({**CONFIG, "non_streaming_mode": False})
+                        await ws.send_json({"type": "input.text", "text": "Refused, then gone."})
+                        await ws.send_json({"type": "input.done"})
+                        msg = await ws.receive(timeout=TIMEOUT)
+                        assert json.loads(msg.data)["code"] == "overloaded"
+            await eventually(lambda: srv.ctx.gate.in_use == 0, what="the refused turns' slots")
+    finally:
+        endless_service._max_round_ms = saved
+        await held.aclose()
