@@ -352,7 +352,8 @@ def test_comparison_lists_levels_one_side_skipped():
 @pytest.mark.timeout(300)
 def test_sweep_against_a_server_of_another_process(endless, tmp_path):
     """--server-url: callers on a running server's WebSocket, with no engine in the benchmark's own
-    process (the run issue 38 makes through Ray Serve's proxy); no round timing to report."""
+    process (the run issue 38 makes through Ray Serve's proxy); its rounds' count and mean wall
+    time from the server's /metrics, the split into decode and vocoder not being published."""
     import subprocess
     import sys
     import time
@@ -387,4 +388,8 @@ def test_sweep_against_a_server_of_another_process(endless, tmp_path):
     assert result["endpoint"].startswith("a server at")
     (level,) = result["closed"]["levels"]
     assert level["utterances"] >= 2 and level["errors"] == 0 and level["refused"] == 0
-    assert level["frames_per_s"] > 0 and level["rounds"] is None
+    assert level["frames_per_s"] > 0
+    rounds = level["rounds"]
+    assert rounds["source"] == "server /metrics" and rounds["rounds"] >= 10
+    assert 0 < rounds["wall_ms_mean"] < 2500 and 0 < rounds["busy_fraction"] <= 1.0
+    assert " (server's /metrics: " in (out / "fleet.md").read_text()

@@ -16,6 +16,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+import aiohttp
+
 from pipecat_qwen_fast import errors
 from pipecat_qwen_fast.bench.fleet_workload import (
     COMPLETE,
@@ -120,6 +122,26 @@ class ServerEndpoint(InProcessEndpoint):
 
     def take_rounds(self) -> list | None:
         return super().take_rounds() if self.service is not None else None
+
+    async def read_rounds(self) -> tuple[float, float] | None:
+        """The server's engine rounds so far and their summed seconds, from its /metrics (a
+        server in another process), or None where it does not publish them."""
+        from pipecat_qwen_fast.remote import http_url
+
+        wanted = {"qwen_tts_engine_rounds_total": None, "qwen_tts_engine_round_seconds_total": None}
+        try:
+            async with self.client.http().get(http_url(self.client.base_url, "/metrics"),
+                                              headers=self.client._headers) as response:
+                if response.status != 200:
+                    return None
+                for line in (await response.text()).splitlines():
+                    name, _, value = line.partition(" ")
+                    if name in wanted:
+                        wanted[name] = float(value)
+        except (aiohttp.ClientError, ValueError):
+            return None
+        rounds, seconds = wanted.values()
+        return None if rounds is None or seconds is None else (rounds, seconds)
 
     async def aclose(self) -> None:
         await self.client.aclose()

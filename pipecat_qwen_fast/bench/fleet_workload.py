@@ -185,3 +185,20 @@ def summarize_rounds(rounds: list, level_wall_s: float) -> dict | None:
         "opened_per_round_mean": sum(r.opened for r in rounds) / n,
         "busy_fraction": sum(walls) / level_wall_s if level_wall_s > 0 else None,
     }
+
+
+def served_rounds(before: tuple[float, float], after: tuple[float, float] | None,
+                  level_wall_s: float) -> dict | None:
+    """A level's rounds from a server's /metrics counters (rounds, seconds) read before and after
+    it: their count and mean wall time, the split into decode and vocoder not being published."""
+    if after is None:
+        return None
+    n, seconds = after[0] - before[0], after[1] - before[1]
+    if n <= 0:
+        return None
+    return {
+        "rounds": int(n),
+        "wall_ms_mean": 1e3 * seconds / n,
+        "busy_fraction": seconds / level_wall_s if level_wall_s > 0 else None,
+        "source": "server /metrics",
+    }

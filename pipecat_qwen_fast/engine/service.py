@@ -306,6 +306,10 @@ class EngineService:
         self.max_lead_s = max_lead_s
         self.contention_rows = CONTENTION_ROWS
         self.round_ms = 0.0  # smoothed wall time of the rounds that ran frames (engine thread)
+        # Their count and summed wall time, for a server's /metrics: a scraper's mean round over
+        # an interval is the quotient of the two deltas.
+        self.rounds = 0
+        self.round_seconds = 0.0
         # Streams handed in and not yet ended: counted here rather than from the lists, which a
         # stream leaves while the engine thread opens it.
         self._admitted = 0
@@ -600,6 +604,8 @@ class EngineService:
                     self._after_step(stream, result)
                 ms = (time.perf_counter() - started) * 1e3
                 self.round_ms = ms if self.round_ms == 0.0 else self.round_ms + ROUND_EWMA * (ms - self.round_ms)
+                self.rounds += 1
+                self.round_seconds += ms / 1e3
                 if timer is not None:
                     timer.end(len(ready))
             elif self._waiting and not self._active:

@@ -36,6 +36,7 @@ class ServerContext:
             sockets=lambda: self.open_sockets,
             capacity=settings.max_streams,
             ready=lambda: self.ready,
+            service=lambda: self.service,
         )
         self._book: VoiceBook | None = None
         # One voice upload encodes at a time: it bounds the CPU/GPU taken from streams, and makes

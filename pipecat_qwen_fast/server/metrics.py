@@ -7,6 +7,7 @@ its proxy) never clash over metric names.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -16,6 +17,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -32,8 +34,9 @@ class ServerMetrics:
 
     def __init__(self, *, active: Callable[[], int], queued: Callable[[], int],
                  in_use: Callable[[], int], sockets: Callable[[], int], capacity: int,
-                 ready: Callable[[], bool]) -> None:
+                 ready: Callable[[], bool], service: Callable[[], Any] = lambda: None) -> None:
         r = self.registry = CollectorRegistry()
+        r.register(EngineRounds(service))
         Gauge("qwen_tts_streams_active", "Engine streams being decoded now.", registry=r
               ).set_function(active)
         Gauge("qwen_tts_streams_queued", "Engine streams waiting for a free engine slot.",
@@ -75,6 +78,30 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class EngineRounds:
+    """The engine thread's rounds, read from the service when scraped: the admission signal (the
+    smoothed round, refused over `max_round_ms`) and the count and summed wall time, whose deltas
+    give the mean round over any interval (`bench fleet` through a server reads them per level)."""
+
+    def __init__(self, service: Callable[[], Any]) -> None:
+        self._service = service
+
+    def collect(self):
+        service = self._service()
+        if service is None:  # still loading
+            return
+        rounds = CounterMetricFamily("qwen_tts_engine_rounds", "Engine rounds that ran frames.")
+        rounds.add_metric([], float(getattr(service, "rounds", 0)))
+        yield rounds
+        seconds = CounterMetricFamily("qwen_tts_engine_round_seconds",
+                                      "Wall time of the engine rounds that ran frames.")
+        seconds.add_metric([], float(getattr(service, "round_seconds", 0.0)))
+        yield seconds
+        yield GaugeMetricFamily("qwen_tts_engine_round_ms", "The smoothed round wall time that "
+                                "admission compares with max_round_ms.",
+                                value=float(getattr(service, "round_ms", 0.0)))
 
 
 class PlayoutClock:

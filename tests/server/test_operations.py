@@ -128,6 +128,8 @@ async def test_metrics_count_streams_audio_first_audio_refusals_and_errors(endle
                 # Exported at 0 before any stream, so a scrape can tell "none" from "missing".
                 assert fresh[("qwen_tts_underruns_total", e)] == 0
                 assert fresh[("qwen_tts_audio_seconds_total", e)] == 0
+            rounds_before = fresh[("qwen_tts_engine_rounds_total", ())]
+            seconds_before = fresh[("qwen_tts_engine_round_seconds_total", ())]
             ok = await http.post("/v1/audio/speech", json={
                 "input": "Count me.", "voice": VOICE, "response_format": "pcm",
                 "max_new_tokens": 12})
@@ -160,6 +162,10 @@ async def test_metrics_count_streams_audio_first_audio_refusals_and_errors(endle
         assert m[("qwen_tts_admitted_streams", ())] == 0
         assert m[("qwen_tts_max_streams", ())] == 32 and m[("qwen_tts_ready", ())] == 1
         assert m[("qwen_tts_websockets_open", ())] == 0
+        # The engine's rounds: two streams of 12 frames took at least 12 rounds, and time.
+        assert m[("qwen_tts_engine_rounds_total", ())] - rounds_before >= 12
+        assert m[("qwen_tts_engine_round_seconds_total", ())] > seconds_before
+        assert m[("qwen_tts_engine_round_ms", ())] > 0
 
 
 class Collect(logging.Handler):
