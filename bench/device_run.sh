@@ -21,10 +21,17 @@
 # DEVICE_SECONDS (default 570) bounds the whole call from its start; STARTUP_RUNS picks the starts
 # (default cold,warm); FLEET_ARGS adds arguments to the fleet runs; STREAMING_ARGS to the
 # streaming-text run (default --runs 8). Everything lands in $OUT.
+# To measure main's HEAD while others have uncommitted edits in the tree: here,
+# `mkdir -p .devpatch && git diff HEAD > .devpatch/wt.patch`, and carry ".devpatch" (and ".whl",
+# from scripts/device_wheels.sh): the edits are taken back out of the device's copy first.
 set -u
 t0=$(date +%s)
 out=${OUT:-/tmp/device-out}
 mkdir -p "$out"
+if [ -s .devpatch/wt.patch ]; then
+    git apply -R .devpatch/wt.patch && echo "uncommitted edits taken out: main's HEAD runs" \
+        || { echo "the edits in .devpatch/wt.patch did not come out cleanly; stopping"; exit 1; }
+fi
 # Wheels the image lacks (server, audio I/O, pytest-asyncio), carried in .whl/ where present.
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
