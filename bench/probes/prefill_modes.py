@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,23 +23,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: megakernel_check, cuda_timing
-from cuda_timing import event_times_ms
 from megakernel_check import git_commit, random_engine, warm_ttfc
+from prefill_ab import prefill_ms  # the GPU time of a captured prefill per bucket
 
 from pipecat_qwen_fast.backends.megakernel import PREFILL_MODES
 from pipecat_qwen_fast.backends.prefill_graphs import stack_copy
 from pipecat_qwen_fast.bench import texts
 from pipecat_qwen_fast.model.layers import KVCache
 from pipecat_qwen_fast.model.prompt import PREFILL, build_prompt
-
-
-def prefill_ms(graphs, hidden: int) -> dict:
-    out = {}
-    for b in graphs.buckets:
-        embeds = (torch.randn(b - 3, hidden, device=graphs.device) * 0.05).to(graphs.dtype)
-        times = event_times_ms(lambda e=embeds: graphs.run(e), 55, sync_each=True)
-        out[str(b)] = statistics.median(times[5:])
-    return out
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
