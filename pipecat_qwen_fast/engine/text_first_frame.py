@@ -42,7 +42,6 @@ def speculate(engine, s) -> None:
         return
     if feed.guess is not None:
         ts._fresh_state(engine, s)  # it holds the prefill of another guess
-        s.early = None
     with torch.no_grad():
         prompt = ts._prompt(engine, s, "", body=[guess])
     engine._prefill([s], [prompt.embeds])

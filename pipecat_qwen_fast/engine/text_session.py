@@ -417,6 +417,7 @@ def _fresh_state(engine, s) -> None:
     feed = s.feed
     engine.backend.release(s.state)
     s.state = None
+    s.early = None  # audio made from the old state's frame 0 (text_first_frame.speculate)
     s.state = engine.backend.new_state(
         max_positions=feed.prompt_len + _budget(engine, s, _cap(engine, s, None)) + 1,
         params=s.params,
