@@ -95,6 +95,7 @@ PY
                             python3 -c 'import av' 2>/dev/null || st="$st:$PWD/bench/device_stubs/av"
                             python3 -c 'import livekit.local_inference' 2>/dev/null \
                                 || st="$st:$PWD/bench/device_stubs/local_inference"
+                            st="$st:$PWD/bench/device_stubs/common"  # what the stand-ins share
                             # The frameworks that import (else why not, and the engine alone).
                             fw=engine
                             for f in pipecat livekit; do
