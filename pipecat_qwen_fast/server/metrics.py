@@ -93,15 +93,15 @@ class EngineRounds:
         if service is None:  # still loading
             return
         rounds = CounterMetricFamily("qwen_tts_engine_rounds", "Engine rounds that ran frames.")
-        rounds.add_metric([], float(getattr(service, "rounds", 0)))
+        rounds.add_metric([], float(service.rounds))
         yield rounds
         seconds = CounterMetricFamily("qwen_tts_engine_round_seconds",
                                       "Wall time of the engine rounds that ran frames.")
-        seconds.add_metric([], float(getattr(service, "round_seconds", 0.0)))
+        seconds.add_metric([], float(service.round_seconds))
         yield seconds
         yield GaugeMetricFamily("qwen_tts_engine_round_ms", "The smoothed round wall time that "
                                 "admission compares with max_round_ms.",
-                                value=float(getattr(service, "round_ms", 0.0)))
+                                value=float(service.round_ms))
 
 
 class PlayoutClock:
