@@ -23,17 +23,22 @@ TEXT = "".join(PIECES)
 FRAMES = 12
 
 
-async def test_turn_is_one_session_fed_as_text_arrives_with_word_times(server, endless_service):
-    before = endless_service.streams_opened
+async def speak_pieces(url: str, transport: str) -> list:
+    """One streamed turn of PIECES, 20 ms apart, with word times sent by `transport`."""
     config = {**STREAMED, "seed": 3, "max_new_tokens": FRAMES, "timestamp_type": "word",
-              "timestamp_transport_strategy": "sync"}
-    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws_url) as ws:
+              "timestamp_transport_strategy": transport}
+    async with aiohttp.ClientSession() as http, http.ws_connect(url) as ws:
         await ws.send_json(config)
         for piece in PIECES:
             await ws.send_json({"type": "input.text", "text": piece})
             await asyncio.sleep(0.02)
         await ws.send_json({"type": "input.done"})
-        items = await read_until_done(ws)
+        return await read_until_done(ws)
+
+
+async def test_turn_is_one_session_fed_as_text_arrives_with_word_times(server, endless_service):
+    before = endless_service.streams_opened
+    items = await speak_pieces(server.ws_url, "sync")
     kinds = [e["type"] for e in events(items)]
     assert kinds == ["audio.start", "audio.done", "session.done"], events(items)
     start, done, session_done = events(items)
@@ -67,15 +72,7 @@ async def test_turn_is_one_session_fed_as_text_arrives_with_word_times(server, e
 async def test_async_word_times_come_before_the_audio_that_reads_them(server):
     """timestamp_transport_strategy "async": an audio.timestamps event before each piece of audio
     names the words its frames read (what the remote adapters' streamed turns use)."""
-    config = {**STREAMED, "seed": 3, "max_new_tokens": FRAMES, "timestamp_type": "word",
-              "timestamp_transport_strategy": "async"}
-    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws_url) as ws:
-        await ws.send_json(config)
-        for piece in PIECES:
-            await ws.send_json({"type": "input.text", "text": piece})
-            await asyncio.sleep(0.02)
-        await ws.send_json({"type": "input.done"})
-        items = await read_until_done(ws)
+    items = await speak_pieces(server.ws_url, "async")
     kinds = [e["type"] for e in events(items)]
     assert kinds[0] == "audio.start" and kinds[-2:] == ["audio.done", "session.done"]
     assert set(kinds[1:-2]) == {"audio.timestamps"}
