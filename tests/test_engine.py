@@ -21,7 +21,7 @@ from pipecat_qwen_fast import (
     UnsupportedFeatureError,
     VoiceClonePrompt,
 )
-from pipecat_qwen_fast.engine.request import chunk_target, schedule_sizes
+from pipecat_qwen_fast.engine.request import chunk_target, round_budget_ms, schedule_sizes
 from pipecat_qwen_fast.engine.text import MAX_SEGMENT_TOKENS, split_text
 from pipecat_qwen_fast.vocoder.graphs import GraphedVocoder
 
@@ -55,10 +55,10 @@ def test_listings(engine):
 def test_stream_chunks_and_equals_whole(endless):
     kw = dict(voice="ryan", language="english", seed=7, max_frames=30)
     chunks = list(endless.stream("Hello there, how are you?", **kw))
-    # Default schedule: 1 frame, then 3, then doubling within twice the frames already sent (6, 12,
-    # then 32: the cap, ...); the last chunk holds what is left.
-    assert [c.num_frames for c in chunks] == [1, 3, 6, 12, 8]
-    assert [c.frame_index for c in chunks] == [0, 1, 4, 10, 22]
+    # Default schedule: 1 frame, then 2, then doubling within twice the frames already sent (4, 8,
+    # 16, then 32: the cap, ...); the last chunk holds what is left.
+    assert [c.num_frames for c in chunks] == [1, 2, 4, 8, 15]
+    assert [c.frame_index for c in chunks] == [0, 1, 3, 7, 15]
     for c in chunks:
         assert c.pcm.dtype == np.int16 and len(c.pcm) == 1920 * c.num_frames
     streamed = np.concatenate([c.pcm for c in chunks])
@@ -78,7 +78,8 @@ def test_fixed_chunks_without_growth(endless):
 @pytest.mark.parametrize(
     "first, chunk, most, sizes",
     [
-        (1, 3, 32, [1, 3, 6, 12, 32, 32]),  # the default: 32 once it is within twice the 22 sent
+        (1, 2, 32, [1, 2, 4, 8, 16, 32, 32]),  # the default
+        (1, 3, 32, [1, 3, 6, 12, 32, 32]),  # 32 once it is within twice the 22 sent
         (1, 4, 32, [1, 4, 8, 16, 32, 32]),
         (1, 4, 16, [1, 4, 8, 16, 16]),
         (1, 2, 16, [1, 2, 4, 8, 16]),  # 4: the most of the ladder 2, 4, 8, ... within twice the 3 sent
@@ -100,7 +101,17 @@ def test_chunk_schedule(first, chunk, most, sizes):
 
 def test_default_schedule_sizes():
     # The engine compiles these vocoder graphs at warm-up (the sizes before a default stream's tail).
-    assert schedule_sizes(SynthesisRequest("x")) == (1, 3, 6, 12, 32)
+    assert schedule_sizes(SynthesisRequest("x")) == (1, 2, 4, 8, 16, 32)
+
+
+def test_round_budget():
+    # The longest round in which every chunk still follows the audio before it: the second chunk's
+    # n rounds within the first chunk's 80 ms.
+    assert round_budget_ms(SynthesisRequest("x")) == pytest.approx(40.0)
+    assert round_budget_ms(SynthesisRequest("x", chunk_frames=3)) == pytest.approx(80 / 3)
+    assert round_budget_ms(SynthesisRequest("x", chunk_frames=1, max_chunk_frames=None)) == pytest.approx(80.0)
+    # A later chunk can be the tightest: 1, 1, then 4 frames after 2 sent.
+    assert round_budget_ms(SynthesisRequest("x", chunk_frames=1)) == pytest.approx(40.0)
 
 
 def test_bad_max_chunk_frames(engine):
@@ -261,7 +272,7 @@ def test_run_ahead_only_for_a_session_alone(endless):
 def test_cancel_with_a_frame_ahead(endless):
     endless.run_ahead = True
     try:
-        s = endless.open_session(SynthesisRequest("Cancel me soon.", voice="ryan", seed=0))
+        s = endless.open_session(SynthesisRequest("Cancel me soon.", voice="ryan", seed=0, chunk_frames=3))
         endless.step(s)  # frame 0 completes the first chunk: nothing launched behind it
         assert s.ahead is None and not s.pending
         endless.step(s)  # frame 1 starts a 3-frame chunk: frame 2 is launched ahead

@@ -12,6 +12,7 @@ import torch
 from pipecat_qwen_fast import QwenTTSEngine, SynthesisRequest, VoiceClonePrompt
 from pipecat_qwen_fast.backends.eager import TorchBackend
 from pipecat_qwen_fast.backends.graph import GraphBackend, NoFreeSlotError
+from pipecat_qwen_fast.engine.request import schedule_sizes
 from pipecat_qwen_fast.model.sampling import SamplingParams
 from pipecat_qwen_fast.vocoder.graphs import GraphedVocoder
 
@@ -144,8 +145,8 @@ def test_codes_do_not_depend_on_slot_or_pages(tiny_checkpoint):
 
 
 def test_last_chunks_join_a_rounds_vocoder_call_and_keep_their_audio(pair):
-    # Streams of 13, 17 and 30 frames in one batch: the first two end with tails (13 = 1+3+6+3,
-    # 17 = 1+3+6+7) flushed in rounds where the third sends other chunks: each tail is vocoded padded to a size of that round (or of the schedule) and must keep exactly its own
+    # Streams of 13, 17 and 30 frames in one batch: they end with tails (13 = 1+2+4+6,
+    # 17 = 1+2+4+8+2, 30 = 1+2+4+8+15) flushed in rounds where the third sends other chunks: each tail is vocoded padded to a size of that round (or of the schedule) and must keep exactly its own
     # audio: every stream's audio equals the same request decoded alone.
     _, fast = pair
     reqs = [SynthesisRequest(f"Stream {i} with a tail of its own.", voice="ryan", greedy=True, max_frames=n)
@@ -174,7 +175,7 @@ def test_last_chunks_join_a_rounds_vocoder_call_and_keep_their_audio(pair):
                 audio[i] += [c.pcm for c in chunks]
     finally:
         del fast._vocode_round
-    assert any(final and n not in (1, 3, 6, 12, 32) for row in sizes for n, final in row), sizes
+    assert any(final and n not in schedule_sizes(SynthesisRequest('')) for row in sizes for n, final in row), sizes
     for got, want in zip(audio, alone):
         got = np.concatenate(got)
         assert got.shape == want.shape
@@ -268,13 +269,13 @@ def test_batched_rounds_vocode_chunks_together(tiny_checkpoint, wrapper, monkeyp
     chunks (sizes, codes, audio) are still those of its solo run. Sessions join at different
     rounds, so some rounds hold chunks of several sizes and sessions at different positions.
     `wrapper`: the GPU's graph wrapper with batched entries (run eagerly here) instead of the CPU's
-    batched reference call; one bucket (2) is too small for the rows, one size (12) has none."""
+    batched reference call; one bucket (2) is too small for the rows, one size (8) has none."""
     _, fast = _engines(tiny_checkpoint("custom_voice", zero_eos=True), max_sessions=8)
     calls: list[tuple[int, int]] = []
     if wrapper:
         graphs = GraphedVocoder(fast.vocoder, fast.device, fast.dtype, use_graphs=False)
-        graphs.capture_batched([1, 3, 6], max_rows=2)
-        assert sorted(graphs.batched) == [(1, 2), (3, 2), (6, 2)]
+        graphs.capture_batched([1, 2, 4], max_rows=2)
+        assert sorted(graphs.batched) == [(1, 2), (2, 2), (4, 2)]
         real = graphs.decode_many
         monkeypatch.setattr(graphs, "decode_many", lambda c, st: calls.append(tuple(c.shape[::2])) or real(c, st))
         monkeypatch.setattr(fast, "vocoder_graphs", graphs)
@@ -310,7 +311,7 @@ def test_batched_rounds_vocode_chunks_together(tiny_checkpoint, wrapper, monkeyp
             # fp32 convolutions over a batch round differently from batch 1: at most an LSB of PCM
             assert np.abs(a.pcm.astype(np.int32) - b.pcm.astype(np.int32)).max() <= 1
     assert any(k > 2 for k, _ in calls), calls  # some calls took more sessions' chunks than a bucket holds
-    assert any(n == 12 for _, n in calls), calls  # and some a size without batched entries
+    assert any(n == 8 for _, n in calls), calls  # and some a size without batched entries
 
 
 async def test_service_batches_and_queues_when_slots_run_out(tiny_checkpoint):

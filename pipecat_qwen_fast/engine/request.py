@@ -15,8 +15,8 @@ SAMPLE_RATE = 24000
 
 # From the third chunk on, a chunk holds at most this many times the frames already sent. A chunk
 # of n frames after S sent reaches the player in time while the decoder runs at >= ~(n / S + 1)x
-# real time: 4x for the second chunk (3 after 1), at most 3x for the later ones, so growth never
-# asks more than the default second chunk already does. With 4x growth (1, 4, 16) the third chunk
+# real time: 3x for the default second chunk (2 after 1), at most 3x for the later ones, so growth
+# never asks more than the second chunk already does. With 4x growth (1, 4, 16) the third chunk
 # asked 4.2x and 16 concurrent torch-backend streams (4.5x each) ran out of audio by 1 ms where
 # 1, 4, 4 did not (H200 full run at c332932).
 CHUNK_GROWTH = 2
@@ -24,7 +24,7 @@ CHUNK_GROWTH = 2
 def chunk_target(request: SynthesisRequest, frames_sent: int) -> int:
     """Frames in the chunk that starts after `frames_sent` frames of audio.
 
-    From the third chunk on, chunks double from `chunk_frames` (1, 3, 6, 12, 32, 32, ... by
+    From the third chunk on, chunks double from `chunk_frames` (1, 2, 4, 8, 16, 32, 32, ... by
     default) as far as growth and `max_chunk_frames` allow, so a default stream uses a handful of
     sizes, each a compiled vocoder graph. A vocoder call costs nearly the same for 1 to 16 frames:
     a 32-frame chunk costs 0.076 ms a frame against 0.12 for 16 and 0.38 for 4 (docs/journal/NOTES.md,
@@ -41,6 +41,21 @@ def chunk_target(request: SynthesisRequest, frames_sent: int) -> int:
         if most <= limit:  # the cap itself, where doubling does not land on it
             n = max(n, most)
     return n
+
+
+def round_budget_ms(request: SynthesisRequest, frame_ms: float = 80.0) -> float:
+    """The longest engine round (one frame per stream per round) with which every chunk of
+    `request`'s schedule still reaches its player in time: a chunk of n frames after S sent takes
+    n rounds, during which the S frames already sent play for S x 80 ms. The tightest chunk is
+    the second (40 ms for the default 1, 2, 4, ...; 26.7 ms for 1, 3, 6, ...)."""
+    budget, sent = float("inf"), 0
+    while True:
+        n = chunk_target(request, sent)
+        if sent:
+            budget = min(budget, frame_ms * sent / n)
+        if sent >= 4 * (request.max_chunk_frames or request.chunk_frames) + request.first_chunk_frames:
+            return budget  # the steady chunk asks less and less from here on
+        sent += n
 
 
 def schedule_sizes(request: SynthesisRequest) -> tuple[int, ...]:
@@ -68,10 +83,12 @@ class SynthesisRequest:
     text_mode: str | None = None  # None: the official default of the variant
     voice_clone: VoiceClonePrompt | None = None
     first_chunk_frames: int = 1
-    # 3, not 4: a stream asks ~(n / S + 1)x real time for a chunk of n after S sent, and the second
-    # chunk asks the most. At 16 concurrent streams on an H200 (~5x real time each) 4 starved every
-    # stream by 0.5-4 ms and 3 none (docs/journal/NOTES.md, "Second chunk of 3 frames").
-    chunk_frames: int = 3
+    # A stream asks ~(n / S + 1)x real time for a chunk of n after S sent, and the second chunk
+    # asks the most: 4x for 3 frames (at 16 concurrent streams on an H200 4 frames starved every
+    # stream, docs/journal/NOTES.md, "Second chunk of 3 frames"), 3x for 2. With 2 and doubling
+    # (1, 2, 4, 8, 16, 32) every chunk asks at most 3x, so a busy engine's rounds may take 40 ms
+    # instead of 27 before a new call's audio breaks up (round_budget_ms): the fleet's headroom.
+    chunk_frames: int = 2
     # From the third chunk on, chunks double up to this, each at most CHUNK_GROWTH x the frames
     # already sent (chunk_target); None (or <= chunk_frames): every later chunk is chunk_frames.
     max_chunk_frames: int | None = 32

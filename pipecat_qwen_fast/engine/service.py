@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
+from pipecat_qwen_fast.engine.request import SynthesisRequest, round_budget_ms
 from pipecat_qwen_fast.engine.text_session import DEFAULT_IDLE_TIMEOUT_S
 from pipecat_qwen_fast.errors import EngineClosedError, EngineOverloadedError, NoFreeSlotError
 
@@ -63,9 +64,12 @@ PAUSED_POLL_S = 0.25
 # caller is never slowed to real time.
 MAX_LEAD_S = 1.0
 CONTENTION_ROWS = 64
-# Admission on a GPU: a call is refused while rounds take longer than this, the time in which a
-# new call's second chunk (3 frames, one a round) must follow its first (1 frame, 80 ms of audio).
-MAX_ROUND_MS = 25.0
+# Admission on a GPU: a call is refused while the smoothed round takes longer than this share of
+# the default schedule's round budget (request.round_budget_ms: 40 ms, in which a new call's second
+# chunk, 2 frames at one a round, must follow its first, 80 ms of audio). The margin is for rounds
+# longer than the mean (a round that opens calls or vocodes many chunks): 32 ms.
+ROUND_MARGIN = 0.8
+MAX_ROUND_MS = ROUND_MARGIN * round_budget_ms(SynthesisRequest(""))
 ROUND_EWMA = 0.2  # weight of the newest round in the smoothed round time
 FRAME_S = 0.08
 

@@ -62,7 +62,7 @@ class TTS(tts.TTS):
         greedy: bool = False,
         text_mode: str | None = None,
         first_chunk_frames: int = 1,
-        chunk_frames: int = 3,
+        chunk_frames: int = 2,
         max_chunk_frames: int | None = 32,
         max_frames: int | None = None,
         engine_service: EngineService | None = None,
@@ -91,7 +91,7 @@ class TTS(tts.TTS):
             first_chunk_frames: Codec frames (80 ms each) in the first audio chunk.
             chunk_frames: Codec frames in the second chunk.
             max_chunk_frames: From the third chunk on, chunks double up to this many frames,
-                each at most twice the audio already sent (1, 3, 6, 12, 32, 32, ... by default:
+                each at most twice the audio already sent (1, 2, 4, 8, 16, 32, ... by default:
                 fewer vocoder calls per second of audio); None keeps every later chunk at
                 ``chunk_frames``.
             max_frames: Cap on frames per utterance; None uses the model's limit.
