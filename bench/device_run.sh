@@ -7,6 +7,7 @@
 #   fleet       qwen-fast-tts bench fleet, closed loop, with what is left of DEVICE_SECONDS
 #   fleet-open  the same, open loop
 #   fleet-server-proc  the fleet against a server in its own process, then in process (issue 37)
+#   fleet-server-switch  the fleet through one server at each GIL switch interval in SWITCHES
 #   fleet-server  the fleet in process and through the server on loopback, level by level on one
 #                 engine, dual-track, levels 32-128 at 15 s (issue 37's 10 % bar: comparison.md)
 #   server-latency  first audio through the server (WebSocket, HTTP) against in-process
@@ -63,6 +64,30 @@ left() { echo $(( ${DEVICE_SECONDS:-570} - ($(date +%s) - t0) )); }
                           python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet-server" \
                               --through both --text-mode dual_track --levels 32,48,64,80,96,128 --duration 15 \
                               --drain 8 --keep-going --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
+            fleet-server-switch) # issue 37: one server in its own process, the fleet through it with
+                          # the GIL switch interval at each of SWITCHES (seconds; default 0.005 then
+                          # 0.0005), set while it runs (bench/probes/switch_serve.py); FLEET_ARGS as above
+                          python3 bench/probes/switch_serve.py --model "$ck" --port 8177 --max-streams 100000 \
+                              > "$out/serve.log" 2>&1 &
+                          spid=$!
+                          python3 - <<'PY'
+import json, time, urllib.request
+for _ in range(480):
+    try:
+        if json.load(urllib.request.urlopen("http://127.0.0.1:8177/ready", timeout=2)).get("fully_warm"):
+            break
+    except Exception:
+        pass
+    time.sleep(1)
+PY
+                          sws=(${SWITCHES:-0.005 0.0005})
+                          each=$(( ($(left) - 15) / ${#sws[@]} ))
+                          for sw in "${sws[@]}"; do
+                              echo "$sw" > /tmp/qwen-fast-switch; sleep 1.5
+                              python3 -m pipecat_qwen_fast.cli bench fleet --server-url http://127.0.0.1:8177 \
+                                  --text-mode dual_track --out "$out/fleet-switch-$sw" --budget "$each" ${FLEET_ARGS:-}
+                          done
+                          kill -TERM $spid; wait $spid ;;
             fleet-server-proc) # issue 37 as deployed: the server in a process of its own (no caller
                           # shares its interpreter), callers here over loopback; then the same
                           # sweep in process. Both dual-track (a server turn is one engine stream).
