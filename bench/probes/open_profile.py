@@ -34,6 +34,13 @@ and finished ones replaced (none of that is measured). After `--warm-opens` unme
   time. Every phase is bracketed by device syncs, so an event is the phase's whose time range
   holds its start (the innermost one).
 
+`--gil-busy-ms B` adds a thread that runs pure Python for B ms, sleeps `--gil-idle-ms`, and so
+on, while everything runs: a stand-in for the fleet's event loop, which shares the interpreter
+with the engine thread (in-process callers). Each device sync releases the GIL; when the other
+thread is waiting, the engine thread gets it back only after that thread's turn (at most the
+switch interval, 5 ms by default): a fleet's phase times may hold such waits, this probe's do not
+unless asked.
+
 On a CPU (the tiny checkpoint: tests/test_open_profile_probe.py) the same runs without device
 syncs and the profile has CPU ops only: the CUDA parts are skipped and the reason printed.
 
@@ -53,6 +60,7 @@ import logging
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -489,6 +497,14 @@ def markdown(result: dict) -> str:
          f"p90 {f(s['open_plain_ms']['p90'])} ms"),
         (f"* whole open, phases split (a sync around each): median {f(s['open_split_ms']['median'])} ms, "
          f"p90 {f(s['open_split_ms']['p90'])} ms"),
+    ]
+    if result.get("gil_thread"):
+        g = result["gil_thread"]
+        lines.append(f"* a thread held the GIL {g['busy_ms']:g} ms at a time, {g['idle_ms']:g} ms apart (--gil-busy-ms)")
+    if result.get("placement_counts", {}).get("probe_opens_on_megakernel"):
+        lines.append(f"* **{result['placement_counts']['probe_opens_on_megakernel']} of the probe's opens went to the "
+                     "megakernel**, not the batch")
+    lines += [
         "",
         ("| phase | median ms | p90 ms | mean ms | share of open | kernels/open | launch calls/open "
          "| memcpy/open | syncs/open | GPU busy ms/open | host ops/open |"),
@@ -525,6 +541,17 @@ def markdown(result: dict) -> str:
 # ----------------------------------------------------------------------------- main
 
 
+def hold_gil(stop: threading.Event, busy_ms: float, idle_ms: float) -> None:
+    """Pure Python for `busy_ms` (the GIL held but for the interpreter's forced switches), then a
+    sleep of `idle_ms`, until `stop`."""
+    while not stop.is_set():
+        end = time.perf_counter() + busy_ms / 1e3
+        n = 0
+        while time.perf_counter() < end:
+            n += 1
+        time.sleep(idle_ms / 1e3)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, required=True, help="a checkpoint folder")
@@ -541,10 +568,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warm-opens", type=int, default=None,
                    help="unmeasured opens first (default: one per fleet text, each prompt shape seen once)")
     p.add_argument("--profile-opens", type=int, default=5, help="opens under torch.profiler (0: no profile)")
+    p.add_argument("--gil-busy-ms", type=float, default=0.0,
+                   help="a thread holding the GIL this long at a time, pure Python, while opens run (0: none)")
+    p.add_argument("--gil-idle-ms", type=float, default=1.0, help="that thread's sleep between its turns")
     p.add_argument("--commit", default=os.environ.get("BENCH_COMMIT"))
     args = p.parse_args(argv)
-    if args.opens < 1 or args.per_round < 1 or args.live < 0 or args.prestep < 0 or args.profile_opens < 0:
-        p.error("--opens and --per-round must be >= 1; --live, --prestep and --profile-opens >= 0")
+    if (args.opens < 1 or args.per_round < 1 or args.live < 0 or args.prestep < 0 or args.profile_opens < 0
+            or args.gil_busy_ms < 0 or args.gil_idle_ms < 0):
+        p.error("--opens and --per-round must be >= 1; --live, --prestep, --profile-opens and the --gil "
+                "times >= 0")
     if args.warm_opens is None:
         args.warm_opens = len(texts.FLEET_REPLIES)
     return args
@@ -589,8 +621,16 @@ def main(argv: list[str] | None = None) -> int:
         "placement": placement,
         "phase_definitions": PHASE_DEFINITIONS,
         "cuda_skipped": cuda_skipped,
+        "gil_thread": {"busy_ms": args.gil_busy_ms, "idle_ms": args.gil_idle_ms} if args.gil_busy_ms else None,
+        "switch_interval_ms": 1e3 * sys.getswitchinterval(),
     }
     timer = PhaseTimer(engine.device)
+    stop = threading.Event()
+    rival = None
+    if args.gil_busy_ms:
+        rival = threading.Thread(target=hold_gil, args=(stop, args.gil_busy_ms, args.gil_idle_ms),
+                                 name="gil-rival", daemon=True)
+        rival.start()
     work = Workload(engine, args)
     started = dict(getattr(backend, "started", {}))
     try:
@@ -611,6 +651,9 @@ def main(argv: list[str] | None = None) -> int:
                 result["profile"] = profile_opens(work, timer, args.profile_opens, cuda)
     finally:
         timer.remove()
+        stop.set()
+        if rival is not None:
+            rival.join()
         work.close()
     ended = dict(getattr(backend, "started", {}))
     result["placement_counts"] = {
