@@ -32,6 +32,19 @@ def nhwc_friendly(conv: nn.Module) -> bool:
     return conv.groups == 1 and conv.dilation[0] == 1
 
 
+def keep_history(history: Tensor, joined: Tensor, valid: Tensor | None, frame_cols: int) -> None:
+    """``history [B, C, context]`` <- the last ``context`` columns of ``joined = cat(history, x)``
+    up to each row's last valid column (``valid [B]`` frames of ``frame_cols`` columns each), or
+    of all of ``joined`` where ``valid`` is None. A gather from index tensors, so a compiled step
+    keeps rows and frames symbolic and a CUDA graph captures it (no host sync)."""
+    context = history.shape[-1]
+    if valid is None:
+        history.copy_(joined[..., joined.shape[-1] - context :])
+        return
+    cols = (valid * frame_cols)[:, None] + torch.arange(context, device=joined.device)  # [B, context]
+    history.copy_(joined.gather(-1, cols[:, None, :].expand(-1, joined.shape[1], -1)))
+
+
 class CausalConv(nn.Module):
     """Stride-1 conv with ``(k - 1) * dilation`` columns of left context."""
 
@@ -40,6 +53,7 @@ class CausalConv(nn.Module):
         self.conv = nn.Conv1d(in_ch, out_ch, kernel, dilation=dilation, groups=groups)
         self.context = (kernel - 1) * dilation
         self.slot = -1  # index of this module's history in a VocoderStream; set by the Vocoder
+        self.frame_cols = 1  # input columns per code frame; set by the Vocoder
 
     def forward(self, x: Tensor) -> Tensor:
         return self._conv(F.pad(x, (self.context, 0)))
@@ -49,7 +63,7 @@ class CausalConv(nn.Module):
             return self._conv(x)
         history = stream.histories[self.slot]
         joined = torch.cat((history, x), dim=-1)
-        history.copy_(joined[..., joined.shape[-1] - self.context :])
+        keep_history(history, joined, stream.valid, self.frame_cols)
         return self._conv(joined)
 
     def _conv(self, x: Tensor) -> Tensor:
@@ -78,6 +92,7 @@ class CausalTransConv(nn.Module):
         self.trim = kernel - stride
         self.context = math.ceil(kernel / stride) - 1
         self.slot = -1
+        self.frame_cols = 1
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.conv(x)
@@ -88,7 +103,7 @@ class CausalTransConv(nn.Module):
             return self.forward(x)
         history = stream.histories[self.slot]
         joined = torch.cat((history, x), dim=-1)
-        history.copy_(joined[..., joined.shape[-1] - self.context :])
+        keep_history(history, joined, stream.valid, self.frame_cols)
         y = self.conv(joined)
         start = self.context * self.stride
         return y[..., start : start + x.shape[-1] * self.stride]
@@ -385,12 +400,28 @@ class Transformer(nn.Module):
         q_pos = k_pos[:, past:]
         cos, sin = rotary_cos_sin(self.inv_freq, q_pos, h.dtype)
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, n, D], shared by the heads
+        kept = self._kept_rows(stream.valid, stream.keys.shape[2:])
         for i, layer in enumerate(self.layers):
             q, k, v = layer.self_attn.project(layer.input_layernorm(h), cos, sin)
             k_all = torch.cat((stream.keys[i], k), dim=2)
             v_all = torch.cat((stream.values[i], v), dim=2)
-            stream.keys[i].copy_(k_all[:, :, n:])
-            stream.values[i].copy_(v_all[:, :, n:])
+            if kept is None:
+                stream.keys[i].copy_(k_all[:, :, n:])
+                stream.values[i].copy_(v_all[:, :, n:])
+            else:
+                stream.keys[i].copy_(k_all.gather(2, kept))
+                stream.values[i].copy_(v_all.gather(2, kept))
             a = layer.self_attn.attend(q, k_all, v_all, q_pos, k_pos, past, self.window)
             h = layer.feed_forward(h + layer.self_attn_layer_scale(a))
         return self.output_proj(self.norm(h))
+
+    @staticmethod
+    def _kept_rows(valid: Tensor | None, shape: torch.Size) -> Tensor | None:
+        """Where ``valid`` is set, the gather index ``[B, kv_heads, window - 1, head_dim]`` into
+        the joined keys/values (``window - 1 + n`` of them) of the ``window - 1`` before each row's
+        own end, ``valid`` frames into the chunk."""
+        if valid is None:
+            return None
+        kv_heads, past, head_dim = shape
+        idx = valid[:, None] + torch.arange(past, device=valid.device)  # [B, past]
+        return idx[:, None, :, None].expand(-1, kv_heads, -1, head_dim)

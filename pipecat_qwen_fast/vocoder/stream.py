@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,11 @@ class VocoderStream:
     # different points of their utterances (several sessions decoded in one call).
     position: Tensor
     frames: int = 0  # host copy of ``position`` (of every row: the streams the engine advances are batch 1)
+    # An input of the next call, not state: [B] int64 on the device, the frames of each row's
+    # chunk when rows of one call hold chunks of different sizes, each padded on the right to
+    # the call's frames. Each row commits its state after its own frames (Vocoder.stream_step).
+    # None: every row takes all the call's frames (the batch-1 latency path, no gathers).
+    valid: Tensor | None = None
 
     @property
     def batch(self) -> int:
@@ -90,3 +96,15 @@ def copy_streams(dsts: list[VocoderStream], srcs: list[VocoderStream]) -> None:
         else:  # older torch
             for d, s in zip(dl, sl):
                 d.copy_(s)
+
+
+def device_lengths(valid: Sequence[int], frames: int, device: torch.device) -> Tensor:
+    """Host lengths (1 .. ``frames`` each) as an int64 tensor on ``device``, copied from pinned
+    memory without waiting for the device (a pageable copy may synchronise with the stream, which
+    would stall the host between the round's queued vocoder calls)."""
+    if any(not 1 <= v <= frames for v in valid):
+        raise InvalidInputError(f"valid lengths must be in [1, {frames}]; got {list(valid)}")
+    host = torch.tensor(list(valid), dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

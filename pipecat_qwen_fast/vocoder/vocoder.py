@@ -34,7 +34,7 @@ from pipecat_qwen_fast.vocoder.layers import (
     Transformer,
     nhwc_friendly,
 )
-from pipecat_qwen_fast.vocoder.stream import VocoderStream, copy_streams
+from pipecat_qwen_fast.vocoder.stream import VocoderStream, copy_streams, device_lengths
 
 CHECKPOINT_PREFIX = "decoder."
 
@@ -105,11 +105,18 @@ class Vocoder(nn.Module):
             raise ConfigError(f"sliding_window {cfg.sliding_window} must be >= 1")
 
     def _assign_history_slots(self) -> list[tuple[int, int]]:
-        specs = []
+        # modules() lists the convolutions in the order the data flows through them, so a conv's
+        # input columns per code frame are the product of the transposed convs' strides before it
+        # (a row's chunk of v frames ends at column v * frame_cols: stream_step with `valid`).
+        specs, cols = [], 1
         for m in self.modules():
-            if isinstance(m, (CausalConv, CausalTransConv)) and m.context > 0:
-                m.slot = len(specs)
-                specs.append((m.conv.in_channels, m.context))
+            if isinstance(m, (CausalConv, CausalTransConv)):
+                m.frame_cols = cols
+                if m.context > 0:
+                    m.slot = len(specs)
+                    specs.append((m.conv.in_channels, m.context))
+            if isinstance(m, CausalTransConv):
+                cols *= m.stride
         return specs
 
     def _codebook_modules(self) -> list[nn.Module]:
@@ -311,22 +318,32 @@ class Vocoder(nn.Module):
         return wav
 
     @torch.no_grad()
-    def decode_streams(self, codes: Tensor, streams: list[VocoderStream], check_values: bool = True) -> Tensor:
+    def decode_streams(self, codes: Tensor, streams: list[VocoderStream], check_values: bool = True,
+                       valid: list[int] | None = None) -> Tensor:
         """Row i of ``codes [k, Q, n]`` through the batch-1 stream ``streams[i]``, all k in one
         batched call whatever point each stream is at: ``[k, 1, n * 1920]``, equal to k
-        ``decode_stream`` calls. The reference for the graphed batched calls (vocoder_graphs.py)."""
+        ``decode_stream`` calls. The reference for the graphed batched calls (vocoder_graphs.py).
+
+        ``valid``: the frames of each row's own chunk (the rest is right padding): its audio is
+        the first ``valid[i] * 1920`` samples of its row, and its stream advances by ``valid[i]``
+        frames, as ``decode_stream`` of the unpadded chunk would."""
         codes = self._check_codes(codes, check_values)
+        n = codes.shape[-1]
         if len(streams) != codes.shape[0] or any(st.batch != 1 for st in streams):
             raise InvalidInputError(
                 f"decode_streams takes one batch-1 stream per row of codes; got {codes.shape[0]} rows and "
                 f"streams of batches {[st.batch for st in streams]}"
             )
+        if valid is not None and len(valid) != len(streams):
+            raise InvalidInputError(f"decode_streams: {len(valid)} valid lengths for {len(streams)} streams")
         batch = stack_streams(streams)
         self._check_stream(codes, batch)
+        if valid is not None:
+            batch.valid = device_lengths(valid, n, batch.device)
         wav = self.stream_step(codes, batch)
         copy_streams(streams, [batch.row(i) for i in range(len(streams))])
-        for st in streams:
-            st.frames += codes.shape[-1]
+        for i, st in enumerate(streams):
+            st.frames += n if valid is None else valid[i]
         return wav
 
     def stream_step(self, codes: Tensor, stream: VocoderStream) -> Tensor:
@@ -338,7 +355,7 @@ class Vocoder(nn.Module):
         for stage in self.upsample:
             h = stage.step(h, stream)
         wav = self.decoder.step(h, stream).clamp(-1.0, 1.0)
-        stream.position.add_(codes.shape[-1])
+        stream.position.add_(codes.shape[-1] if stream.valid is None else stream.valid)
         return wav
 
     def prime_stream(self, ref_codes: Tensor, stream: VocoderStream) -> None:
