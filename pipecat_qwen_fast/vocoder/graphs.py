@@ -22,18 +22,22 @@ stream (each row at its own position), replays it once and copies them back. A b
 ~1.5 ms of mostly fixed cost on the H200 whatever its size (docs/journal/NOTES.md, "Chunk schedule"),
 so 64 sessions' first chunks cost 64 of them one by one. Batched entries exist for the sizes and
 row buckets that `capture_batched` captured at warm-up, up to `MAX_BATCH_FRAMES` rows x frames a
-call (a graph's activations grow with both); other groups run batch-1.
+call (a graph's activations grow with both); other groups run batch-1. Chunks of different
+sizes share a call too (`merge_sizes`): each row is padded on the right to the call's frames and
+the entry's `valid` makes it commit its stream after its own frames.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from pipecat_qwen_fast.utils.cuda_graphs import (
@@ -42,14 +46,16 @@ from pipecat_qwen_fast.utils.cuda_graphs import (
     plain_only,
     recompile_limit,
 )
-from pipecat_qwen_fast.vocoder.stream import VocoderStream, copy_streams
+from pipecat_qwen_fast.vocoder.stream import VocoderStream, copy_streams, device_lengths
 from pipecat_qwen_fast.vocoder.vocoder import Vocoder
 
 logger = logging.getLogger(__name__)
 
 MAX_GRAPHS = 48  # chunk sizes captured at most; other sizes run eagerly
 BATCH_BUCKETS = (2, 4, 8, 16, 32, 64)  # rows of a batched entry; a group is padded up to one
-MAX_BATCH_FRAMES = 64  # rows x frames of one batched call: 64 first chunks, or two 32-frame chunks
+# Rows x frames of one batched call: 64 first chunks, or two 32-frame chunks. Chunks merged across
+# sizes (merge_sizes) fill calls of the larger size, so the device run tries 128 and 256 as well.
+MAX_BATCH_FRAMES = int(os.environ.get("QWEN_FAST_VOCODER_BATCH_FRAMES", "64"))
 
 
 @dataclass
@@ -88,6 +94,25 @@ def _cudnn_benchmark(on: bool):
         yield
     finally:
         torch.backends.cudnn.benchmark = prev
+
+
+def merge_sizes(counts: dict[int, int], calls: Callable[[int, int], int]) -> dict[int, int]:
+    """A round's chunk sizes (size -> chunks of it) -> the frames of the call each size's chunks
+    join. A call costs nearly the same whatever its size (launch-bound), so from the largest size
+    down a call of n frames takes the chunks of each size of at least n / 2 (at most 2x padded
+    frames: 32 takes 16, 8 takes 4, 2 takes 1), wherever that makes fewer calls than their own
+    (`calls(n, k)`: the calls for k rows of n frames; a size without batched entries, or with
+    fewer rows a call than the smaller size, would make more)."""
+    into: dict[int, int] = {}
+    left = sorted(counts, reverse=True)
+    while left:
+        n = left.pop(0)
+        into[n], rows = n, counts[n]
+        for m in [m for m in left if 2 * m >= n]:
+            if calls(n, rows + counts[m]) < calls(n, rows) + calls(m, counts[m]):
+                into[m], rows = n, rows + counts[m]
+                left.remove(m)
+    return into
 
 
 class GraphedVocoder:
@@ -148,37 +173,62 @@ class GraphedVocoder:
         stream.copy_from(entry.stream)
         stream.frames = frames + n
 
-    def decode_many(self, codes: Tensor, streams: list[VocoderStream]) -> Tensor:
+    def decode_many(self, codes: Tensor, streams: list[VocoderStream], valid: Sequence[int] | None = None) -> Tensor:
         """Row i of `codes [k, Q, n]` through the batch-1 stream `streams[i]`: `[k, 1, n * 1920]`,
         the same as k `decode_stream` calls. Batched where `capture_batched` made entries for n
         frames (the smallest bucket that takes the rows left, else the largest, repeatedly);
-        batch-1 calls otherwise."""
+        batch-1 calls otherwise. `valid`: each row's own frames, the rest right padding, as in
+        `Vocoder.decode_streams` (a row alone runs batch-1 on its own frames)."""
         k, n = len(streams), codes.shape[-1]
         if codes.shape[0] != k:
             raise ValueError(f"decode_many: {codes.shape[0]} rows of codes for {k} streams")
-        buckets = sorted(b for m, b in self.batched if m == n)
+        lengths = [n] * k if valid is None else list(valid)
+        on_device = None if valid is None else device_lengths(lengths, n, self.device)
         outs: list[Tensor] = []
+        for i, take, b in self._split(n, k):
+            if b is None:
+                v = lengths[i]
+                out = self.decode_stream(codes[i : i + 1, :, :v], streams[i])
+                outs.append(out if v == n else F.pad(out, (0, (n - v) * self.vocoder.samples_per_frame)))
+                continue
+            entry = self.batched[(n, b)]
+            if on_device is None:
+                entry.stream.valid[:take].fill_(n)
+            else:
+                entry.stream.valid[:take].copy_(on_device[i : i + take])
+            outs.append(self._run_batched(entry, codes[i : i + take], streams[i : i + take], lengths[i : i + take]))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _run_batched(self, entry: _Entry, codes: Tensor, part: list[VocoderStream], lengths: list[int]) -> Tensor:
+        """One replay of a batched entry for these streams (its `valid` already set)."""
+        take = len(part)
+        rows = entry.rows[:take]
+        copy_streams(rows, part)
+        entry.codes[:take].copy_(codes)
+        out = entry.run(self.vocoder)
+        copy_streams(part, rows)
+        for st, v in zip(part, lengths):
+            st.frames += v
+        return out[:take].clone()  # the next call of this entry rewrites `out`
+
+    def _split(self, n: int, k: int) -> Iterator[tuple[int, int, int | None]]:
+        """decode_many's calls for k rows of n frames: (first row, rows, bucket), bucket None for
+        a batch-1 call."""
+        buckets = sorted(b for m, b in self.batched if m == n)
         i = 0
         while i < k:
             left = k - i
             b = next((b for b in buckets if b >= left), buckets[-1] if buckets else 1)
             if left == 1 or b == 1:
-                outs.append(self.decode_stream(codes[i : i + 1], streams[i]))
+                yield i, 1, None
                 i += 1
                 continue
-            take = min(b, left)
-            entry = self.batched[(n, b)]
-            part = streams[i : i + take]
-            rows = entry.rows[:take]
-            copy_streams(rows, part)
-            entry.codes[:take].copy_(codes[i : i + take])
-            out = entry.run(self.vocoder)
-            copy_streams(part, rows)
-            for st in part:
-                st.frames += n
-            outs.append(out[:take].clone())  # the next call of this entry rewrites `out`
-            i += take
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+            yield i, min(b, left), b
+            i += min(b, left)
+
+    def calls(self, n: int, k: int) -> int:
+        """How many calls `decode_many` makes for k rows of n frames."""
+        return sum(1 for _ in self._split(n, k))
 
     def capture_batched(self, sizes: list[int], max_rows: int) -> None:
         """Batched entries (warm-up) for these chunk sizes: every bucket up to `max_rows` rows
@@ -196,6 +246,9 @@ class GraphedVocoder:
             stream=voc.new_stream(batch=rows, device=self.device, dtype=self.dtype),
         )
         entry.rows = [entry.stream.row(j) for j in range(rows)]
+        # Every row's own frames (decode_many sets them before each call): a chunk of a smaller
+        # size padded to n commits its state at its own end.
+        entry.stream.valid = torch.full((rows,), n, dtype=torch.long, device=self.device)
         if self.capturer is not None:
             timed = self.cudnn_benchmark if isinstance(self.cudnn_benchmark, bool) else n in self.cudnn_benchmark
             with _cudnn_benchmark(timed), recompile_limit(64):
@@ -213,7 +266,7 @@ class GraphedVocoder:
             if self._batched is None:
                 self._batched = torch.compile(self.vocoder.stream_step, dynamic=None)
             st = entry.stream
-            for t in (entry.codes, *st.histories, st.position):
+            for t in (entry.codes, *st.histories, st.position, st.valid):
                 torch._dynamo.mark_dynamic(t, 0)
             for t in (st.keys, st.values):
                 torch._dynamo.mark_dynamic(t, 1)
