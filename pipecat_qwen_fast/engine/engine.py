@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from pipecat_qwen_fast.backends.base import DecodeBackend
@@ -58,7 +59,7 @@ from pipecat_qwen_fast.model.prompt import (
 from pipecat_qwen_fast.model.sampling import SamplingParams
 from pipecat_qwen_fast.model.talker import Qwen3TTSModel
 from pipecat_qwen_fast.utils.phases import PhaseLog
-from pipecat_qwen_fast.vocoder.graphs import GraphedVocoder
+from pipecat_qwen_fast.vocoder.graphs import GraphedVocoder, merge_sizes
 from pipecat_qwen_fast.vocoder.vocoder import Vocoder
 from pipecat_qwen_fast.voices.library import VoiceLibrary
 from pipecat_qwen_fast.voices.voice import Voice
@@ -118,6 +119,10 @@ class QwenTTSEngine(text_session.TextSessions):
         # True inside a batched round: chunks flushed there come back as VocoderJobs, vocoded at
         # the round's end, one batched call per chunk size, instead of one call each, each waited for.
         self._defer_vocoder = False
+        # The round's chunks of different sizes share calls, each padded to the call's frames and
+        # committing its stream at its own end (_vocode_round, vocoder/graphs.py merge_sizes);
+        # False (QWEN_FAST_VOCODER_MERGE=0): one call per size, for an A/B on the device.
+        self.merge_vocoder_sizes = os.environ.get("QWEN_FAST_VOCODER_MERGE", "1") != "0"
         # On a GPU the streaming vocoder step replays one CUDA graph per chunk size, captured from
         # compiled code at warm-up for every size a default stream sends, with cuDNN's preferred
         # weight layout.
@@ -541,52 +546,65 @@ class QwenTTSEngine(text_session.TextSessions):
         return results
 
     def _vocode_round(self, sessions: list[Session], results: list, jobs: list[tuple[int, VocoderJob]]) -> None:
-        """The round's flushed chunks: one vocoder call per chunk size for all the sessions that
-        flushed one of that size (batched graphs on a GPU), their audio copied to the host
-        behind it, one wait for all. Each job in `results` is replaced by its AudioChunk; a failed
-        call ends its sessions with the error."""
-        # size -> [(result index, job, codes [16, size])]
-        by_size: dict[int, list[tuple[int, VocoderJob, Tensor]]] = {}
+        """The round's flushed chunks in as few vocoder calls as their sizes allow (batched graphs
+        on a GPU): one per chunk size, or, with `merge_vocoder_sizes`, one per group of sizes
+        that `merge_sizes` pads into one call; their audio copied to the host behind them, one
+        wait for all. Each job in `results` is replaced by its AudioChunk; a failed call ends its
+        sessions with the error."""
+        # call frames -> [(result index, job)]
+        by_size: dict[int, list[tuple[int, VocoderJob]]] = {}
         finals = []
         for i, job in jobs:
             if job.final:
                 finals.append((i, job))
             else:
-                by_size.setdefault(job.codes.shape[1], []).append((i, job, job.codes))
+                by_size.setdefault(job.codes.shape[1], []).append((i, job))
+        if self.merge_vocoder_sizes and by_size:
+            # At a fleet's scale a round held up to six sizes of the schedule, a call each
+            # (~1.5 ms, launch-bound, whatever its size).
+            graphs = self.vocoder_graphs
+            into = merge_sizes({n: len(g) for n, g in by_size.items()},
+                               graphs.calls if graphs is not None else lambda n, k: 1)
+            merged: dict[int, list[tuple[int, VocoderJob]]] = {}
+            for n, group in by_size.items():
+                merged.setdefault(into[n], []).extend(group)
+            by_size = merged
         # A stream's last chunk has any length (a stream ends where its text does), so at a fleet's
-        # scale each round had several sizes, a vocoder call each (~1.5 ms, latency-bound). Its
-        # state is not used again: it joins the smallest size of this round that holds it, or of
-        # the default schedule (graphs captured for them), padded with its last frame; only its
-        # own frames' audio is kept.
+        # scale each round had several sizes, a vocoder call each. Its state is not used again: it
+        # joins the smallest call of this round that holds it, or of the default schedule (graphs
+        # captured for them), padded and run as a chunk of that size; only its own frames' audio
+        # is kept.
         for i, job in finals:
             n = job.codes.shape[1]
             size = next((m for m in sorted(by_size) if m >= n), None)
             size = size or next((m for m in schedule_sizes(sessions[i].request) if m >= n), n)
-            codes = job.codes
-            if size > n:
-                codes = torch.cat([codes, codes[:, -1:].expand(-1, size - n)], 1)
-            by_size.setdefault(size, []).append((i, job, codes))
+            by_size.setdefault(size, []).append((i, job))
         made = []
         for n, group in by_size.items():
             try:
-                codes = torch.stack([c for _, _, c in group])  # [k, 16, n]
-                streams = [job.stream for _, job, _ in group]
+                # Padded on the right (code 0): causal, so a row's own frames' audio is unchanged.
+                rows = [job.codes for _, job in group]
+                codes = torch.stack([c if c.shape[1] == n else F.pad(c, (0, n - c.shape[1])) for c in rows])
+                streams = [job.stream for _, job in group]
+                valid = [n if job.final else job.codes.shape[1] for _, job in group]
+                # Only where a row's state commits short of n: otherwise the call is one size's.
+                ragged = {"valid": valid} if min(valid) < n else {}
                 with torch.no_grad():
                     if self.vocoder_graphs is not None:
-                        wav = self.vocoder_graphs.decode_many(codes, streams)
+                        wav = self.vocoder_graphs.decode_many(codes, streams, **ragged)
                     else:
-                        wav = self.vocoder.decode_streams(codes, streams, check_values=False)
+                        wav = self.vocoder.decode_streams(codes, streams, check_values=False, **ragged)
                     made.append((n, group, *to_host(to_pcm(wav[:, 0]))))
             except Exception as e:  # noqa: BLE001 - reported to those sessions' callers
-                for i, _, _ in group:
+                for i, _ in group:
                     sessions[i].stop_reason = "error"
                     self.close_session(sessions[i])
                     results[i] = e
         for n, group, pcm, done in made:
             if done is not None:
                 done.synchronize()
-            for j, (i, job, _) in enumerate(group):
-                frames = job.codes.shape[1]  # fewer than n for a padded last chunk
+            for j, (i, job) in enumerate(group):
+                frames = job.codes.shape[1]  # fewer than n for a padded chunk
                 chunk = AudioChunk(pcm[j, : pcm.shape[1] // n * frames].numpy().copy(), job.start, frames,
                                    job.host_codes)
                 results[i] = [chunk if c is job else c for c in results[i]]
