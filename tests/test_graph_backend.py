@@ -277,7 +277,7 @@ def test_batched_rounds_vocode_chunks_together(tiny_checkpoint, wrapper, monkeyp
         graphs.capture_batched([1, 2, 4], max_rows=2)
         assert sorted(graphs.batched) == [(1, 2), (2, 2), (4, 2)]
         real = graphs.decode_many
-        monkeypatch.setattr(graphs, "decode_many", lambda c, st: calls.append(tuple(c.shape[::2])) or real(c, st))
+        monkeypatch.setattr(graphs, "decode_many", lambda c, st, **kw: calls.append(tuple(c.shape[::2])) or real(c, st, **kw))
         monkeypatch.setattr(fast, "vocoder_graphs", graphs)
     else:
         real = fast.vocoder.decode_streams

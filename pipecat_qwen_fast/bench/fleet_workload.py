@@ -10,6 +10,7 @@ clock: lateness accumulates, as a listener hears it).
 
 from __future__ import annotations
 
+import collections
 import math
 import random
 from dataclasses import dataclass, field
@@ -76,6 +77,18 @@ class Utterance:
         late = self.lateness_s
         return late is not None and late > UNDERRUN_TOLERANCE_S
 
+    @property
+    def first_late_chunk(self) -> int | None:
+        """The index of the first chunk that reached the player after its audio ran out (1: the
+        second chunk, whose deadline is the round time's; later ones point at throughput), None
+        when none did (a cut utterance's wait past its audio has no chunk: -1)."""
+        played = 0.0
+        for k in range(1, len(self.arrivals)):
+            played += self.durations[k - 1]
+            if self.arrivals[k] - self.arrivals[0] - played > UNDERRUN_TOLERANCE_S:
+                return k
+        return -1 if self.underrun else None
+
 
 def worst_lateness(arrivals: list[float], durations: list[float], cut_at: float | None = None) -> float:
     """How late the latest chunk was against its playback time (0 when none was late).
@@ -134,6 +147,8 @@ def summarize_level(utterances: list[Utterance], window_s: float) -> dict:
                                "p99": percentile(first, 99), "max": max(first, default=None)}),
         "underrun_utterances": len(late),
         "underrun_rate": len(late) / len(heard) if heard else None,
+        # chunk index (-1: waiting at a cut) -> utterances whose first late chunk it was
+        "first_late_chunk": dict(sorted(collections.Counter(u.first_late_chunk for u in late).items())),
         "worst_lateness_ms": 1e3 * max((u.lateness_s for u in heard), default=0.0),
         "frames_per_s": samples_in_window / texts.SAMPLES_PER_FRAME / window_s,
     }
@@ -184,6 +199,13 @@ def summarize_rounds(rounds: list, level_wall_s: float) -> dict | None:
         "streams_per_round_mean": sum(r.stepped for r in rounds) / n,
         "opened_per_round_mean": sum(r.opened for r in rounds) / n,
         "busy_fraction": sum(walls) / level_wall_s if level_wall_s > 0 else None,
+        # A stall (a compile, a collection, a capture met mid-level) shows as one long round: what
+        # it was made of, and when in the level it came.
+        "slowest": [{"started_s": r.started - rounds[0].started, "wall_ms": 1e3 * r.wall_s,
+                     "decode_ms": 1e3 * r.decode_s, "vocoder_ms": 1e3 * r.vocoder_s,
+                     "prefill_ms": 1e3 * r.prefill_s, "host_ms": 1e3 * r.host_s,
+                     "opened": r.opened, "stepped": r.stepped}
+                    for r in sorted(rounds, key=lambda r: r.wall_s, reverse=True)[:3]],
     }
 
 

@@ -1,0 +1,43 @@
+"""What the fleet benchmark records to tell a round-time underrun from a throughput one, and a
+stall from a slow level: the first late chunk of each utterance, and the slowest rounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipecat_qwen_fast.bench.fleet_workload import COMPLETE, CUT, Utterance, summarize_level, summarize_rounds
+from pipecat_qwen_fast.engine.round_timing import RoundTiming
+
+FRAME = 1920
+
+
+def utterance(arrivals, frames, outcome=COMPLETE, ended=None) -> Utterance:
+    u = Utterance(caller=0, frames=sum(frames), submitted=0.0, outcome=outcome)
+    u.arrivals, u.samples = list(arrivals), [FRAME * n for n in frames]
+    u.ended = ended if ended is not None else arrivals[-1]
+    return u
+
+
+def test_first_late_chunk():
+    on_time = utterance([0.0, 0.08, 0.24], [1, 2, 4])
+    second = utterance([0.0, 0.12, 0.25], [1, 2, 4])  # due at 0.08
+    third = utterance([0.0, 0.05, 0.30], [1, 2, 4])  # due at 0.24
+    waiting = utterance([0.0], [1], outcome=CUT, ended=0.5)  # cut 420 ms after its audio ran out
+    assert on_time.first_late_chunk is None
+    assert second.first_late_chunk == 1 and third.first_late_chunk == 2
+    assert waiting.first_late_chunk == -1
+    level = summarize_level([on_time, second, third, waiting, utterance([0.0, 0.2], [1, 1])], window_s=1.0)
+    assert level["underrun_utterances"] == 4
+    assert level["first_late_chunk"] == {-1: 1, 1: 2, 2: 1}
+
+
+def test_slowest_rounds_keep_their_split_and_time():
+    rounds = [RoundTiming(started=10.0 + i * 0.02, wall_s=0.015, prefill_s=0.001, decode_s=0.008, vocoder_s=0.004,
+                          opened=0, stepped=30) for i in range(50)]
+    rounds[20] = RoundTiming(started=10.4, wall_s=1.5, prefill_s=0.001, decode_s=0.008, vocoder_s=0.004,
+                             opened=2, stepped=31)
+    slowest = summarize_rounds(rounds, level_wall_s=2.5)["slowest"]
+    assert len(slowest) == 3
+    assert slowest[0]["wall_ms"] == pytest.approx(1500) and slowest[0]["host_ms"] == pytest.approx(1487)
+    assert slowest[0]["started_s"] == pytest.approx(0.4) and slowest[0]["opened"] == 2
+    assert slowest[1]["wall_ms"] == pytest.approx(15)
