@@ -21,7 +21,7 @@ from . import openai_api, voices_api, ws
 from .api_errors import ApiError
 from .context import ServerContext, context_of
 from .logs import install_log_redaction
-from .metrics import CONTENT_TYPE
+from .metrics import CONTENT_TYPE, watch_loop_lag
 from .settings import ServerSettings
 
 logger = logging.getLogger("pipecat_qwen_fast.server")
@@ -41,11 +41,16 @@ def build_app(settings: ServerSettings, service: Any = None,
         watcher = asyncio.create_task(report_load(ctx, on_load_failure))
         if settings.wait_ready_on_startup:
             await ctx.service.wait_ready()
+        # /metrics' qwen_tts_event_loop_lag_seconds, sampled while the app serves.
+        loop_lag = asyncio.create_task(watch_loop_lag(ctx.metrics.loop_lag.observe),
+                                       name="qwen-tts-loop-lag")
         try:
             yield
         finally:
             ctx.gate.begin_drain()
             watcher.cancel()
+            loop_lag.cancel()
+            await asyncio.wait([loop_lag])  # gone before the loop closes (a cancel of ours propagates)
             if ctx.owns_service:
                 await ctx.service.aclose()
 

@@ -6,6 +6,7 @@ its proxy) never clash over metric names.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,11 @@ FIRST_AUDIO_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0
 ENDPOINTS = ("http", "ws")
 # 0 is its own bucket: the share of chunks that arrived before the listener needed them.
 LATENESS_BUCKETS = (0.0, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+# The event loop's lag: a task sleeps LOOP_LAG_INTERVAL_S again and again, and each wake-up's delay
+# is observed. Sub-millisecond on an idle loop; every socket's chunks wait as long as it.
+LOOP_LAG_INTERVAL_S = 0.01
+LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+                    0.075, 0.1, 0.2, 0.5, 1.0)
 
 
 class ServerMetrics:
@@ -67,6 +73,10 @@ class ServerMetrics:
         self.errors = Counter(
             "qwen_tts_errors_total", "Requests that failed: bad_request, unauthorized, protocol "
             "(WebSocket garbage), engine.", ["kind"], registry=r)
+        self.loop_lag = Histogram(
+            "qwen_tts_event_loop_lag_seconds", "How late the server's event loop woke a task "
+            f"sleeping {LOOP_LAG_INTERVAL_S * 1e3:g} ms, sampled all the time: what every "
+            "socket's delivery waited then.", buckets=LOOP_LAG_BUCKETS, registry=r)
         self.streams = Counter(
             "qwen_tts_streams_total", "Engine streams ended, by how: completed, cancelled "
             "(client left), failed.", ["endpoint", "outcome"], registry=r)
@@ -78,6 +88,17 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+async def watch_loop_lag(observe: Callable[[float], None],
+                         interval: float = LOOP_LAG_INTERVAL_S) -> None:
+    """Sleep `interval` again and again on the running loop, observing how late each wake-up
+    came (seconds), until cancelled."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + interval
+        await asyncio.sleep(interval)
+        observe(max(0.0, loop.time() - due))
 
 
 class EngineRounds:

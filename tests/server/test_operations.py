@@ -166,6 +166,28 @@ async def test_metrics_count_streams_audio_first_audio_refusals_and_errors(endle
         assert m[("qwen_tts_engine_rounds_total", ())] - rounds_before >= 12
         assert m[("qwen_tts_engine_round_seconds_total", ())] > seconds_before
         assert m[("qwen_tts_engine_round_ms", ())] > 0
+        # The event loop's lag, sampled every 10 ms while the server ran (seconds, here).
+        lag_count = m[("qwen_tts_event_loop_lag_seconds_count", ())]
+        assert lag_count > 0
+        assert m[("qwen_tts_event_loop_lag_seconds_bucket", (("le", "+Inf"),))] == lag_count
+        assert 0 <= m[("qwen_tts_event_loop_lag_seconds_sum", ())] < lag_count
+
+
+async def test_loop_lag_sampler_runs_with_the_app_and_is_gone_after(endless_service, endless_path):
+    from pipecat_qwen_fast.server.app import build_app
+
+    app = build_app(settings_for(endless_path), endless_service)
+
+    def samplers() -> list[asyncio.Task]:
+        return [t for t in asyncio.all_tasks() if t.get_name() == "qwen-tts-loop-lag"]
+
+    async with app.router.lifespan_context(app):
+        (task,) = samplers()
+        await asyncio.sleep(0.1)
+        registry = app.state.qwen_tts.metrics.registry
+        assert registry.get_sample_value("qwen_tts_event_loop_lag_seconds_count") >= 3
+        assert not task.done()
+    assert task.cancelled() and not samplers()
 
 
 class Collect(logging.Handler):
