@@ -228,3 +228,18 @@ def test_round_with_mixed_sizes_gives_each_stream_its_own_audio(engine):
         assert np.abs(pcm.astype(np.int32) - alone(engine, mine)).max() <= 1
         assert np.abs(pcm.astype(np.int32) - np.concatenate([c.pcm for c in theirs])).max() <= 1
         assert np.abs(pcm).max() > 1000  # real audio, not silence that would hide a wrong state
+
+
+def test_a_packed_stream_decodes_as_an_unpacked_one(voc32):
+    # An engine session's stream is packed (one allocation); its buffers are views that must not
+    # overlap: chunked decoding through it equals decoding through separate buffers.
+    codes = torch.randint(0, TINY.codebook_size, (1, TINY.num_quantizers, 9), generator=torch.Generator().manual_seed(3))
+    packed, plain = voc32.new_stream(packed=True), voc32.new_stream()
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                   for t in (*packed.histories, packed.keys, packed.values))
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert len({t.untyped_storage().data_ptr() for t in (*packed.histories, packed.keys)}) == 1
+    outs = []
+    for st in (packed, plain):
+        outs.append(torch.cat([voc32.decode_stream(codes[..., a:b], st) for a, b in ((0, 1), (1, 3), (3, 9))], -1))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)

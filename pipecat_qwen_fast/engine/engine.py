@@ -347,7 +347,7 @@ class QwenTTSEngine(text_session.TextSessions):
 
     def _start_vocoder(self, s: Session) -> None:
         if s.request.vocode:
-            s.vocoder_state = self.vocoder.new_stream(batch=1, device=self.device, dtype=self.dtype)
+            s.vocoder_state = self.vocoder.new_stream(batch=1, device=self.device, dtype=self.dtype, packed=True)
             vc = s.request.voice_clone
             if vc is not None and vc.icl:
                 # The talker continues right after the reference frames; so does the vocoder.

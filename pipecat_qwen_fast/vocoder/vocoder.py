@@ -14,6 +14,7 @@ the same shapes (a prerequisite for capturing one CUDA graph per chunk size late
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -275,10 +276,14 @@ class Vocoder(nn.Module):
     # -- streaming ----------------------------------------------------------------------------
 
     def new_stream(self, batch: int = 1, device: torch.device | str | None = None,
-                   dtype: torch.dtype | None = None) -> VocoderStream:
+                   dtype: torch.dtype | None = None, packed: bool = False) -> VocoderStream:
         """A fresh stream (all-zero history = the causal zero padding of ``decode``).
 
-        ``device``/``dtype`` default to the model's; they must match it when decoding.
+        ``device``/``dtype`` default to the model's; they must match it when decoding. ``packed``:
+        every floating-point buffer a view of one allocation, zeroed by one kernel instead of 23
+        (an engine session's stream, opened in a busy round: 0.27 ms of host time on the H200
+        unpacked). Not for the streams a compiled step takes as inputs, whose buffers should not
+        alias one another.
         """
         if batch < 1:
             raise InvalidInputError(f"batch must be >= 1; got {batch}")
@@ -286,11 +291,16 @@ class Vocoder(nn.Module):
         dtype = dtype or self.codebooks.dtype
         pt, cfg = self.pre_transformer, self.cfg
         kv_shape = (cfg.num_layers, batch, cfg.num_kv_heads, pt.window - 1, cfg.head_dim)
+        shapes = [(batch, c, n) for c, n in self._history_specs] + [kv_shape, kv_shape]
+        if packed:
+            flat = torch.zeros(sum(math.prod(s) for s in shapes), device=device, dtype=dtype)
+            buffers = [part.view(s) for part, s in zip(flat.split([math.prod(s) for s in shapes]), shapes)]
+        else:
+            buffers = [torch.zeros(s, device=device, dtype=dtype) for s in shapes]
         return VocoderStream(
-            histories=[torch.zeros(batch, c, n, device=device, dtype=dtype)
-                       for c, n in self._history_specs],
-            keys=torch.zeros(kv_shape, device=device, dtype=dtype),
-            values=torch.zeros(kv_shape, device=device, dtype=dtype),
+            histories=buffers[:-2],
+            keys=buffers[-2],
+            values=buffers[-1],
             position=torch.zeros(batch, device=device, dtype=torch.long),
         )
 
