@@ -5,6 +5,7 @@
 #   ckpt        build the random 0.6B CustomVoice checkpoint (EOS row zeroed) unless it exists
 #   startup     qwen-fast-tts bench startup: cold, warm (and prepared) starts, phases timed
 #   fleet       qwen-fast-tts bench fleet, closed loop, with what is left of DEVICE_SECONDS
+#   fleet2      the same again on a fresh engine with FLEET2_ENV set (an A/B of an engine setting)
 #   fleet-open  the same, open loop
 #   fleet-server-proc  the fleet against a server in its own process, then in process (issue 37)
 #   fleet-server-switch  the fleet through one server at each GIL switch interval in SWITCHES
@@ -58,6 +59,9 @@ left() { echo $(( ${DEVICE_SECONDS:-570} - ($(date +%s) - t0) )); }
                          --runs "${STARTUP_RUNS:-cold,warm}" --timeout "$(left)" ;;
             fleet) python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet" \
                        --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
+            fleet2) # the same sweep again on a fresh engine, with FLEET2_ENV (VAR=value ...) set: an A/B in one call
+                    env ${FLEET2_ENV:-} python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet2" \
+                        --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
             fleet-server) # issue 37's comparison: one engine, each level in process then through the
                           # server, dual-track (a server turn is then one engine stream); every level
                           # run on both sides; FLEET_ARGS (e.g. --levels) overrides
