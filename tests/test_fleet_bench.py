@@ -20,8 +20,11 @@ from pipecat_qwen_fast.bench.fleet_workload import (
     CUT,
     REFUSED,
     Utterance,
+    bucket_quantile,
     capacity,
     fleet_replies,
+    histogram_lag,
+    parse_metrics,
     playback_end,
     poisson_arrivals,
     summarize_level,
@@ -349,14 +352,12 @@ def test_comparison_lists_levels_one_side_skipped():
     assert "| 32 |" in md and "skipped: time budget" in md
 
 
-@pytest.mark.timeout(300)
-def test_sweep_against_a_server_of_another_process(endless, tmp_path):
-    """--server-url: callers on a running server's WebSocket, with no engine in the benchmark's own
-    process (the run issue 38 makes through Ray Serve's proxy); its rounds' count and mean wall
-    time from the server's /metrics, the split into decode and vocoder not being published."""
+@pytest.fixture(scope="module")
+def served(endless):
+    """`qwen-fast-tts serve` in a process of its own on the endless checkpoint: its base URL."""
     import subprocess
     import sys
-    import time
+    import urllib.request
 
     from pipecat_qwen_fast.bench.server_latency import free_port
 
@@ -365,8 +366,6 @@ def test_sweep_against_a_server_of_another_process(endless, tmp_path):
                                "--device", "cpu", "--dtype", "float32", "--backend", "torch", "--port", str(port),
                                "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        import urllib.request
-
         for _ in range(240):
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
@@ -374,15 +373,23 @@ def test_sweep_against_a_server_of_another_process(endless, tmp_path):
                         break
             except OSError:
                 time.sleep(0.5)
-        out = tmp_path / "fleet-url"
-        rc = fleet.main([
-            "--server-url", f"http://127.0.0.1:{port}", "--voice", "ryan", "--text-mode", "dual_track",
-            "--out", str(out), "--levels", "2", "--duration", "2.5", "--stagger", "0.5", "--drain", "4",
-            "--warmup", "0", "--bar-ms", "1e9", "--budget", "120", "--commit", "test",
-        ])
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.terminate()
         server.wait(30)
+
+
+@pytest.mark.timeout(300)
+def test_sweep_against_a_server_of_another_process(served, tmp_path):
+    """--server-url: callers on a running server's WebSocket, with no engine in the benchmark's own
+    process (the run issue 38 makes through Ray Serve's proxy); its rounds' count and mean wall
+    time from the server's /metrics, the split into decode and vocoder not being published."""
+    out = tmp_path / "fleet-url"
+    rc = fleet.main([
+        "--server-url", served, "--voice", "ryan", "--text-mode", "dual_track",
+        "--out", str(out), "--levels", "2", "--duration", "2.5", "--stagger", "0.5", "--drain", "4",
+        "--warmup", "0", "--bar-ms", "1e9", "--budget", "120", "--commit", "test",
+    ])
     assert rc == 0
     result = json.loads((out / "fleet.json").read_text())
     assert result["endpoint"].startswith("a server at")
@@ -393,3 +400,145 @@ def test_sweep_against_a_server_of_another_process(endless, tmp_path):
     assert rounds["source"] == "server /metrics" and rounds["rounds"] >= 10
     assert 0 < rounds["wall_ms_mean"] < 2500 and 0 < rounds["busy_fraction"] <= 1.0
     assert " (server's /metrics: " in (out / "fleet.md").read_text()
+    # The event loops' lag: the server's from its /metrics, the callers' (all in this process) here.
+    lag = level["loop_lag"]
+    assert lag["server"]["n"] > 0 and lag["server"]["source"].startswith("server /metrics")
+    (callers,) = lag["callers"]
+    assert callers["utterances"] == level["utterances"] and callers["loop_lag"]["n"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_callers_split_over_two_processes_against_a_server(served, tmp_path):
+    """--caller-processes 2: each level's callers in two spawned processes, each with its own loop
+    and client, their utterances merged into one level; the server's loop lag and each caller
+    process's own in the report."""
+    out = tmp_path / "fleet-procs"
+    rc = fleet.main([
+        "--server-url", served, "--voice", "ryan", "--text-mode", "dual_track", "--caller-processes", "2",
+        "--out", str(out), "--levels", "4", "--duration", "2.5", "--stagger", "0.5", "--drain", "4",
+        "--warmup", "0", "--bar-ms", "1e9", "--budget", "150", "--commit", "test",
+    ])
+    assert rc == 0
+    result = json.loads((out / "fleet.json").read_text())
+    assert result["endpoint"].endswith("the callers split over 2 processes")
+    assert result["workload"]["caller_processes"] == 2 and result["caller_processes_start_s"] > 0
+    (level,) = result["closed"]["levels"]
+    assert level["errors"] == 0 and level["refused"] == 0 and level["frames_per_s"] > 0
+    processes = level["loop_lag"]["callers"]
+    assert [p["process"] for p in processes] == [0, 1]
+    # Every utterance of the level is one of a process's records; each process ran 2 of the 4 callers.
+    assert level["utterances"] == sum(p["utterances"] for p in processes)
+    assert all(p["utterances"] >= 2 for p in processes)
+    for p in processes:
+        lag = p["loop_lag"]
+        assert lag["n"] > 0 and 0 <= lag["p50_ms"] <= lag["p99_ms"] <= lag["max_ms"]
+        assert p["started_late_ms"] < 500  # each had the plan before the level's start
+    server = level["loop_lag"]["server"]
+    assert server["n"] > 0 and 0 <= server["p50_ms"] <= server["p99_ms"]
+    md = (out / "fleet.md").read_text()
+    assert "split over 2 processes" in md
+    (row,) = [line for line in md.splitlines() if line.startswith("| 4 |")]
+    assert row.count("|") == 12 and "; 2 caller processes " in row  # 11 columns, the lag among them
+
+
+def test_caller_processes_need_a_server_url(endless):
+    for source in (["--model", str(endless)], ["--build-size", "tiny"]):
+        with pytest.raises(SystemExit, match="--caller-processes needs --server-url"):
+            fleet.parse_args([*source, "--out", "x", "--caller-processes", "2"])
+    with pytest.raises(SystemExit, match="1 or more"):
+        fleet.parse_args(["--server-url", "http://127.0.0.1:1", "--out", "x", "--caller-processes", "0"])
+    assert fleet.parse_args(["--server-url", "http://127.0.0.1:1", "--out", "x"]).caller_processes == 1
+
+
+class Instant:
+    """An endpoint with no engine: one frame of audio for each reply, at once."""
+
+    async def speak(self, reply, seed):
+        yield FRAME
+
+    async def settle(self) -> None:
+        pass
+
+    def take_rounds(self) -> None:
+        return None
+
+
+def test_a_share_of_the_callers_keeps_their_schedule():
+    """Split over processes, caller i (arrival k) of a level is due when it is among all of them."""
+    replies = fleet_replies()
+
+    async def level(closed: bool, share: tuple[int, int]) -> list[Utterance]:
+        kw = {"duration": 0.4, "drain": 0.3, "seed": 5, "share": share, "start": time.monotonic()}
+        if closed:
+            utts, _ = await fleet_callers.closed_loop(Instant(), replies, callers=7, stagger=0.3,
+                                                      listen=(0.05, 0.1), **kw)
+        else:
+            utts, _ = await fleet_callers.open_loop(Instant(), replies, rate=40.0, **kw)
+        return utts
+
+    def firsts(utts: list[Utterance]) -> dict[int, tuple[float, int]]:
+        out = {}
+        for u in sorted(utts, key=lambda u: u.submitted):
+            out.setdefault(u.caller, (u.submitted, u.frames))
+        return out
+
+    for closed in (True, False):
+        whole = asyncio.run(level(closed, (0, 1)))
+        parts = [asyncio.run(level(closed, (p, 3))) for p in range(3)]
+        for p, utts in enumerate(parts):
+            assert utts and all(u.caller % 3 == p for u in utts)
+        merged = [u for utts in parts for u in utts]
+        assert firsts(merged) == firsts(whole) and len(firsts(whole)) == (7 if closed else len(whole))
+        if not closed:  # every arrival of the plan, once
+            assert len(whole) > 6
+            assert sorted((u.caller, u.submitted, u.frames) for u in merged) == sorted(
+                (u.caller, u.submitted, u.frames) for u in whole)
+
+
+def test_loop_lag_sees_a_blocked_loop():
+    async def blocked() -> list[float]:
+        lag = fleet_callers.LoopLag()
+        await asyncio.sleep(0.05)
+        time.sleep(0.06)  # noqa: ASYNC251 - the loop held: the sampler's wake-up comes late
+        await asyncio.sleep(0.03)
+        return await lag.stop()
+
+    samples = asyncio.run(blocked())
+    assert len(samples) >= 3 and max(samples) >= 0.04 and min(samples) >= 0.0
+
+
+def test_loop_lag_quantiles_from_a_servers_histogram_deltas():
+    def scrape(counts: dict[str, float], total: float) -> dict[str, float]:
+        text = "\n".join([
+            "# HELP qwen_tts_event_loop_lag_seconds How late.",
+            "# TYPE qwen_tts_event_loop_lag_seconds histogram",
+            *(f'qwen_tts_event_loop_lag_seconds_bucket{{le="{le}"}} {n}' for le, n in counts.items()),
+            f"qwen_tts_event_loop_lag_seconds_count {counts['+Inf']}",
+            f"qwen_tts_event_loop_lag_seconds_sum {total}",
+            "qwen_tts_engine_rounds_total 12.0",
+        ])
+        return parse_metrics(text)
+
+    before = scrape({"0.001": 50.0, "0.01": 60.0, "0.1": 60.0, "+Inf": 60.0}, 0.05)
+    # Over the level: 100 samples, 90 under 1 ms, 8 in (1, 10] ms, 2 in (10, 100] ms.
+    after = scrape({"0.001": 140.0, "0.01": 158.0, "0.1": 160.0, "+Inf": 160.0}, 0.35)
+    assert after["qwen_tts_engine_rounds_total"] == 12.0
+    lag = histogram_lag(before, after)
+    assert lag["n"] == 100 and lag["mean_ms"] == pytest.approx(3.0)
+    assert lag["p50_ms"] == pytest.approx(1e3 * 0.001 * 50 / 90)  # within the first bucket
+    assert lag["p99_ms"] == pytest.approx(10 + 90 * (99 - 98) / 2)  # halfway into (10, 100] ms
+    assert histogram_lag(None, after) is None and histogram_lag(before, {"x": 1.0}) is None
+    # Beyond the last finite bound: that bound; nothing observed: none.
+    assert bucket_quantile([(0.5, 0.0), (1.0, 1.0), (float("inf"), 5.0)], 0.99) == 1.0
+    assert bucket_quantile([(1.0, 0.0), (float("inf"), 0.0)], 0.5) is None
+    quiet = histogram_lag(after, after)
+    assert quiet["n"] == 0 and quiet["p50_ms"] is None and quiet["mean_ms"] is None
+
+
+def test_lag_column_reads_each_caller_process():
+    lag = {"server": {"n": 10, "p50_ms": 0.25, "p99_ms": 3.5},
+           "callers": [{"loop_lag": {"n": 5, "p50_ms": 0.1, "p99_ms": 1.0}},
+                       {"loop_lag": {"n": 5, "p50_ms": 0.2, "p99_ms": 2.0}}]}
+    assert fleet_report.lag_text(lag) == "server 0.25 / 3.50; 2 caller processes 0.10 / 1.00, 0.20 / 2.00"
+    assert fleet_report.lag_text({"server": None, "callers": lag["callers"][:1]}) == "server n/a; callers 0.10 / 1.00"
+    assert fleet_report.lag_text(None) == "n/a"

@@ -9,6 +9,9 @@ lateness, frames/s, refusals (EngineOverloadedError), and the engine's rounds sp
 vocoder, prefill and host time. The capacity is the most callers (the highest rate) whose level
 met its bar: p95 first audio <= --bar-ms with no underrun (open loop: <= --open-bar-ms), and no
 refused, failed or silent request. By default the sweep stops after the first level that misses.
+Each level also gives the event loops' lag (how late a task sleeping 10 ms wakes): the callers'
+process's own, and a server's from its /metrics. Against a running server (--server-url) the
+callers can be split over --caller-processes OS processes, as a fleet of agent processes is.
 
 Writes fleet.json after every level, fleet.md and fleet.png (without matplotlib: no plot, and the
 JSON and markdown say why) into --out, all within --budget seconds from the start, build included.
@@ -20,6 +23,7 @@ JSON and markdown say why) into --out, all within --budget seconds from the star
     qwen-fast-tts bench fleet --model DIR --through both --text-mode dual_track --out /tmp/f     # both, side by side
     qwen-fast-tts bench fleet --model DIR --text-mode dual_track --in-process-turns streamed --out /tmp/f  # the server's engine path
     qwen-fast-tts bench fleet --server-url http://HOST:8000 --voice ryan --out /tmp/f         # a running server
+    qwen-fast-tts bench fleet --server-url http://HOST:8000 --caller-processes 4 --out /tmp/f  # callers in 4 processes
 """
 
 from __future__ import annotations
@@ -41,16 +45,22 @@ from pipecat_qwen_fast.bench import fleet_report
 from pipecat_qwen_fast.bench.ceilings import describe_device
 from pipecat_qwen_fast.bench.engine import Report
 from pipecat_qwen_fast.bench.fleet_callers import (
+    CallerProcesses,
     Endpoint,
     InProcessEndpoint,
+    LevelPlan,
     ServerEndpoint,
-    closed_loop,
-    open_loop,
+    merge_shares,
+    run_share,
 )
 from pipecat_qwen_fast.bench.fleet_workload import (
+    Reply,
+    Utterance,
     capacity,
     fleet_replies,
+    histogram_lag,
     served_rounds,
+    server_rounds,
     summarize_level,
     summarize_rounds,
     verdict,
@@ -84,6 +94,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     src.add_argument("--server-url", help="a running server (qwen-fast-tts serve, or Ray Serve's proxy): callers on "
                                           "its WebSocket, no engine in this process (its checkpoint's EOS row zeroed)")
     p.add_argument("--voice", default=None, help="with --server-url: the voice callers ask for (default: the server's)")
+    p.add_argument("--caller-processes", type=int, default=1,
+                   help="with --server-url: split each level's callers over this many OS processes (spawned), "
+                        "each with its own event loop and client, all starting the level at one instant")
     p.add_argument("--variant", default="custom_voice", choices=["custom_voice"],
                    help="checkpoint variant to build (callers speak with a CustomVoice speaker)")
     p.add_argument("--checkpoint-dir", type=Path, default=Path("/tmp/qwen-fast-fleet-ckpt"))
@@ -134,6 +147,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise SystemExit("--in-process-turns streamed needs --text-mode dual_track")
     if args.duration <= 0 or args.stagger < 0 or args.drain < 0 or args.warmup < 0:
         raise SystemExit("--duration must be > 0; --stagger, --drain and --warmup >= 0")
+    if args.caller_processes < 1:
+        raise SystemExit(f"--caller-processes: expected 1 or more, got {args.caller_processes}")
+    if args.caller_processes > 1 and not args.server_url:
+        raise SystemExit("--caller-processes needs --server-url: with --model or --build-size the engine and "
+                         "its callers stay in one process")
     return args
 
 
@@ -154,6 +172,17 @@ class Run:
     report: Report
     save: Callable[[], None]
     stopped: bool = False  # this mode's sweep ended for it (a missed bar)
+    processes: CallerProcesses | None = None  # its callers' processes; None: the callers run here
+
+
+async def run_callers(run: Run, replies: list[Reply], plan: LevelPlan) -> tuple[list[Utterance], float, list[dict]]:
+    """A level's (or the warm-up's) callers, here or split over the run's caller processes: their
+    utterances, the level's wall time, and each caller process's utterances and loop lag."""
+    if run.processes is not None:
+        shares = await run.processes.run(plan)
+    else:
+        shares = [await run_share(run.endpoint, replies, plan, (0, 1))]
+    return merge_shares(shares)
 
 
 async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device | None, deadline: float,
@@ -169,9 +198,9 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
             run.report.put("warmup", {"skipped": "time budget"})
         elif args.warmup:
             warm = min(16, args.levels[0]) if args.mode != "open" else 8
-            utts, wall = await closed_loop(run.endpoint, replies, callers=warm, duration=args.warmup,
-                                           stagger=min(args.stagger, args.warmup / 2), listen=args.listen,
-                                           drain=args.drain, seed=args.seed - 1)
+            utts, wall, _ = await run_callers(run, replies, LevelPlan(
+                closed=True, value=warm, duration=args.warmup, stagger=min(args.stagger, args.warmup / 2),
+                listen=args.listen, drain=args.drain, seed=args.seed - 1))
             run.endpoint.take_rounds()
             run.report.put("warmup", {"callers": warm, "wall_s": wall, **summarize_level(utts, args.warmup)})
             log(f"{run.name} warm-up: {warm} callers, {len(utts)} utterances in {wall:.1f} s")
@@ -214,22 +243,21 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 if device is not None and device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 run.endpoint.take_rounds()  # rounds of the previous level's tail belong to no level
-                read_rounds = getattr(run.endpoint, "read_rounds", None)
-                served_before = await read_rounds() if read_rounds is not None else None
-                if closed:
-                    utts, wall = await closed_loop(run.endpoint, replies, callers=value, duration=args.duration,
-                                                   stagger=args.stagger, listen=args.listen, drain=drain,
-                                                   seed=args.seed)
-                else:
-                    utts, wall = await open_loop(run.endpoint, replies, rate=value, duration=args.duration,
-                                                 drain=drain, seed=args.seed)
+                # A server's /metrics (its rounds, its loop's lag) before and after the level.
+                read_metrics = getattr(run.endpoint, "read_metrics", None)
+                served_before = await read_metrics() if read_metrics is not None else None
+                utts, wall, caller_lag = await run_callers(run, replies, LevelPlan(
+                    closed=closed, value=value, duration=args.duration, stagger=args.stagger, listen=args.listen,
+                    drain=drain, seed=args.seed))
+                served_after = await read_metrics() if read_metrics is not None else None
                 rounds = run.endpoint.take_rounds()
                 summary = summarize_rounds(rounds, wall) if rounds is not None else None
-                if summary is None and served_before is not None:
-                    summary = served_rounds(served_before, await read_rounds(), wall)
+                if summary is None and server_rounds(served_before) is not None:
+                    summary = served_rounds(server_rounds(served_before), server_rounds(served_after), wall)
                 level = {key: value, "duration_s": args.duration, "drain_s": drain, "wall_s": wall,
                          **summarize_level(utts, args.duration),
                          "rounds": summary,
+                         "loop_lag": {"server": histogram_lag(served_before, served_after), "callers": caller_lag},
                          "peak_gpu_memory_gib": _peak_memory_gib(device)}
                 level["misses"] = verdict(level, bar_ms, underruns_count=closed)
                 level["meets_bar"] = not level["misses"]
@@ -242,7 +270,8 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 prefix = f"{run.name}: " if len(runs) > 1 else ""
                 log(f"{prefix}{mode} {key} {value}: {level['utterances']} utterances, first audio p50/p95 "
                     f"{fa['p50'] or 0:.1f}/{fa['p95'] or 0:.1f} ms, {level['underrun_utterances']} underran, "
-                    f"{level['frames_per_s']:.0f} frames/s, {level['refused']} refused: "
+                    f"{level['frames_per_s']:.0f} frames/s, {level['refused']} refused, "
+                    f"{fleet_report.lag_text(level['loop_lag'])}: "
                     + ("bar met" if level["meets_bar"] else "bar missed"))
                 if level["misses"] and not args.keep_going:
                     section["stopped"] = f"{key} {value} missed the bar (--keep-going runs the levels after it)"
@@ -262,19 +291,33 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
 def workload(args: argparse.Namespace, replies: list) -> dict:
     return {"replies": len(replies), "frames_range": [min(r.frames for r in replies), max(r.frames for r in replies)],
             "listen_s": list(args.listen), "stagger_s": args.stagger, "duration_s": args.duration,
-            "drain_s": args.drain, "seed": args.seed}
+            "drain_s": args.drain, "seed": args.seed, "caller_processes": args.caller_processes}
 
 
 def sweep_server(args: argparse.Namespace, deadline: float, report: Report, save, started: float) -> int:
     """The sweep against a server of another process or machine: what its clients see, with no
     view of its engine (no round timing, no GPU memory)."""
     endpoint = ServerEndpoint(args.server_url, args.voice, args.text_mode)
-    report.put("endpoint", f"a server at {args.server_url} (WebSocket)")
+    n = args.caller_processes
+    report.put("endpoint", f"a server at {args.server_url} (WebSocket)"
+               + (f", the callers split over {n} processes" if n > 1 else ""))
     replies = fleet_replies()
     report.put("workload", workload(args, replies))
+    processes = None
     try:
-        asyncio.run(sweep(args, [Run("server", endpoint, report, save)], None, deadline))
+        if n > 1:
+            t0 = time.monotonic()
+            processes = CallerProcesses(n, args.server_url, args.voice, args.text_mode)
+            processes.wait_ready(max(1.0, min(120.0, deadline - time.monotonic())))
+            report.put("caller_processes_start_s", time.monotonic() - t0)
+            log(f"{n} caller processes started in {time.monotonic() - t0:.1f} s")
+        asyncio.run(sweep(args, [Run("server", endpoint, report, save, processes=processes)], None, deadline))
+    except BaseException as exc:
+        report.put("error", f"{type(exc).__name__}: {exc}")
+        raise
     finally:
+        if processes is not None:
+            processes.close()
         report.put("total_wall_s", time.monotonic() - started)
         save()
     print((args.out / fleet_report.MARKDOWN).read_text())

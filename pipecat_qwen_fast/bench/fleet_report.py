@@ -38,6 +38,21 @@ def _rounds_cell(lv: dict) -> str:
             f"streams, busy {_fmt(100 * (r['busy_fraction'] or 0), 0)} %)")
 
 
+def _lag(figures: dict | None) -> str:
+    return f"{_fmt(figures['p50_ms'], 2)} / {_fmt(figures['p99_ms'], 2)}" if figures and figures.get("n") else "n/a"
+
+
+def lag_text(loop_lag: dict | None) -> str:
+    """A level's event-loop lag, p50 / p99 in ms: the server's (from its /metrics), then each
+    caller process's."""
+    if not loop_lag:
+        return "n/a"
+    callers = loop_lag.get("callers") or []
+    return (f"server {_lag(loop_lag.get('server'))}; "
+            + ("callers " if len(callers) == 1 else f"{len(callers)} caller processes ")
+            + ", ".join(_lag(c.get("loop_lag")) for c in callers))
+
+
 def _checkpoint(ck: dict) -> str:
     if ck.get("size"):
         return f"random-weight {ck['size']} {ck.get('variant', '')}, EOS row zeroed"
@@ -48,12 +63,12 @@ def level_table(levels: list[dict], key: str, title: str) -> str:
     lines = [
         (f"| {title} | utterances | first audio p50 / p95 / p99 (ms) | utterances with an underrun | worst lateness "
          "(ms) | frames/s | refused | errors / no audio / cut | round, mean ms: wall: decode / vocoder / prefill / host "
-         "| bar |"),
-        "|---|---|---|---|---|---|---|---|---|---|",
+         "| event-loop lag p50 / p99 (ms) | bar |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for lv in levels:
         if "skipped" in lv:
-            lines.append(f"| {lv[key]:g} | skipped: {lv['skipped']} | | | | | | | | |")
+            lines.append(f"| {lv[key]:g} | skipped: {lv['skipped']} | | | | | | | | | |")
             continue
         fa = lv["first_audio_ms"]
         bar = "met" if lv["meets_bar"] else "missed: " + "; ".join(lv["misses"])
@@ -61,7 +76,7 @@ def level_table(levels: list[dict], key: str, title: str) -> str:
             f"| {lv[key]:g} | {lv['utterances']} | {_fmt(fa['p50'])} / {_fmt(fa['p95'])} / {_fmt(fa['p99'])} | "
             f"{lv['underrun_utterances']} | {_fmt(lv['worst_lateness_ms'])} | {_fmt(lv['frames_per_s'])} | "
             f"{lv['refused']} | {lv['errors']} / {lv['no_audio']} / {lv['cut_by_level_end']} | {_rounds_cell(lv)} | "
-            f"{bar} |"
+            f"{lag_text(lv.get('loop_lag'))} | {bar} |"
         )
     return "\n".join(lines)
 
@@ -89,6 +104,12 @@ def render(result: dict) -> str:
         (f"Round timing {'on' if result.get('round_timing') else 'off'}"
          + (": each round's wall time split into decode, vocoder, prefill (opening sessions) and the host "
             "rest, with a device synchronization around each timed call." if result.get("round_timing") else ".")),
+        "",
+        ("Event-loop lag: how late a task sleeping 10 ms woke, p50 / p99 over the level: the server's from "
+         "its /metrics histogram (`qwen_tts_event_loop_lag_seconds`, interpolated within its buckets; n/a "
+         "where there is no server or it does not publish it), each caller process's from its own samples"
+         + (f" (the callers split over {wl['caller_processes']} processes)."
+            if (wl.get("caller_processes") or 1) > 1 else " (all the callers in one process).")),
     ]
     for mode, key, title, unit, cap_key in MODES:
         section = result.get(mode)

@@ -224,3 +224,84 @@ def served_rounds(before: tuple[float, float], after: tuple[float, float] | None
         "busy_fraction": seconds / level_wall_s if level_wall_s > 0 else None,
         "source": "server /metrics",
     }
+
+
+def lag_summary(samples: list[float]) -> dict:
+    """An event loop's lag samples (seconds: how late each wake-up of a sleeping task came) in ms."""
+    return {"n": len(samples), "p50_ms": _ms1(percentile(samples, 50)), "p99_ms": _ms1(percentile(samples, 99)),
+            "max_ms": _ms1(max(samples, default=None))}
+
+
+def _ms1(value: float | None) -> float | None:
+    return None if value is None else 1e3 * value
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """A Prometheus text exposition's samples: each series as written (name and labels) to its value."""
+    series = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            series[name] = float(value)
+        except ValueError:
+            continue
+    return series
+
+
+def server_rounds(metrics: dict[str, float] | None) -> tuple[float, float] | None:
+    """A server's engine rounds so far and their summed seconds, from its /metrics samples."""
+    if metrics is None:
+        return None
+    rounds = metrics.get("qwen_tts_engine_rounds_total")
+    seconds = metrics.get("qwen_tts_engine_round_seconds_total")
+    return None if rounds is None or seconds is None else (rounds, seconds)
+
+
+LOOP_LAG_METRIC = "qwen_tts_event_loop_lag_seconds"
+
+
+def _lag_histogram(metrics: dict[str, float]) -> tuple[list[tuple[float, float]], float] | None:
+    """The server's loop-lag histogram: (upper bound, cumulative count) ascending, +Inf last, and its sum."""
+    prefix = f'{LOOP_LAG_METRIC}_bucket{{le="'
+    buckets = sorted((float(name[len(prefix):].split('"')[0]), count)
+                     for name, count in metrics.items() if name.startswith(prefix))
+    total = metrics.get(f"{LOOP_LAG_METRIC}_sum")
+    if not buckets or total is None or not math.isinf(buckets[-1][0]):
+        return None
+    return buckets, total
+
+
+def bucket_quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """The q-quantile (0 < q <= 1) of a histogram of cumulative counts, interpolated linearly within
+    its bucket (Prometheus' histogram_quantile): the highest finite bound where it lies beyond it."""
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return None
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for upper, cumulative in buckets:
+        if cumulative >= rank and cumulative > below:
+            if math.isinf(upper):
+                return lower
+            return lower + (upper - lower) * (rank - below) / (cumulative - below)
+        lower, below = upper, cumulative
+    return lower
+
+
+def histogram_lag(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:
+    """A level's event-loop lag from a server's /metrics read before and after it: the histogram's
+    deltas, their count and mean, and p50/p99 interpolated within its buckets (exact to a bucket's
+    width); None where the server does not publish it."""
+    a = _lag_histogram(before) if before is not None else None
+    b = _lag_histogram(after) if after is not None else None
+    if a is None or b is None:
+        return None
+    old = dict(a[0])
+    delta = [(upper, count - old.get(upper, 0.0)) for upper, count in b[0]]
+    n = delta[-1][1]
+    p50, p99 = bucket_quantile(delta, 0.5), bucket_quantile(delta, 0.99)
+    return {"n": int(n), "p50_ms": _ms1(p50), "p99_ms": _ms1(p99),
+            "mean_ms": 1e3 * (b[1] - a[1]) / n if n > 0 else None,
+            "source": "server /metrics (histogram, interpolated within buckets)"}
