@@ -8,6 +8,9 @@
 #   fleet2      the same again on a fresh engine with FLEET2_ENV set (an A/B of an engine setting)
 #   fleet-open  the same, open loop
 #   fleet-server-proc  the fleet against a server in its own process, then in process (issue 37)
+#   fleet-server-procs  the fleet against a server in its own process, the callers split over
+#                 CALLER_PROCS processes (default 4), so that no one client loop holds up delivery
+#                 (issue 37; each level also gives the server's and each caller process's loop lag)
 #   fleet-server-switch  the fleet through one server at each GIL switch interval in SWITCHES
 #   fleet-server  the fleet in process and through the server on loopback, level by level on one
 #                 engine, dual-track, levels 32-128 at 15 s (issue 37's 10 % bar: comparison.md)
@@ -114,6 +117,25 @@ PY
                           kill -TERM $spid; wait $spid
                           python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --text-mode dual_track \
                               --out "$out/fleet-engine-proc" --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
+            fleet-server-procs) # issue 37: as fleet-server-proc's first half, the callers split over
+                          # CALLER_PROCS processes (a fleet is many agent processes, not one loop)
+                          python3 -m pipecat_qwen_fast.cli serve --model "$ck" --port 8177 --max-streams 100000 \
+                              > "$out/serve-procs.log" 2>&1 &
+                          spid=$!
+                          python3 - <<'PY'
+import json, time, urllib.request
+for _ in range(400):  # ready, and the batch path's background warm-up done (as bench fleet does in process)
+    try:
+        if json.load(urllib.request.urlopen("http://127.0.0.1:8177/ready", timeout=2)).get("fully_warm"):
+            break
+    except Exception:
+        pass
+    time.sleep(1)
+PY
+                          python3 -m pipecat_qwen_fast.cli bench fleet --server-url http://127.0.0.1:8177 \
+                              --text-mode dual_track --caller-processes "${CALLER_PROCS:-4}" \
+                              --out "$out/fleet-server-procs" --budget "$(( $(left) - 20 ))" ${FLEET_ARGS:-}
+                          kill -TERM $spid; wait $spid ;;
             fleet-open) python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet-open" \
                             --mode open --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
             server-latency) python3 -m pipecat_qwen_fast.cli bench server-latency --model "$ck" --out "$out/server" ;;
