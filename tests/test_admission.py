@@ -105,3 +105,57 @@ async def test_streams_ahead_of_playback_sit_out_rounds_under_contention(engine)
     assert sum(c.num_frames for c in got_new) == 12 and sum(c.num_frames for c in got_ahead) == 60
     alone = engine.synthesize("New.", seed=2, max_frames=12, first_chunk_frames=1, chunk_frames=3, max_chunk_frames=32)
     assert len(alone.pcm) == sum(len(c.pcm) for c in got_new)
+
+
+async def test_a_stream_sits_out_only_while_its_lead_covers_the_rest_of_its_chunk(engine):
+    # Paused by backpressure after its first chunk (8 frames, 640 ms), the stream's next chunk is
+    # 2 frames away: it may sit a round out while its lead covers LEAD_SAFETY x (2 + 1) rounds.
+    from pipecat_qwen_fast.engine.service import LEAD_SAFETY
+
+    async with EngineService.for_engine(engine, max_buffered_chunks=1, max_round_ms=None) as service:
+        await service.wait_ready()
+        stream = service.open_stream(SynthesisRequest("Ahead.", seed=1, max_frames=60, first_chunk_frames=8))
+        await asyncio.wait_for(stream.__anext__(), TIMEOUT)
+        assert stream.frames_to_chunk() == 2
+        now = stream._first_post_at + 0.1
+        lead = stream.lead(now)
+        assert lead == pytest.approx(0.54)
+        edge = lead / (LEAD_SAFETY * 3)
+        assert stream.may_sit_out(now, 0.0, 0.9 * edge)
+        assert not stream.may_sit_out(now, 0.0, 1.1 * edge)
+        assert not stream.may_sit_out(now, 0.6, 0.0)  # the floor still holds
+        stream.cancel()
+        await asyncio.wait_for(stream.wait_closed(), TIMEOUT)
+
+
+async def test_a_busy_engine_opens_a_few_calls_a_round_and_the_rest_next(engine):
+    # With a stream live, six calls arriving together open over two rounds (4, then 2), in order;
+    # each gets its whole audio.
+    opens = []
+    open_sessions = engine.open_sessions
+
+    def spy(requests):
+        opens.append([r.text for r in requests])
+        return open_sessions(requests)
+
+    engine.open_sessions = spy
+    try:
+        async with EngineService.for_engine(engine, max_round_ms=None, max_opens_per_round=4) as service:
+            await service.wait_ready()
+            live = service.open_stream(SynthesisRequest("Live.", seed=1, max_frames=80))
+            await asyncio.wait_for(live.__anext__(), TIMEOUT)
+            texts = [f"Call {i}." for i in range(6)]
+            streams = [service.open_stream(SynthesisRequest(t, seed=i, max_frames=5)) for i, t in enumerate(texts)]
+            got = [await asyncio.wait_for(service_frames(s), TIMEOUT) for s in streams]
+            live.cancel()
+            await asyncio.wait_for(live.wait_closed(), TIMEOUT)
+    finally:
+        del engine.open_sessions
+    assert got == [5] * 6
+    assert opens[1:] == [texts[:4], texts[4:]], opens
+    with pytest.raises(ValueError, match="max_opens_per_round"):
+        EngineService.for_engine(engine, max_opens_per_round=0)
+
+
+async def service_frames(stream) -> int:
+    return sum([c.num_frames async for c in stream])

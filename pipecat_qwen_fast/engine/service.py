@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
-from pipecat_qwen_fast.engine.request import SynthesisRequest, round_budget_ms
+from pipecat_qwen_fast.engine.request import SynthesisRequest, chunk_target, round_budget_ms
 from pipecat_qwen_fast.engine.text_session import DEFAULT_IDLE_TIMEOUT_S
 from pipecat_qwen_fast.errors import EngineClosedError, EngineOverloadedError, NoFreeSlotError
 
@@ -64,6 +64,15 @@ PAUSED_POLL_S = 0.25
 # caller is never slowed to real time.
 MAX_LEAD_S = 1.0
 CONTENTION_ROWS = 64
+# A stream sits a round out only while its lead also covers the rest of the chunk it is making at
+# this many times the current round time: at 384 fleet callers (H200, baf3b4b) 151 of 417 late
+# utterances were first late at their 32-frame chunk, begun with ~1 s of lead and 27-48 ms rounds.
+LEAD_SAFETY = 1.5
+# While streams are live, at most this many new calls open in one round; the rest open in the next
+# rounds, first in line. At 384-512 callers the slowest rounds opened 6-27 calls (18-91 ms of
+# prefill), and most late utterances were first late at their second chunk, due 80 ms after the
+# first: one long round makes every new call's second chunk late. An open costs ~2.8 ms.
+MAX_OPENS_PER_ROUND = 4
 # Admission on a GPU: a call is refused while the smoothed round takes longer than this share of
 # the default schedule's round budget (request.round_budget_ms: 40 ms, in which a new call's second
 # chunk, 2 frames at one a round, must follow its first, 80 ms of audio). The margin is for rounds
@@ -171,6 +180,18 @@ class SynthesisStream:
         if self._first_post_at is None:
             return float("-inf")
         return self._first_post_at + self._audio_posted_s - now
+
+    def frames_to_chunk(self) -> int:
+        """Frames its session still decodes before its next chunk is sent (1 when unknown)."""
+        session = self.session
+        pending = getattr(session, "pending", None)
+        if pending is None:
+            return 1
+        return max(1, chunk_target(session.request, session.chunk_start) - len(pending))
+
+    def may_sit_out(self, now: float, min_lead_s: float, round_s: float) -> bool:
+        """Whether skipping a round leaves it time to finish its chunk before its audio runs out."""
+        return self.lead(now) >= max(min_lead_s, LEAD_SAFETY * (self.frames_to_chunk() + 1) * round_s)
 
     # -- engine thread hooks: a whole text's; a streamed-text turn overrides them -------------
 
@@ -285,7 +306,10 @@ class EngineService:
             time exceeds this and streams are live: its chunks could not keep ahead of its
             playback. "auto": MAX_ROUND_MS on a GPU, no limit elsewhere; None: no limit.
         max_lead_s: under contention (more than CONTENTION_ROWS ready streams), streams this far
-            ahead of their playback sit a round out; None: every ready stream runs every round.
+            ahead of their playback sit a round out (and far enough to finish their chunk in
+            time, LEAD_SAFETY); None: every ready stream runs every round.
+        max_opens_per_round: while streams are live, new calls opened in one round at most (the
+            rest in the next rounds); None: every call that arrived.
     """
 
     def __init__(
@@ -298,9 +322,12 @@ class EngineService:
         max_streams: int | None = None,
         max_round_ms: float | str | None = "auto",
         max_lead_s: float | None = MAX_LEAD_S,
+        max_opens_per_round: int | None = MAX_OPENS_PER_ROUND,
     ) -> None:
         if max_buffered_chunks < 1:
             raise ValueError(f"max_buffered_chunks must be >= 1, got {max_buffered_chunks}")
+        if max_opens_per_round is not None and max_opens_per_round < 1:
+            raise ValueError(f"max_opens_per_round must be >= 1 or None, got {max_opens_per_round}")
         if max_streams is not None and max_streams < 1:
             raise ValueError(f"max_streams must be >= 1 or None, got {max_streams}")
         self.max_streams = max_streams
@@ -309,6 +336,7 @@ class EngineService:
         self._max_round_ms = max_round_ms
         self.max_lead_s = max_lead_s
         self.contention_rows = CONTENTION_ROWS
+        self.max_opens_per_round = max_opens_per_round
         self.round_ms = 0.0  # smoothed wall time of the rounds that ran frames (engine thread)
         # Their count and summed wall time, for a server's /metrics: a scraper's mean round over
         # an interval is the quotient of the two deltas.
@@ -580,7 +608,7 @@ class EngineService:
                 timer.begin()
             waiting, self._waiting = self._waiting, []
             started = time.perf_counter()  # a round's time includes opening the new streams
-            self._open(waiting + new)
+            self._open(self._take_opens(waiting + new))
             ready = []
             for stream in list(self._active):
                 if stream.cancel_requested or stream._loop.is_closed():
@@ -591,7 +619,8 @@ class EngineService:
                     ready.append(stream)
             if len(ready) > self.contention_rows and self.max_lead_s is not None:
                 now = time.monotonic()
-                due = [stream for stream in ready if stream.lead(now) < self.max_lead_s]
+                round_s = self.round_ms / 1e3
+                due = [stream for stream in ready if not stream.may_sit_out(now, self.max_lead_s, round_s)]
                 ready = due or ready  # nobody due: all run, the GPU never idles
             if ready:
                 # One frame for every ready session; the engine batches them where it can.
@@ -620,6 +649,19 @@ class EngineService:
                 # Idle: a step of the deferred warm-up (each well under a second), then look again.
                 if not self._engine.warm_step():
                     self._wake.wait(self._idle_timeout())
+
+    def _take_opens(self, streams: list[SynthesisStream]) -> list[SynthesisStream]:
+        """The streams to open this round: all of them on an idle engine (a burst opens together,
+        one batched prefill), at most `max_opens_per_round` while streams are live; the rest go
+        back to the front of the inbox, for the next rounds."""
+        most = self.max_opens_per_round
+        if most is None or not self._active or len(streams) <= most:
+            return streams
+        now, later = streams[:most], streams[most:]
+        with self._lock:
+            self._inbox = later + self._inbox
+        self._wake.set()
+        return now
 
     def _idle_timeout(self) -> float | None:
         deadlines = [d for stream in self._active if (d := stream.wake_deadline()) is not None]
