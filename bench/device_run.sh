@@ -50,6 +50,20 @@ ck=/tmp/qwen-fast-ck-0.6b-cv
 # The start-up runs leave a complete cache folder here; later steps load from it.
 export QWEN_FAST_CACHE=${QWEN_FAST_CACHE:-/tmp/qwen-fast-startup/cache}
 left() { echo $(( ${DEVICE_SECONDS:-570} - ($(date +%s) - t0) )); }
+# Until the server on port 8177 is ready and its batch path's background warm-up is done (as bench
+# fleet waits in process), at most 8 minutes.
+wait_warm() {
+    python3 - <<'PY'
+import json, time, urllib.request
+for _ in range(480):
+    try:
+        if json.load(urllib.request.urlopen("http://127.0.0.1:8177/ready", timeout=2)).get("fully_warm"):
+            break
+    except Exception:
+        pass
+    time.sleep(1)
+PY
+}
 {
     echo "== $(date -u '+%F %T UTC') commit $BENCH_COMMIT steps: $*"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
@@ -77,16 +91,7 @@ left() { echo $(( ${DEVICE_SECONDS:-570} - ($(date +%s) - t0) )); }
                           python3 bench/probes/switch_serve.py --model "$ck" --port 8177 --max-streams 100000 \
                               > "$out/serve.log" 2>&1 &
                           spid=$!
-                          python3 - <<'PY'
-import json, time, urllib.request
-for _ in range(480):
-    try:
-        if json.load(urllib.request.urlopen("http://127.0.0.1:8177/ready", timeout=2)).get("fully_warm"):
-            break
-    except Exception:
-        pass
-    time.sleep(1)
-PY
+                          wait_warm
                           sws=(${SWITCHES:-0.005 0.0005})
                           each=$(( ($(left) - 15) / ${#sws[@]} ))
                           for sw in "${sws[@]}"; do
@@ -101,16 +106,7 @@ PY
                           python3 -m pipecat_qwen_fast.cli serve --model "$ck" --port 8177 --max-streams 100000 \
                               > "$out/serve.log" 2>&1 &
                           spid=$!
-                          python3 - <<'PY'
-import json, time, urllib.request
-for _ in range(400):  # ready, and the batch path's background warm-up done (as bench fleet does in process)
-    try:
-        if json.load(urllib.request.urlopen("http://127.0.0.1:8177/ready", timeout=2)).get("fully_warm"):
-            break
-    except Exception:
-        pass
-    time.sleep(1)
-PY
+                          wait_warm
                           half=$(( ($(left) - 30) / 2 ))
                           python3 -m pipecat_qwen_fast.cli bench fleet --server-url http://127.0.0.1:8177 \
                               --text-mode dual_track --out "$out/fleet-server-proc" --budget "$half" ${FLEET_ARGS:-}
@@ -122,16 +118,7 @@ PY
                           python3 -m pipecat_qwen_fast.cli serve --model "$ck" --port 8177 --max-streams 100000 \
                               > "$out/serve-procs.log" 2>&1 &
                           spid=$!
-                          python3 - <<'PY'
-import json, time, urllib.request
-for _ in range(400):  # ready, and the batch path's background warm-up done (as bench fleet does in process)
-    try:
-        if json.load(urllib.request.urlopen("http://127.0.0.1:8177/ready", timeout=2)).get("fully_warm"):
-            break
-    except Exception:
-        pass
-    time.sleep(1)
-PY
+                          wait_warm
                           python3 -m pipecat_qwen_fast.cli bench fleet --server-url http://127.0.0.1:8177 \
                               --text-mode dual_track --caller-processes "${CALLER_PROCS:-4}" \
                               --out "$out/fleet-server-procs" --budget "$(( $(left) - 20 ))" ${FLEET_ARGS:-}

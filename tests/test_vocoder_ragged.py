@@ -8,10 +8,13 @@ the numbers by ~2e-5 (unpadded batched calls as much as padded ones), which one 
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
+import test_vocoder
 import torch
-from test_vocoder import TINY, randomise
+from test_vocoder import TINY
 
 from pipecat_qwen_fast import QwenTTSEngine, SynthesisRequest
 from pipecat_qwen_fast.backends.graph import GraphBackend
@@ -27,25 +30,8 @@ RAGGED = [(4, 2, 3, 1), (1, 4, 4, 2), (3, 3, 1, 4), (2, 1, 4, 4), (1, 1, 2, 1)]
 STARTS = (0, 5, 70, 1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def voc32() -> Vocoder:
-    torch.manual_seed(0)
-    v = Vocoder(TINY).eval()
-    randomise(v, 1)
-    return v
-
-
-@pytest.fixture(scope="module")
-def voc(voc32) -> Vocoder:
-    return Vocoder.from_state_dict(TINY, voc32.state_dict(), dtype=torch.float64)
+# test_vocoder's fixtures: one torch thread, its tiny vocoder in fp32 and in float64.
+one_thread, voc32, voc = test_vocoder.one_thread, test_vocoder.voc32, test_vocoder.voc
 
 
 def state_gap(a: VocoderStream, b: VocoderStream) -> float:
@@ -237,7 +223,7 @@ def test_a_packed_stream_decodes_as_an_unpacked_one(voc32):
     packed, plain = voc32.new_stream(packed=True), voc32.new_stream()
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
                    for t in (*packed.histories, packed.keys, packed.values))
-    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
     assert len({t.untyped_storage().data_ptr() for t in (*packed.histories, packed.keys)}) == 1
     outs = []
     for st in (packed, plain):
