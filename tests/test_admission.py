@@ -5,6 +5,7 @@ refusal on as a retryable error. Real engine, tiny checkpoint, CPU."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -79,8 +80,11 @@ async def test_slow_rounds_refuse_new_streams_while_streams_are_live(engine):
 
 
 async def test_streams_ahead_of_playback_sit_out_rounds_under_contention(engine):
-    # Contention from 2 ready streams on: a stream more than 50 ms of audio ahead waits while a new
-    # one (no audio yet) gets its frames; with nobody due, all run. Audio is unchanged.
+    # Contention from 2 ready streams on: a stream whose lead covers the rest of its chunk waits
+    # while a new one (no audio yet) gets its frames; with nobody due, all run. Audio is unchanged.
+    # "Ahead." opens with 16 frames and goes on in 2-frame chunks, so its lead (~1.4 s) covers
+    # LEAD_SAFETY x 3 rounds of up to ~300 ms: a loaded CI machine's slow rounds keep it sitting out
+    # (with 1, 2, 4, ... its ~0.2 s lead let rounds of 25 ms or more make it due: a failed CI run).
     rounds = []
     step_many = engine.step_many
 
@@ -93,7 +97,8 @@ async def test_streams_ahead_of_playback_sit_out_rounds_under_contention(engine)
         async with EngineService.for_engine(engine, max_lead_s=0.05, max_round_ms=None) as service:
             service.contention_rows = 1
             await service.wait_ready()
-            ahead = service.open_stream(SynthesisRequest("Ahead.", seed=1, max_frames=60))
+            ahead = service.open_stream(SynthesisRequest("Ahead.", seed=1, max_frames=60, first_chunk_frames=16,
+                                                         max_chunk_frames=None))
             first = [await asyncio.wait_for(ahead.__anext__(), TIMEOUT) for _ in range(2)]
             new = service.open_stream(SynthesisRequest("New.", seed=2, max_frames=12))
             got_new = [c async for c in new]
@@ -145,7 +150,11 @@ async def test_a_busy_engine_opens_a_few_calls_a_round_and_the_rest_next(engine)
             live = service.open_stream(SynthesisRequest("Live.", seed=1, max_frames=80))
             await asyncio.wait_for(live.__anext__(), TIMEOUT)
             texts = [f"Call {i}." for i in range(6)]
-            streams = [service.open_stream(SynthesisRequest(t, seed=i, max_frames=5)) for i, t in enumerate(texts)]
+            # The six arrive together: the engine thread takes its inbox under the service's lock,
+            # held here (reentrant for _admit) until all six are queued.
+            service._lock = threading.RLock()
+            with service._lock:
+                streams = [service.open_stream(SynthesisRequest(t, seed=i, max_frames=5)) for i, t in enumerate(texts)]
             got = [await asyncio.wait_for(service_frames(s), TIMEOUT) for s in streams]
             live.cancel()
             await asyncio.wait_for(live.wait_closed(), TIMEOUT)
