@@ -372,6 +372,44 @@ def test_prefill_many_equals_one_by_one(pair):
         assert np.array_equal(np.stack(s.codes), fast.generate_codes(r.text, voice=r.voice, greedy=True, max_frames=6).numpy())
 
 
+def test_a_few_calls_opened_together_share_one_row_prefill(pair):
+    # Fewer calls than the eager batched pass pays for (3 < 8), their prompts within the row
+    # prefill's buckets: one prefill of several rows, each row's K/V, hidden state and codes
+    # those of its prompt prefilled alone. (On the GPU the row graphs are captured in the
+    # background warm-up; here they run their eager body.)
+    _, fast = pair
+    gb = fast.backend
+    reqs = [SynthesisRequest(text, voice=v, greedy=True, max_frames=6, vocode=False)
+            for text, v in (("Short one.", "ryan"), ("A rather longer sentence to prefill here.", "aiden"),
+                            ("Medium length words.", "serena"))]
+    alone = []
+    for r in reqs:
+        s = fast.open_session(r)
+        n = s.state.position
+        alone.append((n, gb.read_positions(s.state.slot, n), gb.pool_hidden[s.state.slot].clone()))
+        fast.cancel(s)
+    assert not gb.row_prefills.entries, "nothing prepared: one prefill a call"
+    for b in gb.row_prefills.buckets:
+        gb.row_prefills.prepare(b)
+    passes, batched = gb.row_prefill_passes, gb.batched_prefills
+    try:
+        sessions = fast.open_sessions(reqs)
+    finally:
+        gb.row_prefills.entries.clear()
+    assert gb.row_prefill_passes == passes + 1 and gb.batched_prefills == batched
+    assert len({s.state.position for s in sessions}) == 3, "three prompt lengths"
+    for s, (n, (k, v), h) in zip(sessions, alone):
+        assert s.state.position == n
+        got_k, got_v = gb.read_positions(s.state.slot, n)
+        torch.testing.assert_close(got_k, k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_v, v, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gb.pool_hidden[s.state.slot], h, rtol=1e-5, atol=1e-5)
+    while not all(s.done for s in sessions):
+        fast.step_many(sessions)
+    for s, r in zip(sessions, reqs):
+        assert np.array_equal(np.stack(s.codes), fast.generate_codes(r.text, voice=r.voice, greedy=True, max_frames=6).numpy())
+
+
 def test_open_sessions_reports_each_refusal(pair):
     _, fast = pair
     gb = fast.backend

@@ -55,7 +55,11 @@ from pipecat_qwen_fast.backends.paged_attention import (
     paged_attention_reference,
     paged_attention_triton,
 )
-from pipecat_qwen_fast.backends.prefill_graphs import PREFILL_BUCKETS, PrefillGraphs
+from pipecat_qwen_fast.backends.prefill_graphs import (
+    PREFILL_BUCKETS,
+    PrefillGraphs,
+    prefill_layer_rows,
+)
 from pipecat_qwen_fast.errors import NoFreeSlotError, QwenTTSError
 from pipecat_qwen_fast.model.layers import (
     DecoderLayer,
@@ -81,6 +85,11 @@ ATTN_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
 # a captured one-by-one prefill ~3 ms a call: batching pays from ~7 calls on
 # (bench/results/prefill_profile_h200_2026-11-23.json).
 BATCHED_PREFILL_MIN = 8
+# Fewer calls than that, opened in one round (a busy engine opens at most 4 a round), share a
+# captured prefill of this many rows, for prompts within its buckets; captured in the background
+# warm-up (until then, and for longer prompts, one captured replay a call).
+ROW_PREFILL_ROWS = 4
+ROW_PREFILL_BUCKETS = (16, 32, 64)
 # cuDNN's attention builds a plan for every new (calls, length) shape, ~70-90 ms each: every
 # burst has a new shape, so the batched prefill uses the other kernels.
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -282,6 +291,7 @@ class GraphBackend:
         self.pool_seen = torch.zeros(slots, v, device=device, dtype=torch.bool)
         self.free_slots = list(range(max_sessions - 1, -1, -1))
         self.batched_prefills = 0  # prefill_many passes run since load (tests read it)
+        self.row_prefill_passes = 0  # captured prefills of several calls run since load
         self.batched_prefill_min = BATCHED_PREFILL_MIN
 
         self.max_batch = next((b for b in BATCH_BUCKETS if b >= max_sessions), BATCH_BUCKETS[-1])
@@ -349,6 +359,9 @@ class GraphBackend:
         # Captured prefill per prompt-length bucket; its K/V rows are copied into the session's slot.
         self.prefills = PrefillGraphs(talker, device, dtype, tuple(b for b in PREFILL_BUCKETS if b <= capacity),
                                       use_graphs=self.use_graphs)
+        # The same, for up to ROW_PREFILL_ROWS calls at once (prefill_many); captured later.
+        self.row_prefills = PrefillGraphs(talker, device, dtype, tuple(b for b in ROW_PREFILL_BUCKETS if b <= capacity),
+                                          use_graphs=self.use_graphs, step=prefill_layer_rows, rows=ROW_PREFILL_ROWS)
 
     def _choose_layer_step(self, kind: str | None) -> None:
         if kind not in (None, "kernel", "fused", "plain"):
@@ -479,12 +492,18 @@ class GraphBackend:
     def prefill_many(self, states: list[GraphState], embeds: list[Tensor]) -> None:
         """Several prompts in one batched pass, written straight into their slots: a burst of calls
         pays one launch-bound eager prefill (~20 ms on the H200), not one captured replay each (fewer than
-        `batched_prefill_min` calls: one replay each, cheaper). Prompts are
+        `batched_prefill_min` calls: captured replays, each of up to ROW_PREFILL_ROWS calls where
+        their prompts fit `row_prefills`, else one a call). Prompts are
         right-padded to the longest; causal attention keeps the padding out of every real position,
         and the padding's K/V rows lie beyond each session's position, masked until overwritten."""
         if len(states) < self.batched_prefill_min:
-            for s, e in zip(states, embeds):
-                self.prefill(s, e)
+            pairs = list(zip(states, embeds))
+            rows = self.row_prefills.rows
+            for i in range(0, len(pairs), rows):
+                group = pairs[i : i + rows]
+                if len(group) == 1 or not self._prefill_rows(group):
+                    for s, e in group:
+                        self.prefill(s, e)
             return
         lengths = [e.shape[0] for e in embeds]
         longest = max(lengths)
@@ -501,6 +520,27 @@ class GraphBackend:
         for s, n in zip(states, lengths):
             s.position = n
         self.batched_prefills += 1
+
+    def _prefill_rows(self, group: list[tuple[GraphState, Tensor]]) -> bool:
+        """Up to ROW_PREFILL_ROWS prompts in one captured prefill, each row's K/V into its slot's
+        pages; False (nothing written) when no captured bucket fits the longest."""
+        embeds = [e.to(self.device, self.dtype) for _, e in group]
+        out = self.row_prefills.run_rows(embeds)
+        if out is None:
+            return False
+        k, v, hidden = out
+        for i, ((state, _), e) in enumerate(zip(group, embeds)):
+            n = e.shape[0]
+            self.pool_hidden[state.slot].copy_(hidden[i])
+            self._write_positions(state.slot, k[:, i], v[:, i], n)
+            state.position = n
+        self.row_prefill_passes += 1
+        return True
+
+    def capture_row_prefills(self) -> None:
+        """The row prefills' graphs (background warm-up: a compile and a capture a bucket)."""
+        if self.use_graphs:
+            self.row_prefills.capture_all()
 
     def prepare_thread(self, params: SamplingParams) -> None:
         """One batched prefill in the calling thread: its kernels' first use costs ~10-170 ms, and

@@ -12,6 +12,10 @@ A captured prefill of the eager layers is ~37 kernels a layer, ~1050 in all: 2.7
 short prompt on the H200, of ~8 ms to first audio; from the compiled step 1.6 ms (docs/journal/NOTES.md,
 "The prefill compiled"). `QWEN_FAST_COMPILE_PREFILL=0` keeps the eager layers.
 
+Graphs of several rows (`rows`, `run_rows`) prefill up to that many prompts in one replay, for
+the few calls a busy batch engine opens in one round: the prefill is launch-bound, so four short
+prompts cost about what one does (GraphBackend.prefill_many).
+
 The megakernel's prefill runs in fp32 on the bf16 weights (`prefill_layer_fp32`), as its decode
 does, so that a call's codes are the fp32 model's (issue 34). Its products are exact
 (`exact_linear`): the fp32 activation is cut into three bf16 terms that sum to it, and each term
@@ -64,6 +68,27 @@ def prefill_layer(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_ou
     k_out.copy_(k)
     v_out.copy_(v)
     x = x + attn.attend(q, k, v, is_causal=True)  # the rows just written, at the same dtype
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def prefill_layer_rows(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_out: Tensor,
+                       v_out: Tensor) -> Tensor:
+    """`prefill_layer` over several prompts at once: x [B, L, D], each row a prompt from position 0
+    (right-padded), its K/V rows into k_out / v_out [B, kv_heads, L, head_dim]. The same math a
+    row at a time, so that a round's few new calls share one captured prefill: it is launch-bound
+    (~480 kernels for ~1.3 ms of GPU at ~30 positions), so 4 prompts cost about what one does."""
+    attn = layer.self_attn
+    B, L = x.shape[:2]
+    q, k, v = attn.project_qkv(layer.input_layernorm(x))  # [B, L, heads, hd]
+    q = apply_rotary(attn.q_norm(q).transpose(1, 2), cos, sin)  # [B, H, L, hd]
+    k = apply_rotary(attn.k_norm(k).transpose(1, 2), cos, sin)
+    v = v.transpose(1, 2)
+    k_out.copy_(k)
+    v_out.copy_(v)
+    rep = attn.num_heads // attn.num_kv_heads
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
+                                         is_causal=True)
+    x = x + attn.o_proj(out.transpose(1, 2).reshape(B, L, attn.num_heads * attn.head_dim))
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
@@ -209,23 +234,28 @@ def stack_copy(stack: DecoderStack, dtype: torch.dtype) -> DecoderStack:
 
 def mark_length_dynamic(e: dict) -> None:
     """The bucket's length symbolic in a compiled step's inputs: one compile for every bucket
-    (where dynamo keeps it so; it would recompile per bucket otherwise)."""
+    (where dynamo keeps it so; it would recompile per bucket otherwise). The length is the
+    second-last dimension of the prompt and of each K/V buffer, with or without a rows dimension."""
     for t in (e["embeds"], *e["rope"]):
-        torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(t, t.dim() - 2)
     for kv in e["layer_kv"]:
         for t in kv:
-            torch._dynamo.maybe_mark_dynamic(t, 1)
+            torch._dynamo.maybe_mark_dynamic(t, t.dim() - 2)
 
 
 class PrefillGraphs:
     """`talker`: a Talker, or a StackOwner; `dtype`: the activations' and K/V buffers'; `step`: the
     layer step (`prefill_layer`: the modules at their own dtype; `prefill_layer_fp32`); `kind`
     names the arithmetic, so that a backend shares only graphs that compute what its own would
-    (default: the dtype's name)."""
+    (default: the dtype's name). `rows` > 1: each graph prefills up to that many prompts at once
+    (`run_rows`), with a step that takes them as [rows, L, D] (`prefill_layer_rows`)."""
 
     def __init__(self, talker: Talker | StackOwner, device: torch.device, dtype: torch.dtype, buckets=PREFILL_BUCKETS,
                  use_graphs: bool | None = None, compile: bool | None = None, step: Callable = prefill_layer,
-                 kind: str | None = None):
+                 kind: str | None = None, rows: int = 1):
+        if rows < 1:
+            raise ValueError(f"rows must be at least 1; got {rows}")
+        self.rows = rows
         self.talker = talker
         self.device = device
         self.dtype = dtype
@@ -255,6 +285,8 @@ class PrefillGraphs:
         The tensors are static buffers, valid until the next call; rows >= n are padding. None when
         no prepared bucket fits (the caller then runs the eager prefill).
         """
+        if self.rows != 1:
+            raise RuntimeError("graphs of several rows prefill through run_rows")
         n = embeds.shape[0]
         bucket = self.bucket_for(n)
         if bucket is None or bucket not in self.entries:
@@ -269,15 +301,45 @@ class PrefillGraphs:
             self._body(e)
         return e["k"], e["v"], e["hidden"]
 
+    @torch.no_grad()
+    def run_rows(self, embeds: list[Tensor]) -> tuple[Tensor, Tensor, Tensor] | None:
+        """Prefill up to `rows` prompts [n_i, D] in one pass: (k, v [layers, rows, kv_heads, bucket,
+        head_dim], last hiddens [rows, D]), row i for prompt i; rows past the prompts are padding.
+        Static buffers, valid until the next call. None when no prepared bucket fits the longest."""
+        if self.rows == 1:
+            raise RuntimeError("graphs of one row prefill through run")
+        if not 0 < len(embeds) <= self.rows:
+            raise ValueError(f"run_rows takes 1 to {self.rows} prompts; got {len(embeds)}")
+        bucket = self.bucket_for(max(x.shape[0] for x in embeds))
+        if bucket is None or bucket not in self.entries:
+            return None
+        e = self.entries[bucket]
+        x, last = e["embeds"], e["last"]
+        for i, prompt in enumerate(embeds):
+            n = prompt.shape[0]
+            x[i, :n].copy_(prompt)
+            x[i, n:].zero_()
+            last[i].fill_(i * bucket + n - 1)  # a fill, not a copy from the host: no sync
+        if len(embeds) < self.rows:
+            x[len(embeds):].zero_()
+        if e["graph"] is not None:
+            e["graph"].replay()
+        else:
+            self._body(e)
+        return e["k"], e["v"], e["hidden"]
+
     def prepare(self, bucket: int) -> dict:
         """Static buffers for prompts of up to `bucket` positions (no graph: CPU tests)."""
         stack = self.talker.cfg.stack
-        kv_shape = (stack.num_layers, stack.num_kv_heads, bucket, stack.head_dim)
+        d = self.talker.cfg.hidden_size
+        many = self.rows > 1
+        kv_shape = (stack.num_layers, *((self.rows,) if many else ()), stack.num_kv_heads, bucket, stack.head_dim)
         e = {
-            "embeds": torch.zeros(bucket, self.talker.cfg.hidden_size, device=self.device, dtype=self.dtype),
+            "embeds": torch.zeros(*((self.rows,) if many else ()), bucket, d, device=self.device, dtype=self.dtype),
             "rope": rotary_cos_sin(torch.arange(bucket, device=self.device), stack.head_dim, stack.rope_theta, self.dtype),
-            "last": torch.zeros(1, device=self.device, dtype=torch.long),
-            "hidden": torch.zeros(self.talker.cfg.hidden_size, device=self.device, dtype=self.dtype),
+            # Flat positions (row x bucket + position) of each row's last real position.
+            "last": torch.zeros(self.rows, device=self.device, dtype=torch.long),
+            "hidden": torch.zeros(*((self.rows,) if many else ()), d, device=self.device, dtype=self.dtype),
             "k": torch.zeros(kv_shape, device=self.device, dtype=self.dtype),
             "v": torch.zeros(kv_shape, device=self.device, dtype=self.dtype),
             "graph": None,
@@ -307,8 +369,9 @@ class PrefillGraphs:
         cos, sin = e["rope"]
         for layer, (k, v) in zip(stack.layers, e["layer_kv"]):
             x = step(layer, x, cos, sin, k, v)
-        # The norm is per position: only the last real one is needed.
-        e["hidden"].copy_(stack.norm(x.index_select(0, e["last"]))[0])
+        # The norm is per position: only each row's last real one is needed.
+        last = x.reshape(-1, x.shape[-1]).index_select(0, e["last"])
+        e["hidden"].copy_(stack.norm(last).view_as(e["hidden"]))
 
     def _compiled_layer(self, e: dict) -> Callable:
         """The compiled layer step, compiled now (outside any capture) if it was not yet."""

@@ -166,6 +166,11 @@ class Warmup:
         if hybrid:
             later.append(("warm-up sessions (batch)", lambda: self.sessions(False)))
             later.append(("the batch path is ready", lambda: setattr(backend, "bulk_ready", True)))
+        # A busy engine's few opens a round share one captured prefill (GraphBackend.prefill_many);
+        # until these are captured each open replays its own, so they come last.
+        row_prefills = getattr(getattr(backend, "bulk", backend), "capture_row_prefills", None)
+        if row_prefills is not None:
+            later.append(("prefill graphs of several calls", row_prefills))
         return now, later
 
     def vocoder_size(self, n: int) -> None:
