@@ -1,0 +1,48 @@
+"""bench/probes/batch_overlap.py on the CPU with the tiny checkpoint: every way is timed for
+every cell and the table is written. Nothing about overlap is asserted (the GPU run measures it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from pipecat_qwen_fast import QwenTTSEngine
+from pipecat_qwen_fast.backends.graph import GraphBackend
+
+PROBE = Path(__file__).resolve().parents[1] / "bench" / "probes" / "batch_overlap.py"
+
+
+def load_probe():
+    spec = importlib.util.spec_from_file_location("batch_overlap_probe", PROBE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(300)
+def test_batch_overlap_probe_times_every_way(tiny_checkpoint, tmp_path, capsys):
+    probe = load_probe()
+    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", zero_eos=True), device="cpu",
+                                           dtype="float32", backend="eager", progress=False)
+    engine.backend = GraphBackend(engine.model.talker, engine.device, engine.dtype, max_sessions=4,
+                                  capacity=512, use_graphs=False)
+    out = tmp_path / "overlap"
+    args = probe.parse_args(["--model", "unused", "--out", str(out), "--rows", "1,3", "--vocoder", "2x2",
+                             "--repeats", "2", "--prestep", "1"])
+    try:
+        result = probe.run(engine, args)
+        assert len(engine.backend.free_slots) == 4  # every call it opened is closed again
+    finally:
+        engine.close()
+    assert "nothing claimed" in capsys.readouterr().out
+    assert json.loads((out / probe.RESULT).read_text()) == result
+    assert [(c["rows"], c["call"]) for c in result["cells"]] == [(1, "2x2"), (3, "2x2")]
+    for cell in result["cells"]:
+        assert all(cell[w]["n"] == 2 and cell[w]["median"] > 0 for w in probe.WAYS)
+    assert (out / probe.MARKDOWN).read_text().count("\n| ") == 3
+    assert probe.parse_calls("32x2,2x32") == [(32, 2), (2, 32)]
+    with pytest.raises(SystemExit):
+        probe.parse_args(["--model", "m", "--out", "o", "--vocoder", "3"])
