@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -82,12 +83,15 @@ async def _churn(service: EngineService, rng: random.Random) -> tuple[int, int, 
     return cancelled, finished, problems
 
 
-def test_256_streams_1000_cancellations_leave_nothing_behind(engine):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped-vocoder"])
+def test_256_streams_1000_cancellations_leave_nothing_behind(engine, overlap):
+    # Overlapped: chunks deferred to a side stream while their sessions are cancelled and their
+    # memory freed (engine/deferred_audio.py keeps what the side stream reads until it is done).
     gb = engine.backend
     pages, slots = len(gb.free_pages), len(gb.free_slots)
 
     async def main():
-        async with EngineService.for_engine(engine, max_round_ms=None) as service:
+        async with EngineService.for_engine(engine, max_round_ms=None, overlap_vocoder=overlap) as service:
             await service.wait_ready()
             result = await asyncio.wait_for(_churn(service, random.Random(0)), 600)
             for _ in range(200):  # the engine thread frees what the last cancellations held
@@ -101,6 +105,39 @@ def test_256_streams_1000_cancellations_leave_nothing_behind(engine):
     assert not problems, problems[:5]
     assert admitted == 0
     assert len(gb.free_pages) == pages and len(gb.free_slots) == slots and not gb.slot_pages
+    assert not engine.vocoder_side.calls and not engine.defer_vocoder_audio
+
+
+def test_overlapped_vocoder_gives_the_same_chunks(engine):
+    # Round k's vocoder calls on the side stream beside round k+1's frame: the same codes and the
+    # same audio, bit for bit, as one after the other (the same kernels on the same inputs).
+    reqs = [SynthesisRequest(f"Caller {i} has something to say.", voice="ryan", seed=i, greedy=True,
+                             max_frames=10 + 7 * i) for i in range(8)]
+
+    async def serve(overlap):
+        async with EngineService.for_engine(engine, max_round_ms=None, max_lead_s=None,
+                                            overlap_vocoder=overlap) as service:
+            await service.wait_ready()
+            # All eight in one round (the engine thread takes its inbox under this lock): both runs
+            # batch the same rows, so bf16 rounds the same.
+            service._lock = threading.RLock()
+            with service._lock:
+                streams = [service.open_stream(r) for r in reqs]
+
+            async def collect(stream):
+                return [c async for c in stream]
+
+            return await asyncio.wait_for(asyncio.gather(*(collect(st) for st in streams)), 300)
+
+    side = engine.vocoder_side
+    before = side.resolved_beside_a_frame
+    plain = asyncio.run(serve(False))
+    overlapped = asyncio.run(serve(True))
+    assert side.resolved_beside_a_frame > before, "no call was resolved beside the next frame"
+    for got, want, r in zip(overlapped, plain, reqs):
+        assert sum(c.num_frames for c in got) == r.max_frames
+        assert [c.frame_index for c in got] == [c.frame_index for c in want]
+        assert all(np.array_equal(a.codes, b.codes) and np.array_equal(a.pcm, b.pcm) for a, b in zip(got, want))
 
 
 def test_greedy_codes_do_not_depend_on_the_slot_in_bf16(engine):

@@ -130,10 +130,10 @@ def summary(ms: list[float]) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# Vocoder beside the batched decode ({result['device_name'] or result['device']}, commit "
-             f"{result['commit']}, {result['date_utc']})", "",
-             "Medians in ms (GPU time from one event to the end of the work); hidden = (serial - overlap) / "
-             "min(decode, vocoder).", "",
+    lines = [(f"# Vocoder beside the batched decode ({result['device_name'] or result['device']}, commit "
+             f"{result['commit']}, {result['date_utc']})"), "",
+             ("Medians in ms (GPU time from one event to the end of the work); hidden = (serial - overlap) / "
+             "min(decode, vocoder)."), "",
              "| rows | vocoder call | decode | vocoder | serial | overlap | hidden |", "|---|---|---|---|---|---|---|"]
     for r in result["cells"]:
         m = {w: r[w]["median"] for w in WAYS}

@@ -124,19 +124,19 @@ def summary(ms: list[float]) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# Row prefill A/B ({result['device_name'] or result['device']}, commit {result['commit']}, "
-             f"{result['date_utc']})", "",
-             f"{result['live_calls']} calls live on the batch path; each cell the median (p90) ms of one "
-             "open_sessions() of k fleet requests, device syncs around it.", "",
+    lines = [(f"# Row prefill A/B ({result['device_name'] or result['device']}, commit {result['commit']}, "
+             f"{result['date_utc']})"), "",
+             (f"{result['live_calls']} calls live on the batch path; each cell the median (p90) ms of one "
+             "open_sessions() of k fleet requests, device syncs around it."), "",
              "| k opens | one replay a call | rows | rows per call | saved |", "|---|---|---|---|---|"]
     for k, row in result["per_k"].items():
         a, b = row["one_by_one_ms"], row["rows_ms"]
         lines.append(f"| {k} | {a['median']:.2f} ({a['p90']:.2f}) | {b['median']:.2f} ({b['p90']:.2f}) | "
                      f"{b['median'] / int(k):.2f} | {a['median'] - b['median']:.2f} |")
     c = result["check"]
-    lines += ["", f"Check (4 prompts through the rows against each alone): max relative error "
+    lines += ["", (f"Check (4 prompts through the rows against each alone): max relative error "
               f"K {c['max_rel_error']['k']:.2e}, V {c['max_rel_error']['v']:.2e}, "
-              f"hidden {c['max_rel_error']['hidden']:.2e}; row passes used {c['row_passes_used']}."]
+              f"hidden {c['max_rel_error']['hidden']:.2e}; row passes used {c['row_passes_used']}.")]
     if result["cuda_skipped"]:
         lines += ["", f"CUDA parts skipped: {result['cuda_skipped']}"]
     return "\n".join(lines) + "\n"

@@ -14,6 +14,7 @@ and sessions live beside it (loading.py, warmup.py, text.py, request.py, session
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -29,6 +30,7 @@ from torch import Tensor
 from pipecat_qwen_fast.backends.base import DecodeBackend
 from pipecat_qwen_fast.config import GenerationDefaults, ModelConfig
 from pipecat_qwen_fast.engine import text_session
+from pipecat_qwen_fast.engine.deferred_audio import DeferredChunk, VocoderSide
 from pipecat_qwen_fast.engine.loading import load_engine
 from pipecat_qwen_fast.engine.request import (
     SAMPLE_RATE,
@@ -123,6 +125,11 @@ class QwenTTSEngine(text_session.TextSessions):
         # committing its stream at its own end (_vocode_round, vocoder/graphs.py merge_sizes);
         # False (QWEN_FAST_VOCODER_MERGE=0): one call per size, for an A/B on the device.
         self.merge_vocoder_sizes = os.environ.get("QWEN_FAST_VOCODER_MERGE", "1") != "0"
+        # A batched round's vocoder calls on a stream of their own, their chunks handed back as
+        # DeferredChunks that the next round resolves once its frame is launched (deferred_audio.py).
+        # Off unless a caller that resolves them (EngineService(overlap_vocoder=True)) turns it on.
+        self.defer_vocoder_audio = False
+        self.vocoder_side = VocoderSide(device)
         # On a GPU the streaming vocoder step replays one CUDA graph per chunk size, captured from
         # compiled code at warm-up for every size a default stream sends, with cuDNN's preferred
         # weight layout.
@@ -352,6 +359,7 @@ class QwenTTSEngine(text_session.TextSessions):
             if vc is not None and vc.icl:
                 # The talker continues right after the reference frames; so does the vocoder.
                 primed = self.voice_library.primed_stream(s.voice) if s.voice is not None else None
+                self.vocoder_side.order_main()
                 if primed is not None:
                     s.vocoder_state.copy_from(primed)
                 else:
@@ -467,6 +475,7 @@ class QwenTTSEngine(text_session.TextSessions):
         frames = [*s.pending, codes]
         if len(frames) < chunk_target(s.request, s.chunk_start):
             return False
+        self.vocoder_side.order_main()
         with torch.no_grad():
             launched = self.vocoder_graphs.launch(torch.stack(frames).T[None], s.vocoder_state)
             if launched is None:
@@ -496,6 +505,9 @@ class QwenTTSEngine(text_session.TextSessions):
         limit = getattr(self.backend, "max_batch", 1)
         groups: dict[SamplingParams, list[int]] = {}
         jobs: list[tuple[int, VocoderJob]] = []
+        # Earlier rounds' deferred vocoder calls: resolved once this round's frame is launched,
+        # so that they ran beside it (deferred_audio.py), or at the round's end.
+        earlier = len(self.vocoder_side.calls)
         for i, s in enumerate(sessions):
             if s.done:
                 continue
@@ -521,6 +533,8 @@ class QwenTTSEngine(text_session.TextSessions):
                     continue
                 try:
                     codes = batched([sessions[i].state for i in part])
+                    if earlier:
+                        earlier -= self.vocoder_side.resolve(earlier, beside_a_frame=True)
                     host = codes.cpu().numpy()
                 except Exception as e:  # noqa: BLE001 - the batch failed: each of its sessions ends
                     for i in part:
@@ -541,16 +555,24 @@ class QwenTTSEngine(text_session.TextSessions):
                     self._defer_vocoder = False
                 jobs += [(i, c) for i in part if isinstance(results[i], list)
                          for c in results[i] if isinstance(c, VocoderJob)]
+        if earlier:
+            self.vocoder_side.resolve(earlier)
         if jobs:
             self._vocode_round(sessions, results, jobs)
         return results
+
+    def resolve_deferred_audio(self) -> int:
+        """Hand every DeferredChunk still pending its audio (waiting for its vocoder call);
+        returns the calls resolved. A caller that turned `defer_vocoder_audio` on calls it
+        whenever it will not step another round at once (idle, closing)."""
+        return self.vocoder_side.resolve()
 
     def _vocode_round(self, sessions: list[Session], results: list, jobs: list[tuple[int, VocoderJob]]) -> None:
         """The round's flushed chunks in as few vocoder calls as their sizes allow (batched graphs
         on a GPU): one per chunk size, or, with `merge_vocoder_sizes`, one per group of sizes
         that `merge_sizes` pads into one call; their audio copied to the host behind them, one
-        wait for all. Each job in `results` is replaced by its AudioChunk; a failed call ends its
-        sessions with the error."""
+        wait for all. Each job in `results` is replaced by its AudioChunk (a DeferredChunk, not
+        waited for, with `defer_vocoder_audio`); a failed call ends its sessions with the error."""
         # call frames -> [(result index, job)]
         by_size: dict[int, list[tuple[int, VocoderJob]]] = {}
         finals = []
@@ -580,6 +602,30 @@ class QwenTTSEngine(text_session.TextSessions):
             size = size or next((m for m in schedule_sizes(sessions[i].request) if m >= n), n)
             by_size.setdefault(size, []).append((i, job))
         made = []
+        defer = self.defer_vocoder_audio
+        with self.vocoder_side.launching() if defer else contextlib.nullcontext():
+            self._launch_vocoder_calls(by_size, sessions, results, made)
+        if defer:
+            for n, group, keep, pcm, done in made:
+                rows = []
+                for j, (i, job) in enumerate(group):
+                    chunk = DeferredChunk(job.start, job.codes.shape[1], job.host_codes)
+                    rows.append((j, chunk))
+                    results[i] = [chunk if c is job else c for c in results[i]]
+                self.vocoder_side.add(pcm, done, n, rows, keep)
+            return
+        for n, group, _, pcm, done in made:
+            if done is not None:
+                done.synchronize()
+            for j, (i, job) in enumerate(group):
+                frames = job.codes.shape[1]  # fewer than n for a padded chunk
+                chunk = AudioChunk(pcm[j, : pcm.shape[1] // n * frames].numpy().copy(), job.start, frames,
+                                   job.host_codes)
+                results[i] = [chunk if c is job else c for c in results[i]]
+
+    def _launch_vocoder_calls(self, by_size: dict, sessions: list[Session], results: list, made: list) -> None:
+        """One vocoder call per (merged) size, its audio's copy to the host queued behind it:
+        (frames, group, what the call reads, host pcm, done event) into `made`."""
         for n, group in by_size.items():
             try:
                 # Padded on the right (code 0): causal, so a row's own frames' audio is unchanged.
@@ -594,20 +640,12 @@ class QwenTTSEngine(text_session.TextSessions):
                         wav = self.vocoder_graphs.decode_many(codes, streams, **ragged)
                     else:
                         wav = self.vocoder.decode_streams(codes, streams, check_values=False, **ragged)
-                    made.append((n, group, *to_host(to_pcm(wav[:, 0]))))
+                    made.append((n, group, (rows, codes, streams), *to_host(to_pcm(wav[:, 0]))))
             except Exception as e:  # noqa: BLE001 - reported to those sessions' callers
                 for i, _ in group:
                     sessions[i].stop_reason = "error"
                     self.close_session(sessions[i])
                     results[i] = e
-        for n, group, pcm, done in made:
-            if done is not None:
-                done.synchronize()
-            for j, (i, job) in enumerate(group):
-                frames = job.codes.shape[1]  # fewer than n for a padded chunk
-                chunk = AudioChunk(pcm[j, : pcm.shape[1] // n * frames].numpy().copy(), job.start, frames,
-                                   job.host_codes)
-                results[i] = [chunk if c is job else c for c in results[i]]
 
     def _after_frame(self, s: Session, codes: Tensor, host: np.ndarray) -> list[AudioChunk]:
         if int(host[0]) == self.config.talker.codec_eos_id:
@@ -652,6 +690,7 @@ class QwenTTSEngine(text_session.TextSessions):
         s.chunk_start += n
         host_codes = np.stack(s.codes[start : start + n])
         early, s.early = s.early, None
+        self.vocoder_side.order_main()
         if early is not None and (early.start, early.frames, early.run) == (start, n, early.entry.runs):
             # Queued before the chunk's last frame was read (or, for a streamed turn's frame 0,
             # before its first token was final), that frame was kept, and no call of the entry's
@@ -749,6 +788,7 @@ class QwenTTSEngine(text_session.TextSessions):
         codes = torch.as_tensor(codes, dtype=torch.long, device=self.device)
         if codes.dim() != 2 or codes.shape[1] != self.config.talker.num_code_groups:
             raise InvalidInputError(f"codes must have shape [frames, {self.config.talker.num_code_groups}]")
+        self.vocoder_side.order_main()
         return self.vocoder.decode(codes.T[None])[0, 0].float().cpu().numpy()
 
     def close(self) -> None:

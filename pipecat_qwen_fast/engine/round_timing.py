@@ -69,7 +69,18 @@ class RoundTimer:
         if engine.device.type == "cuda":
             import torch
 
-            self._sync = functools.partial(torch.cuda.synchronize, engine.device)
+            device_wide = functools.partial(torch.cuda.synchronize, engine.device)
+
+            def sync() -> None:
+                # With the vocoder's calls on a stream of their own (engine/deferred_audio.py), a
+                # device-wide wait would end the overlap it measures: wait for the main stream
+                # only, so a round's vocoder time is its launch, the GPU's running beside.
+                if getattr(engine, "defer_vocoder_audio", False):
+                    torch.cuda.current_stream(engine.device).synchronize()
+                else:
+                    device_wide()
+
+            self._sync = sync
         self._spent = {"prefill": 0.0, "decode": 0.0, "vocoder": 0.0}
         self._opened = 0
         self._inside = False

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
+from pipecat_qwen_fast.engine.deferred_audio import DeferredChunk
 from pipecat_qwen_fast.engine.request import SynthesisRequest, chunk_target, round_budget_ms
 from pipecat_qwen_fast.engine.text_session import DEFAULT_IDLE_TIMEOUT_S
 from pipecat_qwen_fast.errors import EngineClosedError, EngineOverloadedError, NoFreeSlotError
@@ -211,22 +212,30 @@ class SynthesisStream:
         return self
 
     async def __anext__(self) -> Any:
-        if self._finished:
-            raise StopAsyncIteration
-        try:
-            while not self._items:
-                self._ready.clear()
-                if self._items:
-                    break
-                await self._ready.wait()
-                if self._finished:  # cancelled by someone else while we waited
-                    raise StopAsyncIteration
-        except asyncio.CancelledError:
-            self.cancel()
-            raise
-        if self._finished and not isinstance(self._items[0], _End):
-            raise StopAsyncIteration
-        item = self._items.popleft()
+        while True:
+            if self._finished:
+                raise StopAsyncIteration
+            try:
+                # The next item, once there; a DeferredChunk once its audio is (deferred_audio.py).
+                while not self._next_ready():
+                    self._ready.clear()
+                    if self._next_ready():
+                        break
+                    await self._ready.wait()
+                    if self._finished:  # cancelled by someone else while we waited
+                        raise StopAsyncIteration
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
+            if self._finished and not isinstance(self._items[0], _End):
+                raise StopAsyncIteration
+            item = self._items.popleft()
+            if not isinstance(item, DeferredChunk):
+                break
+            if item.chunk is not None:
+                item = item.chunk
+                break
+            # Dropped (the engine failed before its audio was made): what follows says why.
         self._service._wake.set()  # a paused (backpressured) session may run again
         if isinstance(item, _End):
             self._finished = True
@@ -234,6 +243,12 @@ class SynthesisStream:
                 raise item.error
             raise StopAsyncIteration
         return item
+
+    def _next_ready(self) -> bool:
+        if not self._items:
+            return False
+        head = self._items[0]
+        return not isinstance(head, DeferredChunk) or head.settled
 
     def cancel(self) -> None:
         """Ask the engine thread to stop this session before its next frame (idempotent)."""
@@ -288,6 +303,15 @@ class SynthesisStream:
     def _buffered(self) -> int:
         return len(self._items)
 
+    def _deferred_resolved(self) -> None:
+        """Engine thread: a DeferredChunk posted earlier has its audio now."""
+        if self.record.first_chunk_at is None:
+            self.record.first_chunk_at = time.monotonic()
+        try:
+            self._loop.call_soon_threadsafe(self._ready.set)
+        except RuntimeError:
+            self.cancel_requested = True  # the consumer's loop is gone
+
 
 class EngineService:
     """Owns one engine and the thread that runs it; serves many streams concurrently.
@@ -310,6 +334,10 @@ class EngineService:
             time, LEAD_SAFETY); None: every ready stream runs every round.
         max_opens_per_round: while streams are live, new calls opened in one round at most (the
             rest in the next rounds); None: every call that arrived.
+        overlap_vocoder: a batched round's vocoder calls run on a CUDA stream of their own beside
+            the next round's frame, their chunks handed over once that frame is launched
+            (engine/deferred_audio.py). None: the environment's QWEN_FAST_OVERLAP_VOCODER=1 turns
+            it on; off by default until the H200 shows it pays (docs/journal/NOTES.md).
     """
 
     def __init__(
@@ -323,6 +351,7 @@ class EngineService:
         max_round_ms: float | str | None = "auto",
         max_lead_s: float | None = MAX_LEAD_S,
         max_opens_per_round: int | None = MAX_OPENS_PER_ROUND,
+        overlap_vocoder: bool | None = None,
     ) -> None:
         if max_buffered_chunks < 1:
             raise ValueError(f"max_buffered_chunks must be >= 1, got {max_buffered_chunks}")
@@ -337,6 +366,9 @@ class EngineService:
         self.max_lead_s = max_lead_s
         self.contention_rows = CONTENTION_ROWS
         self.max_opens_per_round = max_opens_per_round
+        if overlap_vocoder is None:
+            overlap_vocoder = os.environ.get("QWEN_FAST_OVERLAP_VOCODER", "0") == "1"
+        self.overlap_vocoder = overlap_vocoder
         self.round_ms = 0.0  # smoothed wall time of the rounds that ran frames (engine thread)
         # Their count and summed wall time, for a server's /metrics: a scraper's mean round over
         # an interval is the quotient of the two deltas.
@@ -579,6 +611,10 @@ class EngineService:
                 prepare()
             except Exception as exc:  # noqa: BLE001 - only a warm-up: the work itself will say what fails
                 logger.warning("engine thread warm-up failed: %s: %s", type(exc).__name__, exc)
+        # Only engines that defer audio know the switch (a stand-in engine, say, does not).
+        defers = self.overlap_vocoder and hasattr(engine, "defer_vocoder_audio")
+        if defers:
+            engine.defer_vocoder_audio = True
         self._ready.set_result(engine)
         fault: BaseException | None = None
         try:
@@ -588,6 +624,13 @@ class EngineService:
             self._dead = exc
             logger.error("engine thread died: %s: %s", type(exc).__name__, exc)
         finally:
+            if defers:
+                try:
+                    if fault is None:
+                        self._resolve_audio()
+                finally:
+                    engine.defer_vocoder_audio = False
+                    engine.vocoder_side.drop()  # after a fault: what is left will not complete
             self._finish_thread(fault)
 
     def _serve(self) -> None:
@@ -597,6 +640,7 @@ class EngineService:
                 new, self._inbox = self._inbox, []
                 closing = self._closing
             if closing:
+                self._resolve_audio()
                 for stream in new:
                     self._end(stream, EngineClosedError("the TTS engine service is closed"))
                 return
@@ -646,9 +690,15 @@ class EngineService:
             else:
                 if timer is not None:
                     timer.end(0)
+                # No round follows at once: chunks still waiting for their vocoder calls go out now.
+                self._resolve_audio()
                 # Idle: a step of the deferred warm-up (each well under a second), then look again.
                 if not self._engine.warm_step():
                     self._wake.wait(self._idle_timeout())
+
+    def _resolve_audio(self) -> None:
+        if self._engine is not None and getattr(self._engine, "defer_vocoder_audio", False):
+            self._engine.resolve_deferred_audio()
 
     def _take_opens(self, streams: list[SynthesisStream]) -> list[SynthesisStream]:
         """The streams to open this round: all of them on an idle engine (a burst opens together,
@@ -737,7 +787,9 @@ class EngineService:
         record.ticks.append(self._tick)
         record.frames_decoded = int(session.frames_decoded)
         for chunk in chunks:
-            if record.first_chunk_at is None:
+            if isinstance(chunk, DeferredChunk) and chunk.chunk is None:
+                chunk.on_resolved = stream._deferred_resolved  # its audio comes in a later round
+            elif record.first_chunk_at is None:
                 record.first_chunk_at = time.monotonic()
             stream._post(chunk)
         if session.done:
