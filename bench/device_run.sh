@@ -31,6 +31,7 @@
 # DEVICE_SECONDS (default 570) bounds the whole call from its start; STARTUP_RUNS picks the starts
 # (default cold,warm); FLEET_ARGS adds arguments to the fleet runs; STREAMING_ARGS to the
 # streaming-text run (default --runs 8). Everything lands in $OUT.
+# An engine switch's A/B in one call: FLEET2_ENV="QWEN_FAST_OVERLAP_VOCODER=1" with steps fleet fleet2.
 # To measure main's HEAD while others have uncommitted edits in the tree: here,
 # `mkdir -p .devpatch && git diff HEAD > .devpatch/wt.patch`, and carry ".devpatch" (and ".whl",
 # from scripts/device_wheels.sh): the edits are taken back out of the device's copy first.
