@@ -392,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
                                "slowest": [[name, round(t, 2)] for name, t in steps[:15]]})
         put("backend_name", engine.backend.name)
         put("device_info", describe_device(engine.device))
+        # The engine switches an A/B turns (device_run.sh fleet2, FLEET2_ENV): which side this is.
+        put("engine_switches", {"overlap_vocoder": service.overlap_vocoder,
+                                "merge_vocoder_sizes": getattr(engine, "merge_vocoder_sizes", None)})
         if not args.no_round_timing:
             service.time_rounds()
         runs = []
@@ -416,6 +419,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"engine loaded in {time.monotonic() - t0:.1f} s ({engine.backend.name} on {engine.device}); "
             f"{deadline - time.monotonic():.0f} s left for the sweep")
         asyncio.run(sweep(args, runs, engine.device, deadline, after_level=compare))
+        side = getattr(engine, "vocoder_side", None)
+        if side is not None:  # with overlap_vocoder: how many calls ran beside the next frame
+            put("deferred_vocoder_calls", {"resolved": side.resolved_calls,
+                                           "beside_a_frame": side.resolved_beside_a_frame})
         if server is not None:
             server.should_exit = True
             server_thread.join(10)

@@ -690,11 +690,11 @@ class QwenTTSEngine(text_session.TextSessions):
         s.chunk_start += n
         host_codes = np.stack(s.codes[start : start + n])
         early, s.early = s.early, None
-        self.vocoder_side.order_main()
         if early is not None and (early.start, early.frames, early.run) == (start, n, early.entry.runs):
             # Queued before the chunk's last frame was read (or, for a streamed turn's frame 0,
             # before its first token was final), that frame was kept, and no call of the entry's
             # size has run since.
+            self.vocoder_side.order_main()
             self.vocoder_graphs.commit(early.entry, s.vocoder_state, n)
             pcm, done = early.pcm, early.done
         elif not s.request.vocode:
@@ -704,6 +704,7 @@ class QwenTTSEngine(text_session.TextSessions):
             return [VocoderJob(s.vocoder_state, torch.stack(pending).T, start, host_codes, final=final)]
         else:
             codes = torch.stack(pending).T[None]  # [1, 16, n]
+            self.vocoder_side.order_main()
             with torch.no_grad():
                 if self.vocoder_graphs is not None:
                     wav = self.vocoder_graphs.decode_stream(codes, s.vocoder_state)[0, 0]
