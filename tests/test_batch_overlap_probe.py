@@ -46,3 +46,23 @@ def test_batch_overlap_probe_times_every_way(tiny_checkpoint, tmp_path, capsys):
     assert probe.parse_calls("32x2,2x32") == [(32, 2), (2, 32)]
     with pytest.raises(SystemExit):
         probe.parse_args(["--model", "m", "--out", "o", "--vocoder", "3"])
+
+
+@pytest.mark.timeout(300)
+def test_round_probes_run_both_on_one_engine(tiny_checkpoint, tmp_path):
+    spec = importlib.util.spec_from_file_location("round_probes", PROBE.parent / "round_probes.py")
+    driver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(driver)
+    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", zero_eos=True), device="cpu",
+                                           dtype="float32", backend="eager", progress=False)
+    engine.backend = GraphBackend(engine.model.talker, engine.device, engine.dtype, max_sessions=8,
+                                  capacity=512, use_graphs=False)
+    try:
+        failed = driver.run_all(engine, Path("unused"), tmp_path, extra={
+            "batch_overlap": ["--rows", "2", "--vocoder", "2x1", "--repeats", "1", "--prestep", "0"],
+            "row_prefill_ab": ["--opens-per-round", "2", "--repeats", "1", "--live", "1"]})
+    finally:
+        engine.close()
+    assert failed == []
+    assert (tmp_path / "batch-overlap" / "batch_overlap.json").exists()
+    assert (tmp_path / "row-prefill" / "row_prefill_ab.json").exists()
