@@ -6,8 +6,9 @@ starts. With deferral on, `_vocode_round` launches them on the side stream (afte
 main stream has queued: the codes they read) and hands each chunk back as a `DeferredChunk`
 placeholder; the next round resolves them once its frame is launched, before reading its codes,
 so the two run side by side on the GPU and a chunk reaches its caller about when it would have
-without deferral. A round that launches no batched frame resolves them at its end, and an idle
-service at once. Every other vocoder use (a single call's chunk, early frame-0 audio, priming, a
+without deferral; calls already finished are handed over earlier, before and after the next
+round's opens (`resolve_finished`). A round that launches no batched frame resolves them at its
+end, and an idle service at once. Every other vocoder use (a single call's chunk, early frame-0 audio, priming, a
 whole decode) stays on the main stream, ordered after the side stream's work (`order_main`), so
 the graphs' static buffers and the sessions' vocoder states are never used by both at once. Each
 call keeps its codes and vocoder streams alive until it is resolved: a session closed meanwhile
@@ -123,6 +124,17 @@ class VocoderSide:
         if beside_a_frame:
             self.resolved_beside_a_frame += n
         return n
+
+    def resolve_finished(self) -> int:
+        """Resolve the leading calls whose audio is already on the host, without waiting (a round
+        about to open calls first hands those over); on a CPU, with no event to ask, none: they
+        wait for the next frame's launch."""
+        n = 0
+        for call in self.calls:
+            if call.done is None or not call.done.query():
+                break
+            n += 1
+        return self.resolve(n) if n else 0
 
     def drop(self) -> None:
         """Give up every pending call (the engine failed): their chunks are dropped, not awaited."""

@@ -561,11 +561,13 @@ class QwenTTSEngine(text_session.TextSessions):
             self._vocode_round(sessions, results, jobs)
         return results
 
-    def resolve_deferred_audio(self) -> int:
-        """Hand every DeferredChunk still pending its audio (waiting for its vocoder call);
-        returns the calls resolved. A caller that turned `defer_vocoder_audio` on calls it
-        whenever it will not step another round at once (idle, closing)."""
-        return self.vocoder_side.resolve()
+    def resolve_deferred_audio(self, finished_only: bool = False) -> int:
+        """Hand every DeferredChunk still pending its audio (waiting for its vocoder call), or
+        only those whose calls have finished (no wait); returns the calls resolved. A caller that
+        turned `defer_vocoder_audio` on calls it whenever it will not step another round at once
+        (idle, closing), and with `finished_only` before work that delays the next frame."""
+        side = self.vocoder_side
+        return side.resolve_finished() if finished_only else side.resolve()
 
     def _vocode_round(self, sessions: list[Session], results: list, jobs: list[tuple[int, VocoderJob]]) -> None:
         """The round's flushed chunks in as few vocoder calls as their sizes allow (batched graphs

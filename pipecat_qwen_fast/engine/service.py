@@ -652,7 +652,13 @@ class EngineService:
                 timer.begin()
             waiting, self._waiting = self._waiting, []
             started = time.perf_counter()  # a round's time includes opening the new streams
-            self._open(self._take_opens(waiting + new))
+            opens = self._take_opens(waiting + new)
+            if opens:
+                # Audio deferred from the last round that is already made goes out before the
+                # opens delay this round's frame (and with it the rest of that audio).
+                self._resolve_audio(finished_only=True)
+                self._open(opens)
+                self._resolve_audio(finished_only=True)
             ready = []
             for stream in list(self._active):
                 if stream.cancel_requested or stream._loop.is_closed():
@@ -696,9 +702,9 @@ class EngineService:
                 if not self._engine.warm_step():
                     self._wake.wait(self._idle_timeout())
 
-    def _resolve_audio(self) -> None:
+    def _resolve_audio(self, finished_only: bool = False) -> None:
         if self._engine is not None and getattr(self._engine, "defer_vocoder_audio", False):
-            self._engine.resolve_deferred_audio()
+            self._engine.resolve_deferred_audio(finished_only)
 
     def _take_opens(self, streams: list[SynthesisStream]) -> list[SynthesisStream]:
         """The streams to open this round: all of them on an idle engine (a burst opens together,
