@@ -3,32 +3,17 @@ every cell and the table is written. Nothing about overlap is asserted (the GPU 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-
-from pipecat_qwen_fast import QwenTTSEngine
-from pipecat_qwen_fast.backends.graph import GraphBackend
-
-PROBE = Path(__file__).resolve().parents[1] / "bench" / "probes" / "batch_overlap.py"
-
-
-def load_probe():
-    spec = importlib.util.spec_from_file_location("batch_overlap_probe", PROBE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers_probes import cpu_batch_engine, load_probe
 
 
 @pytest.mark.timeout(300)
 def test_batch_overlap_probe_times_every_way(tiny_checkpoint, tmp_path, capsys):
-    probe = load_probe()
-    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", zero_eos=True), device="cpu",
-                                           dtype="float32", backend="eager", progress=False)
-    engine.backend = GraphBackend(engine.model.talker, engine.device, engine.dtype, max_sessions=4,
-                                  capacity=512, use_graphs=False)
+    probe = load_probe("batch_overlap")
+    engine = cpu_batch_engine(tiny_checkpoint("custom_voice", zero_eos=True), max_sessions=4)
     out = tmp_path / "overlap"
     args = probe.parse_args(["--model", "unused", "--out", str(out), "--rows", "1,3", "--vocoder", "2x2",
                              "--repeats", "2", "--prestep", "1"])
@@ -50,13 +35,8 @@ def test_batch_overlap_probe_times_every_way(tiny_checkpoint, tmp_path, capsys):
 
 @pytest.mark.timeout(300)
 def test_round_probes_run_both_on_one_engine(tiny_checkpoint, tmp_path):
-    spec = importlib.util.spec_from_file_location("round_probes", PROBE.parent / "round_probes.py")
-    driver = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(driver)
-    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", zero_eos=True), device="cpu",
-                                           dtype="float32", backend="eager", progress=False)
-    engine.backend = GraphBackend(engine.model.talker, engine.device, engine.dtype, max_sessions=8,
-                                  capacity=512, use_graphs=False)
+    driver = load_probe("round_probes")
+    engine = cpu_batch_engine(tiny_checkpoint("custom_voice", zero_eos=True), max_sessions=8)
     try:
         failed = driver.run_all(engine, Path("unused"), tmp_path, extra={
             "batch_overlap": ["--rows", "2", "--vocoder", "2x1", "--repeats", "1", "--prestep", "0"],

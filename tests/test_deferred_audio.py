@@ -12,9 +12,9 @@ import threading
 import numpy as np
 import pytest
 import torch
+from helpers_probes import cpu_batch_engine
 
-from pipecat_qwen_fast import QwenTTSEngine, SynthesisRequest
-from pipecat_qwen_fast.backends.graph import GraphBackend
+from pipecat_qwen_fast import SynthesisRequest
 from pipecat_qwen_fast.engine.deferred_audio import DeferredChunk, VocoderSide
 from pipecat_qwen_fast.engine.request import AudioChunk
 from pipecat_qwen_fast.engine.service import EngineService, SynthesisStream
@@ -24,9 +24,7 @@ TIMEOUT = 120
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    e = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", zero_eos=True), device="cpu",
-                                      dtype="float32", backend="eager", progress=False)
-    e.backend = GraphBackend(e.model.talker, e.device, e.dtype, max_sessions=8, capacity=512, use_graphs=False)
+    e = cpu_batch_engine(tiny_checkpoint("custom_voice", zero_eos=True), max_sessions=8)
     yield e
     e.close()
 

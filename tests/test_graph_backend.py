@@ -340,36 +340,55 @@ async def test_service_batches_and_queues_when_slots_run_out(tiny_checkpoint):
     assert len(fast.backend.free_slots) == 2
 
 
+# Three prompts of different lengths, opened together.
+THREE_PROMPTS = [SynthesisRequest(text, voice=v, greedy=True, max_frames=6, vocode=False)
+                 for text, v in (("Short one.", "ryan"), ("A rather longer sentence to prefill here.", "aiden"),
+                                 ("Medium length words.", "serena"))]
+
+
+def _prefilled_alone(fast, reqs) -> list[tuple]:
+    """Each request opened on its own: (positions, K, V, hidden) of its prefill."""
+    gb = fast.backend
+    alone = []
+    for r in reqs:
+        s = fast.open_session(r)
+        n = s.state.position
+        alone.append((n, *gb.read_positions(s.state.slot, n), gb.pool_hidden[s.state.slot].clone()))
+        fast.cancel(s)
+    return alone
+
+
+def _check_as_alone(fast, sessions, alone) -> None:
+    """Sessions opened together hold what each held opened alone, and decode the same codes."""
+    gb = fast.backend
+    assert len({s.state.position for s in sessions}) == len(sessions), "prompts of different lengths"
+    for s, (n, k, v, h) in zip(sessions, alone):
+        assert s.state.position == n
+        got_k, got_v = gb.read_positions(s.state.slot, n)
+        torch.testing.assert_close(got_k, k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_v, v, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gb.pool_hidden[s.state.slot], h, rtol=1e-5, atol=1e-5)
+    while not all(s.done for s in sessions):
+        fast.step_many(sessions)
+    for s in sessions:
+        r = s.request
+        assert np.array_equal(np.stack(s.codes), fast.generate_codes(r.text, voice=r.voice, greedy=True, max_frames=6).numpy())
+
+
 def test_prefill_many_equals_one_by_one(pair):
     # Prompts of different lengths, right-padded into one batched pass: K/V rows, hidden state and
     # the codes that follow match each prompt prefilled alone.
     _, fast = pair
     gb = fast.backend
-    reqs = [SynthesisRequest(text, voice=v, greedy=True, max_frames=6, vocode=False)
-            for text, v in (("Short one.", "ryan"), ("A rather longer sentence to prefill here.", "aiden"),
-                            ("Medium length words.", "serena"))]
-    alone = []
-    for r in reqs:
-        s = fast.open_session(r)
-        n = s.state.position
-        alone.append((n, gb.read_positions(s.state.slot, n)[0], gb.pool_hidden[s.state.slot].clone()))
-        fast.cancel(s)
+    alone = _prefilled_alone(fast, THREE_PROMPTS)
     before = gb.batched_prefills
     gb.batched_prefill_min = 2  # the GPU default (8) is about launch counts; here any burst batches
     try:
-        sessions = fast.open_sessions(reqs)
+        sessions = fast.open_sessions(THREE_PROMPTS)
     finally:
         gb.batched_prefill_min = 8
     assert gb.batched_prefills == before + 1
-    assert len({s.state.position for s in sessions}) == 3, "three prompt lengths"
-    for s, (n, k, h) in zip(sessions, alone):
-        assert s.state.position == n
-        torch.testing.assert_close(gb.read_positions(s.state.slot, n)[0], k, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(gb.pool_hidden[s.state.slot], h, rtol=1e-5, atol=1e-5)
-    while not all(s.done for s in sessions):
-        fast.step_many(sessions)
-    for s, r in zip(sessions, reqs):
-        assert np.array_equal(np.stack(s.codes), fast.generate_codes(r.text, voice=r.voice, greedy=True, max_frames=6).numpy())
+    _check_as_alone(fast, sessions, alone)
 
 
 def test_a_few_calls_opened_together_share_one_row_prefill(pair):
@@ -379,35 +398,17 @@ def test_a_few_calls_opened_together_share_one_row_prefill(pair):
     # background warm-up; here they run their eager body.)
     _, fast = pair
     gb = fast.backend
-    reqs = [SynthesisRequest(text, voice=v, greedy=True, max_frames=6, vocode=False)
-            for text, v in (("Short one.", "ryan"), ("A rather longer sentence to prefill here.", "aiden"),
-                            ("Medium length words.", "serena"))]
-    alone = []
-    for r in reqs:
-        s = fast.open_session(r)
-        n = s.state.position
-        alone.append((n, gb.read_positions(s.state.slot, n), gb.pool_hidden[s.state.slot].clone()))
-        fast.cancel(s)
+    alone = _prefilled_alone(fast, THREE_PROMPTS)
     assert not gb.row_prefills.entries, "nothing prepared: one prefill a call"
     for b in gb.row_prefills.buckets:
         gb.row_prefills.prepare(b)
     passes, batched = gb.row_prefill_passes, gb.batched_prefills
     try:
-        sessions = fast.open_sessions(reqs)
+        sessions = fast.open_sessions(THREE_PROMPTS)
     finally:
         gb.row_prefills.entries.clear()
     assert gb.row_prefill_passes == passes + 1 and gb.batched_prefills == batched
-    assert len({s.state.position for s in sessions}) == 3, "three prompt lengths"
-    for s, (n, (k, v), h) in zip(sessions, alone):
-        assert s.state.position == n
-        got_k, got_v = gb.read_positions(s.state.slot, n)
-        torch.testing.assert_close(got_k, k, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(got_v, v, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(gb.pool_hidden[s.state.slot], h, rtol=1e-5, atol=1e-5)
-    while not all(s.done for s in sessions):
-        fast.step_many(sessions)
-    for s, r in zip(sessions, reqs):
-        assert np.array_equal(np.stack(s.codes), fast.generate_codes(r.text, voice=r.voice, greedy=True, max_frames=6).numpy())
+    _check_as_alone(fast, sessions, alone)
 
 
 def test_open_sessions_reports_each_refusal(pair):

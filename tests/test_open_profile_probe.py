@@ -4,25 +4,15 @@ table are written. No speed is asserted."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-PROBE = Path(__file__).resolve().parents[1] / "bench" / "probes" / "open_profile.py"
-
-
-def load_probe():
-    spec = importlib.util.spec_from_file_location("open_profile_probe", PROBE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers_probes import load_probe
 
 
 @pytest.mark.timeout(300)
 def test_open_profile_times_every_phase_inside_the_open(tiny_checkpoint, tmp_path, capsys):
-    probe = load_probe()
+    probe = load_probe("open_profile")
     out = tmp_path / "open-profile"
     opens = 3
     rc = probe.main(["--model", str(tiny_checkpoint("custom_voice", zero_eos=True)), "--out", str(out),
@@ -77,7 +67,7 @@ def test_profile_events_go_to_the_innermost_phase_that_holds_them():
 
     from torch.autograd import DeviceType
 
-    probe = load_probe()
+    probe = load_probe("open_profile")
     cpu, gpu = DeviceType.CPU, DeviceType.CUDA
 
     def ev(name, start, end, device=cpu, thread=1, self_us=1.0, total_us=2.0):

@@ -59,26 +59,34 @@ def test_one_compiled_layer_step_serves_every_layer_and_bucket(tiny_checkpoint):
     engine.close()
 
 
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _gpu_talker(tiny_checkpoint):
+    """The tiny checkpoint's talker alone in bf16 on the GPU (no vocoder graphs to capture), its
+    projections fused as the GPU backends run it; and its engine, to close."""
+    from pipecat_qwen_fast.model.layers import fuse_projections
+
+    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cpu", dtype="float32")
+    talker = engine.model.talker.to(torch.device("cuda"), torch.bfloat16)
+    fuse_projections(talker)
+    return engine, talker
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: the compiled, captured prefill is GPU-only")
 @pytest.mark.gpu
 def test_compiled_captured_prefill_matches_eager_on_gpu(tiny_checkpoint):
     """The prefill graphs captured from the compiled layer step against the eager stack and
     against graphs of the plain step, in bf16 (the compiled step fuses and rounds differently)."""
-    from pipecat_qwen_fast.model.layers import fuse_projections
-
-    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cpu", dtype="float32")
+    engine, talker = _gpu_talker(tiny_checkpoint)
     device, dtype = torch.device("cuda"), torch.bfloat16
-    talker = engine.model.talker.to(device, dtype)  # the talker alone: no vocoder graphs to capture
-    fuse_projections(talker)  # as the GPU backends run it
     compiled = PrefillGraphs(talker, device, dtype, buckets=(16, 32))
     plain = PrefillGraphs(talker, device, dtype, buckets=(16, 32), compile=False)
     compiled.capture_all()
     plain.capture_all()
     assert compiled.compile, "the layer step did not compile (see the warning logged)"
     assert all(e["graph"] is not None for e in compiled.entries.values())
-
-    def rel(a, b):
-        return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for n in (5, 16, 29):
@@ -159,21 +167,14 @@ def test_one_compiled_row_step_serves_every_layer_and_bucket(tiny_checkpoint):
 def test_captured_row_prefill_matches_one_prompt_graphs_on_gpu(tiny_checkpoint):
     """The captured prefill of several rows against the captured prefill of one prompt, in bf16:
     the same step's math with a batch dimension (its kernels may round differently)."""
-    from pipecat_qwen_fast.model.layers import fuse_projections
-
-    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice"), device="cpu", dtype="float32")
+    engine, talker = _gpu_talker(tiny_checkpoint)
     device, dtype = torch.device("cuda"), torch.bfloat16
-    talker = engine.model.talker.to(device, dtype)
-    fuse_projections(talker)
     one = PrefillGraphs(talker, device, dtype, buckets=(16, 32))
     rows = _row_graphs(talker, device, dtype)
     one.capture_all()
     rows.capture_all()
     assert rows.compile, "the row step did not compile (see the warning logged)"
     assert all(e["graph"] is not None for e in rows.entries.values())
-
-    def rel(a, b):
-        return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
     g = torch.Generator(device="cuda").manual_seed(5)
     for lengths in ((5, 16, 29), (30, 3, 12, 7), (11,)):

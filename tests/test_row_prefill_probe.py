@@ -4,32 +4,16 @@ written. No speed is asserted (the GPU run is what measures)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-from pipecat_qwen_fast import QwenTTSEngine
-from pipecat_qwen_fast.backends.graph import GraphBackend
-
-PROBE = Path(__file__).resolve().parents[1] / "bench" / "probes" / "row_prefill_ab.py"
-
-
-def load_probe():
-    spec = importlib.util.spec_from_file_location("row_prefill_ab_probe", PROBE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers_probes import cpu_batch_engine, load_probe
 
 
 @pytest.mark.timeout(300)
 def test_row_prefill_probe_checks_and_times_both_ways(tiny_checkpoint, tmp_path, capsys):
-    probe = load_probe()
-    engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", zero_eos=True), device="cpu",
-                                           dtype="float32", backend="eager", progress=False)
-    engine.backend = GraphBackend(engine.model.talker, engine.device, engine.dtype, max_sessions=12,
-                                  capacity=512, use_graphs=False)
+    probe = load_probe("row_prefill_ab")
+    engine = cpu_batch_engine(tiny_checkpoint("custom_voice", zero_eos=True), max_sessions=12)
     out = tmp_path / "row-prefill"
     args = probe.parse_args(["--model", "unused", "--out", str(out), "--opens-per-round", "1,3",
                              "--repeats", "2", "--live", "2"])

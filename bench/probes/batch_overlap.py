@@ -35,23 +35,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[2])]  # the repository
+sys.path[:0] = [str(Path(__file__).resolve().parent)]  # round_common beside this file
+from round_common import batch_path, header, probe_main, summary, write
+
 from pipecat_qwen_fast.bench import texts
-from pipecat_qwen_fast.bench.main import git_commit
 from pipecat_qwen_fast.engine.request import SynthesisRequest
 
-RESULT = "batch_overlap.json"
-MARKDOWN = "batch_overlap.md"
+NAME = "batch_overlap"
+RESULT = f"{NAME}.json"
+MARKDOWN = f"{NAME}.md"
 WAYS = ("decode", "vocoder", "serial", "overlap")
 
 
@@ -124,11 +123,6 @@ def measure(engine, bulk, states, call, clock: Clock, side, way: str) -> float:
     return clock.stop(t0, (side,))
 
 
-def summary(ms: list[float]) -> dict:
-    ms = sorted(ms)
-    return {"n": len(ms), "median": statistics.median(ms), "p90": ms[min(len(ms) - 1, int(0.9 * len(ms)))]}
-
-
 def markdown(result: dict) -> str:
     lines = [(f"# Vocoder beside the batched decode ({result['device_name'] or result['device']}, commit "
              f"{result['commit']}, {result['date_utc']})"), "",
@@ -170,28 +164,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from pipecat_qwen_fast.engine.engine import QwenTTSEngine
-
-    t0 = time.perf_counter()
-    engine = QwenTTSEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, progress=False)
-    engine.finish_warmup()
-    log(f"engine loaded and warm in {time.perf_counter() - t0:.1f} s: {engine.backend.name} on {engine.device}")
-    try:
-        run(engine, args)
-    finally:
-        engine.close()
-    return 0
+    return probe_main(parse_args(argv), run, log)
 
 
 def run(engine, args: argparse.Namespace) -> dict:
     """The table on a loaded engine whose batch path (the auto backend's, or the backend itself) has
     `decode_frames`; writes and returns the result."""
     args.out.mkdir(parents=True, exist_ok=True)
-    backend = engine.backend
-    bulk = getattr(backend, "bulk", backend)
-    if getattr(bulk, "decode_frames", None) is None:
-        raise SystemExit(f"backend {backend.name} has no batched decode_frames")
+    backend, bulk = batch_path(engine, "decode_frames")
     clock = Clock(engine.device)
     side = torch.cuda.Stream(engine.device) if clock.cuda else None
     cuda_skipped = None if clock.cuda else (
@@ -203,15 +183,7 @@ def run(engine, args: argparse.Namespace) -> dict:
     requests = [SynthesisRequest(replies[i % len(replies)], voice=engine.default_voice, seed=i) for i in range(need)]
     placed = getattr(backend, "placed", None)
     result: dict = {
-        "probe": "batch_overlap",
-        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": args.commit or git_commit(),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-                 if k not in ("row_counts", "calls")},  # parsed from rows and vocoder
-        "device": str(engine.device),
-        "device_name": torch.cuda.get_device_name(engine.device) if clock.cuda else None,
-        "torch": torch.__version__,
-        "backend_name": getattr(backend, "name", type(backend).__name__),
+        **header(NAME, engine, args, skip_args=("row_counts", "calls")),  # those two parsed from rows, vocoder
         "cuda_skipped": cuda_skipped,
         "cells": [],
     }
@@ -254,10 +226,7 @@ def run(engine, args: argparse.Namespace) -> dict:
             result["cells"].append(cell)
             log(f"rows {rows}, call {k}x{n}: " + ", ".join(f"{w} {m[w]:.2f}" for w in WAYS)
                 + f", hidden {cell['hidden']:.2f}")
-    (args.out / RESULT).write_text(json.dumps(result, indent=2))
-    md = markdown(result)
-    (args.out / MARKDOWN).write_text(md)
-    print(md, flush=True)
+    write(args.out, NAME, result, markdown(result))
     return result
 
 

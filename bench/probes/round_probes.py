@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -32,13 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     args = p.parse_args(argv)
-    from pipecat_qwen_fast.engine.engine import QwenTTSEngine
-
-    t0 = time.perf_counter()
-    engine = QwenTTSEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, progress=False)
-    engine.finish_warmup()
-    engine.prepare_thread()
-    print(f"round_probes: engine loaded and warm in {time.perf_counter() - t0:.1f} s", flush=True)
+    engine = load("round_common").load_warm_engine(args.model, args.device, args.dtype,
+                                                   lambda msg: print(f"round_probes: {msg}", flush=True))
     try:
         failed = run_all(engine, args.model, args.out)
     finally:

@@ -28,23 +28,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[2])]  # the repository
+sys.path[:0] = [str(Path(__file__).resolve().parent)]  # round_common beside this file
+from round_common import batch_path, header, probe_main, summary, write
+
 from pipecat_qwen_fast.bench import texts
-from pipecat_qwen_fast.bench.main import git_commit
 from pipecat_qwen_fast.engine.request import SynthesisRequest
 
-RESULT = "row_prefill_ab.json"
-MARKDOWN = "row_prefill_ab.md"
+NAME = "row_prefill_ab"
+RESULT = f"{NAME}.json"
+MARKDOWN = f"{NAME}.md"
 
 
 def log(msg: str) -> None:
@@ -117,12 +116,6 @@ def check_rows(engine, bulk, reqs: Requests) -> dict:
     return {"row_passes_used": used, "max_rel_error": errors}
 
 
-def summary(ms: list[float]) -> dict:
-    ms = sorted(ms)
-    return {"n": len(ms), "median": statistics.median(ms), "p90": ms[min(len(ms) - 1, int(0.9 * len(ms)))],
-            "min": ms[0]}
-
-
 def markdown(result: dict) -> str:
     lines = [(f"# Row prefill A/B ({result['device_name'] or result['device']}, commit {result['commit']}, "
              f"{result['date_utc']})"), "",
@@ -163,29 +156,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from pipecat_qwen_fast.engine.engine import QwenTTSEngine
-
-    t0 = time.perf_counter()
-    engine = QwenTTSEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, progress=False)
-    engine.finish_warmup()
-    engine.prepare_thread()
-    log(f"engine loaded and warm in {time.perf_counter() - t0:.1f} s: {engine.backend.name} on {engine.device}")
-    try:
-        run(engine, args)
-    finally:
-        engine.close()
-    return 0
+    return probe_main(parse_args(argv), run, log)
 
 
 def run(engine, args: argparse.Namespace) -> dict:
     """The check and the timed opens on a loaded engine whose batch path (the auto backend's, or
     the backend itself) is a GraphBackend; writes and returns the result."""
     args.out.mkdir(parents=True, exist_ok=True)
-    backend = engine.backend
-    bulk = getattr(backend, "bulk", backend)
-    if getattr(bulk, "row_prefills", None) is None:
-        raise SystemExit(f"backend {backend.name} has no batch path with row prefills")
+    backend, bulk = batch_path(engine, "row_prefills")
     cuda = engine.device.type == "cuda"
     cuda_skipped = None
     if cuda:
@@ -204,14 +182,7 @@ def run(engine, args: argparse.Namespace) -> dict:
     reqs = Requests(engine)
     live: list = []
     result: dict = {
-        "probe": "row_prefill_ab",
-        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": args.commit or git_commit(),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "device": str(engine.device),
-        "device_name": torch.cuda.get_device_name(engine.device) if cuda else None,
-        "torch": torch.__version__,
-        "backend_name": getattr(backend, "name", type(backend).__name__),
+        **header(NAME, engine, args, skip_args=("ks",)),
         "row_prefill_rows": bulk.row_prefills.rows,
         "row_prefill_buckets": list(bulk.row_prefills.buckets),
         "cuda_skipped": cuda_skipped,
@@ -245,10 +216,7 @@ def run(engine, args: argparse.Namespace) -> dict:
             engine.cancel(s)
         if not cuda:
             bulk.row_prefills.entries.clear()
-    (args.out / RESULT).write_text(json.dumps(result, indent=2))
-    md = markdown(result)
-    (args.out / MARKDOWN).write_text(md)
-    print(md, flush=True)
+    write(args.out, NAME, result, markdown(result))
     return result
 
 
