@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -538,9 +539,17 @@ class GraphBackend:
         return True
 
     def capture_row_prefills(self) -> None:
-        """The row prefills' graphs (background warm-up: a compile and a capture a bucket)."""
-        if self.use_graphs:
+        """The row prefills' graphs (background warm-up: a compile and a capture a bucket).
+        `QWEN_FAST_ROW_PREFILL=0` leaves them out (one replay a call, as before: an A/B). A failed
+        capture leaves none: an entry without its graph would run the eager layers, far slower
+        than one replay a call."""
+        if not self.use_graphs or os.environ.get("QWEN_FAST_ROW_PREFILL", "1") == "0":
+            return
+        try:
             self.row_prefills.capture_all()
+        except BaseException:
+            self.row_prefills.entries.clear()
+            raise
 
     def prepare_thread(self, params: SamplingParams) -> None:
         """One batched prefill in the calling thread: its kernels' first use costs ~10-170 ms, and

@@ -8,8 +8,9 @@ placeholder; the next round resolves them once its frame is launched, before rea
 so the two run side by side on the GPU and a chunk reaches its caller about when it would have
 without deferral; calls already finished are handed over earlier, before and after the next
 round's opens (`resolve_finished`). A round that launches no batched frame resolves them at its
-end, and an idle service at once. Every other vocoder use (a single call's chunk, early frame-0 audio, priming, a
-whole decode) stays on the main stream, ordered after the side stream's work (`order_main`), so
+end, and an idle service at once. Every other vocoder use (a single call's chunk, early frame-0
+audio, priming, a whole decode) stays on the main stream, ordered after the side stream's work
+(`order_main`), so
 the graphs' static buffers and the sessions' vocoder states are never used by both at once. Each
 call keeps its codes and vocoder streams alive until it is resolved: a session closed meanwhile
 cannot hand memory the side stream still reads back to the allocator.
