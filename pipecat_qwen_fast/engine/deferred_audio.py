@@ -10,10 +10,9 @@ without deferral; calls already finished are handed over earlier, before and aft
 round's opens (`resolve_finished`). A round that launches no batched frame resolves them at its
 end, and an idle service at once. Every other vocoder use (a single call's chunk, early frame-0
 audio, priming, a whole decode) stays on the main stream, ordered after the side stream's work
-(`order_main`), so
-the graphs' static buffers and the sessions' vocoder states are never used by both at once. Each
-call keeps its codes and vocoder streams alive until it is resolved: a session closed meanwhile
-cannot hand memory the side stream still reads back to the allocator.
+(`order_main`), so the graphs' static buffers and the sessions' vocoder states are never used by
+both at once. Each call keeps its codes and vocoder streams alive until it is resolved: a session
+closed meanwhile cannot hand memory the side stream still reads back to the allocator.
 
 On a CPU there is no side stream: the calls run where they are launched, and only the hand-back
 is deferred (which is what the CPU tests check: the same audio, in order, every chunk delivered).
