@@ -28,6 +28,8 @@
 #   batch-overlap  a round's vocoder call on a second stream beside the batched decode, against
 #               one after the other (bench/probes/batch_overlap.py)
 #   round-probes  batch-overlap and row-prefill on one engine, loaded once (bench/probes/round_probes.py)
+#   paged-attn    the paged decode-attention kernel's loop and dot forms, timed and checked, no engine
+#               (bench/probes/paged_attention_ab.py; seconds)
 #   gputests    the test files of the GPU paths (GPU_TESTS), junit XML
 # DEVICE_SECONDS (default 570) bounds the whole call from its start; STARTUP_RUNS picks the starts
 # (default cold,warm); FLEET_ARGS adds arguments to the fleet runs; STREAMING_ARGS to the
@@ -142,6 +144,8 @@ PY
                                --model "$ck" --out "$out/batch-overlap" ;;
             round-probes) timeout -s INT "$(( $(left) - 5 ))" python3 bench/probes/round_probes.py \
                               --model "$ck" --out "$out" ;;
+            paged-attn) timeout -s INT "$(( $(left) - 5 ))" python3 bench/probes/paged_attention_ab.py \
+                            --out "$out/paged-attn" ;;
             streaming-text) # Stand-ins for two packages LiveKit imports and never uses here (too big to
                             # carry; bench/device_stubs/README.md), each only where it is missing.
                             st="$PYTHONPATH"
