@@ -10,7 +10,7 @@ open_sessions() cost ~2.8 k ms one replay a call, and ~1.6 + 1.5 k ms with the r
 state and vocoder stream stay per call): 4 opens ~11.4 -> ~7.6 ms, 2 opens ~5.7 -> ~4.6 ms.
 
 The engine loads as `bench fleet` loads it (`from_pretrained`, `finish_warmup()`: the batch path
-and its row prefills captured), `--live` calls (default 32) are placed on the batch path and
+warm; the row prefills captured then if QWEN_FAST_ROW_PREFILL=1, else by the probe), `--live` calls (default 32) are placed on the batch path and
 stepped a frame, then for each k in `--opens-per-round`, `--repeats` times, alternately: k fleet
 requests opened in one open_sessions() with the row graphs (`rows`), and with them set aside
 (`one_by_one`: one captured replay a call, as before), each timed between device syncs, then
@@ -169,8 +169,8 @@ def run(engine, args: argparse.Namespace) -> dict:
     if cuda:
         def sync():
             torch.cuda.synchronize(engine.device)
-        if not bulk.row_prefills.entries:
-            raise SystemExit("the row prefills were not captured by finish_warmup()")
+        if not bulk.row_prefills.entries:  # off by default (QWEN_FAST_ROW_PREFILL): captured here
+            bulk.capture_row_prefills(force=True)
     else:
         def sync():
             return None

@@ -88,7 +88,8 @@ ATTN_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
 BATCHED_PREFILL_MIN = 8
 # Fewer calls than that, opened in one round (a busy engine opens at most 4 a round), share a
 # captured prefill of this many rows, for prompts within its buckets; captured in the background
-# warm-up (until then, and for longer prompts, one captured replay a call).
+# warm-up where QWEN_FAST_ROW_PREFILL=1 (until then, and for longer prompts, one captured replay
+# a call). Off by default until the H200 has run its GPU test and timed it (row_prefill_ab.py).
 ROW_PREFILL_ROWS = 4
 ROW_PREFILL_BUCKETS = (16, 32, 64)
 # cuDNN's attention builds a plan for every new (calls, length) shape, ~70-90 ms each: every
@@ -538,12 +539,12 @@ class GraphBackend:
         self.row_prefill_passes += 1
         return True
 
-    def capture_row_prefills(self) -> None:
-        """The row prefills' graphs (background warm-up: a compile and a capture a bucket).
-        `QWEN_FAST_ROW_PREFILL=0` leaves them out (one replay a call, as before: an A/B). A failed
-        capture leaves none: an entry without its graph would run the eager layers, far slower
-        than one replay a call."""
-        if not self.use_graphs or os.environ.get("QWEN_FAST_ROW_PREFILL", "1") == "0":
+    def capture_row_prefills(self, force: bool = False) -> None:
+        """The row prefills' graphs (background warm-up: a compile and a capture a bucket), where
+        `QWEN_FAST_ROW_PREFILL=1` or `force` (the probe's A/B); without them one replay a call, as
+        before. A failed capture leaves none: an entry without its graph would run the eager
+        layers, far slower than one replay a call."""
+        if not self.use_graphs or not (force or os.environ.get("QWEN_FAST_ROW_PREFILL", "0") == "1"):
             return
         try:
             self.row_prefills.capture_all()
