@@ -77,7 +77,7 @@ class VocoderSide:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream: torch.cuda.Stream | None = None  # made at the first deferred launch on a GPU
         self.calls: list[_Call] = []
         self.resolved_calls = 0  # calls resolved since load, and how many of them in a round
         self.resolved_beside_a_frame = 0  # after that round's frame was launched (the overlap)
@@ -86,18 +86,26 @@ class VocoderSide:
     def launching(self) -> Iterator[None]:
         """Where a round's deferred calls are launched: on the side stream, behind everything the
         main stream has queued."""
-        if self.stream is None:
+        if self.device.type != "cuda":
             yield
             return
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             yield
 
     def order_main(self) -> None:
         """Before vocoder work on the main stream: behind everything the side stream has queued
-        (a wait on the GPU, not the host)."""
-        if self.stream is not None:
+        (a wait on the GPU, not the host). With no call pending there is nothing to wait for (a
+        resolved call's host wait covered all its side work), so deferral off costs nothing."""
+        if self.stream is not None and self.calls:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def synchronize(self) -> None:
+        """Wait on the host until the side stream has run everything queued on it."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def add(self, pcm: Tensor, done: object | None, frames: int, rows: list[tuple[int, DeferredChunk]],
             keep: tuple) -> None:

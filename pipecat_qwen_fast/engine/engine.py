@@ -644,6 +644,10 @@ class QwenTTSEngine(text_session.TextSessions):
                         wav = self.vocoder.decode_streams(codes, streams, check_values=False, **ragged)
                     made.append((n, group, (rows, codes, streams), *to_host(to_pcm(wav[:, 0]))))
             except Exception as e:  # noqa: BLE001 - reported to those sessions' callers
+                if self.defer_vocoder_audio:
+                    # What the failed call queued on the side stream is in no pending call: wait
+                    # for it before its sessions' memory goes back to the allocator.
+                    self.vocoder_side.synchronize()
                 for i, _ in group:
                     sessions[i].stop_reason = "error"
                     self.close_session(sessions[i])
