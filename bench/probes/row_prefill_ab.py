@@ -96,9 +96,10 @@ def check_rows(engine, bulk, reqs: Requests) -> dict:
     with rows_off(bulk):
         for r in requests:
             s = engine.open_session(r)
-            n = s.state.inner.position if hasattr(s.state, "inner") else s.state.position
-            slot = s.state.inner.slot if hasattr(s.state, "inner") else s.state.slot
-            alone.append((n, *[t.clone() for t in bulk.read_positions(slot, n)], bulk.pool_hidden[slot].clone()))
+            state = getattr(s.state, "inner", s.state)  # the auto backend's batch side
+            n = state.position
+            alone.append((n, *[t.clone() for t in bulk.read_positions(state.slot, n)],
+                          bulk.pool_hidden[state.slot].clone()))
             engine.cancel(s)
     passes = bulk.row_prefill_passes
     sessions = engine.open_sessions(requests)

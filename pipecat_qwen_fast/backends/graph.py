@@ -500,7 +500,7 @@ class GraphBackend:
         and the padding's K/V rows lie beyond each session's position, masked until overwritten."""
         if len(states) < self.batched_prefill_min:
             pairs = list(zip(states, embeds))
-            rows = self.row_prefills.rows
+            rows = self.row_prefills.rows if self.row_prefills.entries else 1  # none captured: one a call
             for i in range(0, len(pairs), rows):
                 group = pairs[i : i + rows]
                 if len(group) == 1 or not self._prefill_rows(group):

@@ -315,13 +315,11 @@ class PrefillGraphs:
             return None
         e = self.entries[bucket]
         x, last = e["embeds"], e["last"]
+        x.zero_()  # every row's padding, and the rows past the prompts
         for i, prompt in enumerate(embeds):
             n = prompt.shape[0]
             x[i, :n].copy_(prompt)
-            x[i, n:].zero_()
             last[i].fill_(i * bucket + n - 1)  # a fill, not a copy from the host: no sync
-        if len(embeds) < self.rows:
-            x[len(embeds):].zero_()
         if e["graph"] is not None:
             e["graph"].replay()
         else:
@@ -332,14 +330,14 @@ class PrefillGraphs:
         """Static buffers for prompts of up to `bucket` positions (no graph: CPU tests)."""
         stack = self.talker.cfg.stack
         d = self.talker.cfg.hidden_size
-        many = self.rows > 1
-        kv_shape = (stack.num_layers, *((self.rows,) if many else ()), stack.num_kv_heads, bucket, stack.head_dim)
+        rows = (self.rows,) if self.rows > 1 else ()  # graphs of one prompt keep its unbatched shapes
+        kv_shape = (stack.num_layers, *rows, stack.num_kv_heads, bucket, stack.head_dim)
         e = {
-            "embeds": torch.zeros(*((self.rows,) if many else ()), bucket, d, device=self.device, dtype=self.dtype),
+            "embeds": torch.zeros(*rows, bucket, d, device=self.device, dtype=self.dtype),
             "rope": rotary_cos_sin(torch.arange(bucket, device=self.device), stack.head_dim, stack.rope_theta, self.dtype),
             # Flat positions (row x bucket + position) of each row's last real position.
             "last": torch.zeros(self.rows, device=self.device, dtype=torch.long),
-            "hidden": torch.zeros(*((self.rows,) if many else ()), d, device=self.device, dtype=self.dtype),
+            "hidden": torch.zeros(*rows, d, device=self.device, dtype=self.dtype),
             "k": torch.zeros(kv_shape, device=self.device, dtype=self.dtype),
             "v": torch.zeros(kv_shape, device=self.device, dtype=self.dtype),
             "graph": None,

@@ -32,6 +32,14 @@ from torch import Tensor
 from pipecat_qwen_fast.engine.request import AudioChunk
 
 
+def row_chunk(pcm: Tensor, row: int, call_frames: int, frame_index: int, num_frames: int,
+              codes: np.ndarray) -> AudioChunk:
+    """Row `row` of a vocoder call's host audio [rows, call_frames * 1920] as its chunk: only its
+    own `num_frames` (a padded row's are the first), copied (pinned pages go back to the pool)."""
+    per_frame = pcm.shape[1] // call_frames
+    return AudioChunk(pcm[row, : per_frame * num_frames].numpy().copy(), frame_index, num_frames, codes)
+
+
 @dataclass(eq=False)
 class DeferredChunk:
     """A chunk whose audio is still being made: `chunk` is None until the engine resolves it,
@@ -50,8 +58,9 @@ class DeferredChunk:
     def settled(self) -> bool:
         return self.chunk is not None or self.dropped
 
-    def resolve(self, pcm: np.ndarray) -> None:
-        self.chunk = AudioChunk(pcm, self.frame_index, self.num_frames, self.codes)
+    def resolve(self, pcm: Tensor, row: int, call_frames: int) -> None:
+        """Its audio: row `row` of its call's host audio (row_chunk)."""
+        self.chunk = row_chunk(pcm, row, call_frames, self.frame_index, self.num_frames, self.codes)
         self._notify()
 
     def drop(self) -> None:
@@ -125,9 +134,8 @@ class VocoderSide:
                 self.calls = calls[k:] + self.calls
                 self.drop()
                 raise
-            per_frame = call.pcm.shape[1] // call.frames
             for j, chunk in call.rows:
-                chunk.resolve(call.pcm[j, : per_frame * chunk.num_frames].numpy().copy())
+                chunk.resolve(call.pcm, j, call.frames)
         self.resolved_calls += n
         if beside_a_frame:
             self.resolved_beside_a_frame += n

@@ -30,7 +30,7 @@ from torch import Tensor
 from pipecat_qwen_fast.backends.base import DecodeBackend
 from pipecat_qwen_fast.config import GenerationDefaults, ModelConfig
 from pipecat_qwen_fast.engine import text_session
-from pipecat_qwen_fast.engine.deferred_audio import DeferredChunk, VocoderSide
+from pipecat_qwen_fast.engine.deferred_audio import DeferredChunk, VocoderSide, row_chunk
 from pipecat_qwen_fast.engine.loading import load_engine
 from pipecat_qwen_fast.engine.request import (
     SAMPLE_RATE,
@@ -620,9 +620,8 @@ class QwenTTSEngine(text_session.TextSessions):
             if done is not None:
                 done.synchronize()
             for j, (i, job) in enumerate(group):
-                frames = job.codes.shape[1]  # fewer than n for a padded chunk
-                chunk = AudioChunk(pcm[j, : pcm.shape[1] // n * frames].numpy().copy(), job.start, frames,
-                                   job.host_codes)
+                # job.codes.shape[1] is fewer than n for a padded chunk
+                chunk = row_chunk(pcm, j, n, job.start, job.codes.shape[1], job.host_codes)
                 results[i] = [chunk if c is job else c for c in results[i]]
 
     def _launch_vocoder_calls(self, by_size: dict, sessions: list[Session], results: list, made: list) -> None:
