@@ -5,9 +5,9 @@ refusal on as a retryable error. Real engine, tiny checkpoint, CPU."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
+from helpers_service import open_together
 
 from pipecat_qwen_fast import EngineOverloadedError, QwenTTSEngine, SynthesisRequest
 from pipecat_qwen_fast.engine.service import EngineService
@@ -150,11 +150,7 @@ async def test_a_busy_engine_opens_a_few_calls_a_round_and_the_rest_next(engine)
             live = service.open_stream(SynthesisRequest("Live.", seed=1, max_frames=80))
             await asyncio.wait_for(live.__anext__(), TIMEOUT)
             texts = [f"Call {i}." for i in range(6)]
-            # The six arrive together: the engine thread takes its inbox under the service's lock,
-            # held here (reentrant for _admit) until all six are queued.
-            service._lock = threading.RLock()
-            with service._lock:
-                streams = [service.open_stream(SynthesisRequest(t, seed=i, max_frames=5)) for i, t in enumerate(texts)]
+            streams = open_together(service, [SynthesisRequest(t, seed=i, max_frames=5) for i, t in enumerate(texts)])
             got = [await asyncio.wait_for(service_frames(s), TIMEOUT) for s in streams]
             live.cancel()
             await asyncio.wait_for(live.wait_closed(), TIMEOUT)

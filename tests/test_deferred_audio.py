@@ -7,12 +7,12 @@ deferred). Whether the side stream overlaps on the GPU is bench/probes/batch_ove
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import numpy as np
 import pytest
 import torch
 from helpers_probes import cpu_batch_engine
+from helpers_service import collect_all, open_together
 
 from pipecat_qwen_fast import SynthesisRequest
 from pipecat_qwen_fast.engine.deferred_audio import DeferredChunk, VocoderSide
@@ -38,16 +38,8 @@ async def serve_all(engine, overlap: bool) -> list[list[AudioChunk]]:
     async with EngineService.for_engine(engine, overlap_vocoder=overlap, max_lead_s=None,
                                         max_round_ms=None) as service:
         await service.wait_ready()
-        # The three arrive together (the engine thread takes its inbox under this lock), so both
-        # runs batch the same calls in the same rounds.
-        service._lock = threading.RLock()
-        with service._lock:
-            streams = [service.open_stream(r) for r in REQUESTS]
-
-        async def collect(stream):
-            return [c async for c in stream]
-
-        return await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), TIMEOUT)
+        # The three arrive together, so both runs batch the same calls in the same rounds.
+        return await collect_all(open_together(service, REQUESTS), TIMEOUT)
 
 
 async def test_deferred_chunks_carry_the_same_audio_in_order(engine):
@@ -78,10 +70,7 @@ async def test_cancelling_while_chunks_are_deferred_leaves_nothing_behind(engine
         assert all(isinstance(c, AudioChunk) and c.frame_index == 0 for c in first)
         await asyncio.wait_for(streams[0].aclose(), TIMEOUT)
         await asyncio.wait_for(streams[1].aclose(), TIMEOUT)
-        async def collect(stream):
-            return [c async for c in stream]
-
-        rest = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams[2:])), TIMEOUT)
+        rest = await collect_all(streams[2:], TIMEOUT)
         for c0, chunks in zip(first[2:], rest):
             assert c0.num_frames + sum(c.num_frames for c in chunks) == 40
     assert not engine.vocoder_side.calls

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 
 import numpy as np
 import pytest
 import torch
+from helpers_service import collect_all, open_together
 
 from pipecat_qwen_fast import QwenTTSEngine, SynthesisRequest
 from pipecat_qwen_fast.engine.service import EngineService
@@ -118,16 +118,8 @@ def test_overlapped_vocoder_gives_the_same_chunks(engine):
         async with EngineService.for_engine(engine, max_round_ms=None, max_lead_s=None,
                                             overlap_vocoder=overlap) as service:
             await service.wait_ready()
-            # All eight in one round (the engine thread takes its inbox under this lock): both runs
-            # batch the same rows, so bf16 rounds the same.
-            service._lock = threading.RLock()
-            with service._lock:
-                streams = [service.open_stream(r) for r in reqs]
-
-            async def collect(stream):
-                return [c async for c in stream]
-
-            return await asyncio.wait_for(asyncio.gather(*(collect(st) for st in streams)), 300)
+            # All eight in one round: both runs batch the same rows, so bf16 rounds the same.
+            return await collect_all(open_together(service, reqs), 300)
 
     side = engine.vocoder_side
     before = side.resolved_beside_a_frame
