@@ -216,8 +216,10 @@ class QwenFastTTSService(TokenTurns, TTSService):
             self._remote.open_stream(SynthesisRequest("", **self._generation))  # checks options
         self._services = ServiceHandle(engine_service, device=device, dtype=dtype, backend=backend)
         self._streams: dict[str, set[SynthesisStream]] = {}
-        # A context is refreshed this often while its utterance's next chunk is being made.
-        self._keepalive_s = max(0.05, stop_frame_timeout_s / 2)
+        # A context is refreshed this often while its utterance's next chunk is being made: a
+        # quarter of the timeout, so an event loop held up for up to 3/4 of it (a loaded host)
+        # still refreshes in time; a refresh is one put_nowait.
+        self._keepalive_s = max(0.05, stop_frame_timeout_s / 4)
         self._load_watch: asyncio.Task | None = None
         self._load_failure_reported: EngineService | None = None
         self._init_token_turns()

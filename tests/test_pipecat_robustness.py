@@ -124,13 +124,13 @@ async def test_bad_options_are_reported_when_they_are_set(endless_model):
 
 @pytest.fixture
 def slow_service(endless_model, monkeypatch):
-    """A service whose engine takes 0.1 s a frame, as a loaded CPU does (latency injected around
+    """A service whose engine takes 0.25 s a frame, as a loaded CPU does (latency injected around
     the real step)."""
     engine = QwenTTSEngine.from_pretrained(endless_model, progress=False, **CPU)
     real_step = engine.step
 
     def slow_step(session):
-        time.sleep(0.1)
+        time.sleep(0.25)
         return real_step(session)
 
     monkeypatch.setattr(engine, "step", slow_step)
@@ -140,10 +140,11 @@ def slow_service(endless_model, monkeypatch):
 
 
 async def test_no_stop_frame_while_the_engine_works_on_a_long_chunk(slow_service):
-    # Chunks of 8 frames arrive 0.8 s apart, longer than the 0.3 s Pipecat waits for more audio.
+    # Chunks of 8 frames arrive 2 s apart, twice the 1 s Pipecat waits for more audio. (A 0.3 s
+    # wait failed once in CI's full suite: its event loop was held up past the refresh.)
     tts = QwenFastTTSService(model="unused", engine_service=slow_service, seed=1, max_frames=17,
                              first_chunk_frames=1, chunk_frames=8, max_chunk_frames=None,
-                             stop_frame_timeout_s=0.3)
+                             stop_frame_timeout_s=1.0)
     stamp = Stamp()
     await run(Pipeline([tts, stamp]), [TTSSpeakFrame("One long utterance.")])
     ctx = contexts(stamp.seen)
