@@ -72,3 +72,19 @@ async def test_no_spare_when_turned_off(server):
         await client.aclose()
     with pytest.raises(ValueError, match="spare_sockets"):
         RemoteTTSClient(server.base_url, spare_sockets=-1)
+
+
+async def test_one_client_holds_more_sockets_than_aiohttps_default_pool(server):
+    # A fleet's callers (bench fleet --server-url, an agent process serving many calls) share one
+    # client; aiohttp's default pool of 100 connections held the 101st stream until the connect
+    # timeout.
+    client = RemoteTTSClient(server.base_url, connect_timeout_s=5.0, spare_sockets=0)
+    sockets = []
+    try:
+        sockets = await asyncio.wait_for(asyncio.gather(*(client.connect() for _ in range(120))),
+                                         TIMEOUT)
+        await eventually(lambda: server.ctx.open_sockets >= 120, what="120 sockets on the server")
+    finally:
+        await asyncio.gather(*(remote._close(ws) for ws in sockets))
+        await client.aclose()
+    await eventually(lambda: server.ctx.open_sockets == 0, what="the sockets to close on the server")

@@ -24,7 +24,7 @@ if [ "$side" = server ]; then
         sleep 0.5
     done
     python "$here/cpu_sample.py" "$server" "$out/server.json.cpu" &
-    TRACE_OUT=$out/callers.json python "$here/callers.py" --server-url "http://127.0.0.1:$port" \
+    TRACE_OUT=$out/callers.json python "$here/callers.py" --server-url "http://127.0.0.1:$port" ${EXTRA:-} \
         "${sweep[@]}" > "$out/callers.log" 2>&1
     kill -TERM "$server"
     wait "$server" || true

@@ -9,7 +9,7 @@ server's event loop. Calibrated on the H200's wave-3 fleet (128 callers: rounds 
 decode 7.2, vocoder 2.7, prefill 0.95, host 0.5 at ~15 rows; first audio p50/p95 23.3/35.9 ms in
 process): the proxy gives 11.3-11.5 ms rounds and 21.8-22.2 / 31-32 ms in process.
 
-Chunks are silent PCM of the engine's schedule (1, 3, 6, 12, 32 frames); every utterance runs to
+Chunks are silent PCM of the request's chunk schedule (chunk_target); every utterance runs to
 its max_frames. `install()` makes QwenTTSEngine.from_pretrained return one (device cpu).
 
 Each round's record goes to $TRACE_OUT.rounds at exit: (start, end, rows, GIL and timer wait in
@@ -71,7 +71,7 @@ class SimSession:
         self.frames_decoded = 0
         self.segment_frames = 0
         self.chunk_start = 0
-        self.pending = 0
+        self.pending: list = []  # a frame each, as the real session's codes not yet vocoded
         self.done = False
         self.stop_reason: str | None = None
         self.begun = False
@@ -156,15 +156,15 @@ class SimEngine:
                 continue
             s.frames_decoded += 1
             s.segment_frames += 1
-            s.pending += 1
+            s.pending.append(None)
             last = s.frames_decoded >= s.cap
-            if last or s.pending >= chunk_target(s.request, s.chunk_start):
-                k = s.pending
+            if last or len(s.pending) >= chunk_target(s.request, s.chunk_start):
+                k = len(s.pending)
                 sizes[k] = sizes.get(k, 0) + 1
                 results.append([AudioChunk(np.zeros(k * FRAME, dtype=np.int16), s.chunk_start, k,
                                            np.zeros((k, 16), dtype=np.int64))])
                 s.chunk_start += k
-                s.pending = 0
+                s.pending = []
             else:
                 results.append([])
             if last:
