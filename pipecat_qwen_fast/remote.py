@@ -1,13 +1,14 @@
 """Remote mode of the adapters: the engine runs in ``qwen-fast-tts serve``, reached over its
 WebSocket (``/v1/audio/speech/stream``, vLLM-Omni's Qwen3-TTS protocol; docs/SERVER.md).
 
-Each utterance is one socket: session.config, input.text, input.done, then audio until
-session.done. A socket per utterance makes cancelling exact: closing it mid-turn makes the
-server cancel that turn's engine stream at once, and no later turn can be confused with it. The
-handshake is kept off the next utterance's first audio: once a turn's first audio is in, the
-client connects a spare socket (`spare_sockets`, default 1) that the next utterance takes if it is
-under SPARE_MAX_AGE_S old. On loopback a handshake is a fraction of a millisecond when the server is
-idle, but a few of its event loop's turns under load (docs/SERVER.md, "Performance").
+An utterance holds one socket: session.config, input.text, input.done, then audio until
+session.done. Cancelling is exact: closing the socket mid-turn makes the server cancel that
+turn's engine stream at once, and no later turn can be confused with it. A socket whose turn
+ended cleanly (session.done) is kept for the next utterance (`reuse_sockets`), which sends its
+own session.config on it, as the protocol allows between turns; one idle longer than
+SPARE_MAX_AGE_S is closed. A cancelled turn's socket is replaced ahead of the next utterance by a
+spare (`spare_sockets`, default 1). Each handshake and close costs the server's event loop CPU
+that its engine thread then waits for (docs/SERVER.md, "Performance").
 
 A streamed-text turn (`RemoteTTSClient.open_text_stream`, the adapters' token mode) is one socket
 too: each `append` is an input.text message as it comes, `end` is input.done, and the server
@@ -178,14 +179,16 @@ class RemoteWord:
 
 
 class RemoteTTSClient:
-    """One server's client, shared by all the streams of one adapter instance. It keeps
-    `spare_sockets` sockets connected ahead of the next utterances (0: a handshake each)."""
+    """One server's client, shared by all the streams of one adapter instance (or of a fleet's
+    callers). A socket whose turn ended cleanly is kept for the next utterance
+    (`reuse_sockets`); after a cancelled turn, `spare_sockets` are connected ahead of the next
+    one (0: the next utterance connects its own)."""
 
     sample_rate = SAMPLE_RATE
 
     def __init__(self, base_url: str, api_key: str | None = None, *,
                  connect_timeout_s: float = 10.0, close_timeout_s: float = 2.0,
-                 spare_sockets: int = 1) -> None:
+                 spare_sockets: int = 1, reuse_sockets: bool = True) -> None:
         if spare_sockets < 0:
             raise ValueError(f"spare_sockets must be >= 0, got {spare_sockets}")
         self.url = stream_url(base_url)
@@ -197,8 +200,11 @@ class RemoteTTSClient:
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.ready = False  # a stream or /ready has succeeded
-        # Sockets connected ahead of the utterances that will take them, with when each opened.
+        # Idle sockets for the next utterances (kept after a clean turn, or spares connected
+        # after a cancelled one), with when each went idle; the freshest is taken first.
         self.spare_sockets = spare_sockets
+        self.reuse_sockets = reuse_sockets
+        self._sweeper: asyncio.Task | None = None
         self._spares: list[tuple[float, aiohttp.ClientWebSocketResponse]] = []
         self._spares_connecting = 0
         self._chores: set[asyncio.Task] = set()  # spares connecting or closing
@@ -245,21 +251,47 @@ class RemoteTTSClient:
         return self._session
 
     async def socket(self) -> aiohttp.ClientWebSocketResponse:
-        """A socket for one utterance: a spare connected ahead of it if a fresh one is there (its
-        handshake then costs the utterance nothing; under load it took milliseconds of the
-        server's event loop, docs/SERVER.md "Performance"), else a new one."""
+        """A socket for one utterance: the freshest idle one if one is under SPARE_MAX_AGE_S old
+        (no handshake: under load one took milliseconds of the server's event loop,
+        docs/SERVER.md "Performance"), else a new one."""
         self.http()
         now = time.monotonic()
         while self._spares:
-            opened_at, ws = self._spares.pop(0)
-            if not ws.closed and now - opened_at < SPARE_MAX_AGE_S:
+            idle_since, ws = self._spares.pop()
+            if not ws.closed and now - idle_since < SPARE_MAX_AGE_S:
                 return ws
-            self._chore(_close(ws))
+            self._chore(_close(ws))  # the rest are older still: each is closed as it comes
         return await self.connect()
 
+    def release(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        """A socket whose turn ended with session.done: kept for the next utterance, or closed
+        (reuse off, or it belongs to a session or loop no longer this client's)."""
+        loop = asyncio.get_running_loop()
+        if (not self.reuse_sockets or ws.closed or self._session is None or self._session.closed
+                or self._loop is not loop):
+            self._chore(_close(ws))
+            return
+        self._spares.append((time.monotonic(), ws))
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = loop.create_task(self._sweep(), name="qwen-fast-remote-sweep")
+            self._chores.add(self._sweeper)
+            self._sweeper.add_done_callback(self._chores.discard)
+
+    async def _sweep(self) -> None:
+        """Close idle sockets as they pass SPARE_MAX_AGE_S, so that none is left open once the
+        utterances stop (the server would close it only after its idle timeout)."""
+        while self._spares:
+            await asyncio.sleep(SPARE_MAX_AGE_S)
+            now = time.monotonic()
+            stale = [ws for t, ws in self._spares if ws.closed or now - t >= SPARE_MAX_AGE_S]
+            self._spares = [(t, ws) for t, ws in self._spares if ws not in stale]
+            for ws in stale:
+                await _close(ws)
+
     def connect_spares(self) -> None:
-        """Start connecting the spare sockets that are missing; never waits. A spare that fails
-        to connect is dropped: the next utterance connects on its own and reports the error."""
+        """Start connecting the spare sockets that are missing (after a cancelled turn); never
+        waits. A spare that fails to connect is dropped: the next utterance connects on its own
+        and reports the error."""
         session = self.http()
         for _ in range(self.spare_sockets - len(self._spares) - self._spares_connecting):
             self._spares_connecting += 1
@@ -365,10 +397,6 @@ class RemoteStream:
                 raise StopAsyncIteration
             if msg.type == aiohttp.WSMsgType.BINARY:
                 if msg.data:
-                    if not self._frames:
-                        # Not before: the handshake's work in the server would then compete with
-                        # this utterance's first frame (docs/SERVER.md, "Performance").
-                        self._client.connect_spares()
                     pcm = np.frombuffer(msg.data, dtype=np.int16)
                     frames = len(pcm) // FRAME_SAMPLES
                     chunk = RemoteChunk(pcm, self._frames, frames)
@@ -394,7 +422,13 @@ class RemoteStream:
             if kind == "session.done":
                 self._done = True
                 self._client.ready = True
+                self._ws = None
+                await self._release(ws)
                 raise StopAsyncIteration
+
+    async def _release(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        """The turn ended cleanly: its socket goes back to the client for the next utterance."""
+        self._client.release(ws)
 
     def _take_words(self, alignment: dict) -> None:
         """Word times of a streamed-text turn (RemoteTextStream keeps them)."""
@@ -423,6 +457,8 @@ class RemoteStream:
             return
         # Closing waits for the server's reply; that wait must not hold up the caller.
         self._closing = loop.create_task(_close(ws))
+        # A socket lost mid-turn: the next utterance finds a spare connected instead.
+        self._client.connect_spares()
 
 
 class RemoteTextStream(RemoteStream):
@@ -505,6 +541,14 @@ class RemoteTextStream(RemoteStream):
                         return
         except (aiohttp.ClientError, ConnectionError, RuntimeError):
             return  # the socket went away: the reader reports how
+
+    async def _release(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        # session.done answers input.done, the sender's last message: it is finishing, and the
+        # socket must be free of it before the next utterance sends on it.
+        if self._sender is not None:
+            with contextlib.suppress(BaseException):
+                await self._sender
+        self._client.release(ws)
 
     async def _open(self) -> aiohttp.ClientWebSocketResponse | None:
         self._start()

@@ -1,5 +1,6 @@
-"""The remote adapters' client (pipecat_qwen_fast/remote.py) against the real server: the spare
-socket it connects once a turn is sent, which the next utterance takes instead of a handshake."""
+"""The remote adapters' client (pipecat_qwen_fast/remote.py) against the real server: the socket a
+clean turn ends on, kept for the next utterance; the spare connected after a cancelled turn; the
+number of sockets one client holds."""
 
 from __future__ import annotations
 
@@ -32,42 +33,100 @@ async def speak(client: RemoteTTSClient, seed: int) -> tuple[int, object]:
     return samples, socket
 
 
-async def test_the_next_utterance_takes_the_spare_and_aclose_closes_it(server):
+async def test_the_next_utterance_reuses_the_socket_and_aclose_closes_it(server):
     client = RemoteTTSClient(server.base_url)
     try:
-        first, _ = await asyncio.wait_for(speak(client, 1), TIMEOUT)
-        await eventually(lambda: len(client._spares) == 1, what="a spare socket")
-        spare = client._spares[0][1]
-        second, used = await asyncio.wait_for(speak(client, 1), TIMEOUT)
-        assert used is spare and first == second > 0
-        await eventually(lambda: len(client._spares) == 1, what="the next spare")
-        assert client._spares[0][1] is not spare
+        first, used = await asyncio.wait_for(speak(client, 1), TIMEOUT)
+        assert [ws for _, ws in client._spares] == [used]  # kept: no spare, no close
+        second, again = await asyncio.wait_for(speak(client, 1), TIMEOUT)
+        assert again is used and first == second > 0  # same turn again, sounds the same
+        third, other_voice = await asyncio.wait_for(speak(client, 5), TIMEOUT)
+        assert other_voice is used and third > 0  # a new session.config on the same socket
+        assert server.ctx.open_sockets == 1
     finally:
         await client.aclose()
     await eventually(lambda: settled(server) and server.ctx.open_sockets == 0,
-                     what="the spare to close on the server")
+                     what="the kept socket to close on the server")
 
 
-async def test_a_stale_spare_is_closed_not_used(server, monkeypatch):
+async def test_a_streamed_text_turn_hands_its_socket_to_the_next_one(server):
+    client = RemoteTTSClient(server.base_url)
+
+    async def turn(pieces: list[str]) -> tuple[int, object]:
+        stream = client.open_text_stream(SynthesisRequest("", voice=VOICE, seed=8, max_frames=6,
+                                                          text_mode="dual_track"))
+        for piece in pieces:
+            stream.append(piece)
+        stream.end()
+        samples, socket = 0, None
+        async for chunk in stream:
+            socket = socket or stream._ws
+            samples += len(chunk.pcm)
+        return samples, socket
+
+    try:
+        first, used = await asyncio.wait_for(turn(["Token ", "by ", "token."]), TIMEOUT)
+        second, again = await asyncio.wait_for(turn(["Token by ", "token."]), TIMEOUT)
+        assert again is used and first == second > 0
+        plain, after = await asyncio.wait_for(speak(client, 9), TIMEOUT)  # then a whole text
+        assert after is used and plain > 0
+    finally:
+        await client.aclose()
+    await eventually(lambda: settled(server) and server.ctx.open_sockets == 0,
+                     what="the socket to close on the server")
+
+
+async def test_a_cancelled_turns_socket_is_closed_and_a_spare_connected(server):
     client = RemoteTTSClient(server.base_url)
     try:
-        await asyncio.wait_for(speak(client, 2), TIMEOUT)
+        stream = client.open_stream(SynthesisRequest("A longer one to cut short.", voice=VOICE,
+                                                     seed=6, max_frames=40))
+        await asyncio.wait_for(stream.__anext__(), TIMEOUT)
+        cut = stream._ws
+        await stream.aclose()  # a barge-in
+        assert cut.closed
         await eventually(lambda: len(client._spares) == 1, what="a spare socket")
-        stale = client._spares[0][1]
+        spare = client._spares[0][1]
+        samples, used = await asyncio.wait_for(speak(client, 6), TIMEOUT)
+        assert used is spare and samples > 0
+    finally:
+        await client.aclose()
+    await eventually(lambda: settled(server) and server.ctx.open_sockets == 0,
+                     what="the sockets to close on the server")
+
+
+async def test_a_stale_socket_is_closed_not_used(server, monkeypatch):
+    client = RemoteTTSClient(server.base_url)
+    try:
+        _, kept = await asyncio.wait_for(speak(client, 2), TIMEOUT)
         monkeypatch.setattr(remote, "SPARE_MAX_AGE_S", 0.0)
         samples, used = await asyncio.wait_for(speak(client, 2), TIMEOUT)
-        assert samples > 0 and used is not stale
-        await eventually(lambda: stale.closed, what="the stale spare to close")
+        assert samples > 0 and used is not kept
+        await eventually(lambda: kept.closed, what="the stale socket to close")
     finally:
         await client.aclose()
 
 
-async def test_no_spare_when_turned_off(server):
-    client = RemoteTTSClient(server.base_url, spare_sockets=0)
+async def test_idle_sockets_are_closed_once_utterances_stop(server, monkeypatch):
+    monkeypatch.setattr(remote, "SPARE_MAX_AGE_S", 0.3)
+    client = RemoteTTSClient(server.base_url)
     try:
-        samples, _ = await asyncio.wait_for(speak(client, 3), TIMEOUT)
+        _, kept = await asyncio.wait_for(speak(client, 7), TIMEOUT)
+        await eventually(lambda: kept.closed and not client._spares, what="the idle socket to close")
+        await eventually(lambda: server.ctx.open_sockets == 0, what="its close on the server")
+    finally:
+        await client.aclose()
+
+
+async def test_no_reuse_and_no_spare_when_turned_off(server):
+    client = RemoteTTSClient(server.base_url, spare_sockets=0, reuse_sockets=False)
+    try:
+        samples, used = await asyncio.wait_for(speak(client, 3), TIMEOUT)
+        stream = client.open_stream(request(3))
+        await asyncio.wait_for(stream.__anext__(), TIMEOUT)
+        await stream.aclose()
         await asyncio.sleep(0.2)
-        assert samples > 0 and not client._spares and not client._chores
+        assert samples > 0 and used.closed and not client._spares and not client._chores
     finally:
         await client.aclose()
     with pytest.raises(ValueError, match="spare_sockets"):
