@@ -261,3 +261,22 @@ def test_first_token_guess(tok):
         if guess is not None and turn.segments:
             right += guess == turn.segments[0].tokens[0]
     assert right > 20
+
+
+def test_added_token_prefixes_are_built_once_per_tokenizer(tok, monkeypatch):
+    # The server makes a TurnText a turn; the table of added-token prefixes is the tokenizer's.
+    from pipecat_qwen_fast.engine import text_stream
+
+    added = list(tok.added_tokens)
+    text_stream._ADDED_PREFIXES.pop(tok, None)
+    reads = []
+
+    def counted(self):
+        reads.append(1)
+        return added
+
+    monkeypatch.setattr(type(tok), "added_tokens", property(counted))
+    first, second = TurnText(tok), TurnText(tok)
+    assert len(reads) == 1
+    assert first._prefixes is second._prefixes and "<|im_" in first._prefixes
+    assert first._longest_prefix == max(len(t) for t in added) - 1

@@ -2,7 +2,8 @@
 (timeline.py). Arguments are serve's. Environment, for A/Bs of what the server does under load:
 NO_FREEZE=1 leaves the heap unfrozen (server/app.py freeze_heap), LOOP=asyncio|uvloop picks
 uvicorn's event loop (the GPU machine's image has no uvloop), SWITCH=seconds sets
-sys.setswitchinterval.
+sys.setswitchinterval. PROFILE=path writes a cProfile of the event loop's thread (CPU time of
+that thread only) to path at exit.
 """
 
 import os
@@ -28,4 +29,14 @@ if os.environ.get("LOOP"):
 
 from pipecat_qwen_fast.cli import main
 
+if os.environ.get("PROFILE"):
+    import cProfile
+    import time
+
+    profile = cProfile.Profile(time.thread_time)  # uvicorn runs its loop on this thread
+    try:
+        code = profile.runcall(main, ["serve", *sys.argv[1:]])
+    finally:
+        profile.dump_stats(os.environ["PROFILE"])
+    sys.exit(code)
 sys.exit(main(["serve", *sys.argv[1:]]))
