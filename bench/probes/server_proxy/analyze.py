@@ -89,7 +89,9 @@ def main(folder):
         if len(inside) >= 2:
             a, b = inside[0], inside[-1]
             n = sum(1 for d in rows if a[0] <= d["due"] <= b[0])
-            main_tid = min(b[1], key=int)
+            # /proc lists a process's threads in creation order, the main one (the loop) first;
+            # the smallest id is not it once thread ids have wrapped.
+            main_tid = next(iter(cpu[0][1]))
             used = {tid: [b[1][tid][i] - a[1].get(tid, [0, 0])[i] for i in (0, 1)] for tid in b[1]}
             busy = sorted(used.items(), key=lambda kv: -kv[1][1])[:2]
             out[f"cpu_{name}"] = {("main" if t == main_tid else "other"): v[1] / max(1, n) * 1e3
