@@ -11,6 +11,7 @@ from starlette.requests import HTTPConnection
 
 from .api_errors import ApiError, refused
 from .auth import check_api_key
+from .inline_voices import InlineVoices
 from .metrics import PlayoutClock, ServerMetrics
 from .settings import ServerSettings
 from .speech import VoiceBook
@@ -42,6 +43,7 @@ class ServerContext:
         # One voice upload encodes at a time: it bounds the CPU/GPU taken from streams, and makes
         # "name not taken, then register" atomic against other uploads.
         self.voice_upload_lock = asyncio.Lock()
+        self.inline_voices = InlineVoices()  # cloned from session.config's ref_audio
 
     @property
     def ready(self) -> bool:

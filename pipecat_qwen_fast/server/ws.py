@@ -61,6 +61,7 @@ from pipecat_qwen_fast.model.prompt import DUAL_TRACK, PREFILL
 
 from .api_errors import ApiError, bad_request, from_engine_error
 from .context import ServerContext, context_of
+from .inline_voices import InlineClone, parse_inline_clone
 from .metrics import PlayoutClock
 from .speech import (
     MAX_CHUNK_FRAMES,
@@ -90,7 +91,6 @@ CONFIG_FIELDS = frozenset({
     # This server's extensions (the remote adapters send them): the engine's request options.
     "greedy", "chunk_frames", "max_chunk_frames",
 })
-CLONE_FIELDS = ("ref_audio", "ref_text", "speaker_embedding")
 TASK_TYPES = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
 # Close codes (RFC 6455): 1003 a data type not accepted, 1007 data inconsistent with its type,
 # 1008 a policy violation, 1009 a message too big, 1001 going away (the server is draining).
@@ -142,6 +142,7 @@ class SessionConfig:
     streamed: bool  # dual-track: one streaming-text engine session per turn
     word_timestamps: bool = False
     timestamps_async: bool = False  # word times as audio.timestamps events, not in audio.done
+    clone: InlineClone | None = None  # the voice is cloned from this (configure sets it)
 
 
 @dataclass
@@ -308,9 +309,6 @@ class SpeechSocket:
             raise ProtocolError(CLOSE_BINARY, "binary messages are not part of this protocol; "
                                 "send JSON text messages")
         text = message.get("text") or ""
-        if len(text) > self.max_message_chars:
-            raise ProtocolError(CLOSE_TOO_BIG, f"a message of {len(text)} characters is over the "
-                                f"limit of {self.max_message_chars}")
         try:
             msg = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -318,6 +316,10 @@ class SpeechSocket:
                                 f"a message is not valid JSON ({exc.msg})") from None
         if not isinstance(msg, dict):
             raise ProtocolError(CLOSE_BAD_DATA, "messages must be JSON objects")
+        # A session.config may carry a recording (ref_audio; uvicorn bounds every message at
+        # WS_MAX_MESSAGE_BYTES); any other message is bounded by the text it may hold.
+        if len(text) > self.max_message_chars and msg.get("type") != "session.config":
+            raise self.too_big(text)
         kind = msg.get("type")
         if kind not in MESSAGE_TYPES:
             named = isinstance(kind, str) and len(kind) <= 40
@@ -325,6 +327,11 @@ class SpeechSocket:
             raise ProtocolError(CLOSE_POLICY, f"message type {shown} is not part of this protocol; "
                                 f"valid types: {', '.join(MESSAGE_TYPES)}")
         return msg
+
+    def too_big(self, text: str) -> ProtocolError:
+        return ProtocolError(CLOSE_TOO_BIG, f"a message of {len(text)} characters is over the "
+                             f"limit of {self.max_message_chars} (a session.config with "
+                             "ref_audio may be larger)")
 
     async def handle(self, msg: dict) -> None:
         kind = msg["type"]
@@ -343,8 +350,10 @@ class SpeechSocket:
                                   "after session.done", "turn_in_progress")
             return
         try:
-            self.config = parse_config(msg, self.ctx)
-            self.options = self.config.options
+            config = parse_config(msg, self.ctx)
+            if config.clone is not None:
+                config.options.voice = await self.ctx.inline_voices.voice(config.clone, self.ctx)
+            self.config, self.options = config, config.options
         except ApiError as error:
             self.ctx.count_failure(error)
             await self.send_error(error.message, error.code or error.kind)
@@ -627,15 +636,11 @@ def parse_config(msg: dict, ctx: ServerContext) -> SessionConfig:
     if word_timestamps and not streamed:
         raise bad_request("word timestamps come from streamed-text turns: send "
                           "non_streaming_mode=false with them", "word_timestamps")
-    cloning = [name for name in CLONE_FIELDS if msg.get(name) is not None]
-    if optional_bool(msg, "x_vector_only_mode"):
-        cloning.append("x_vector_only_mode")
-    if cloning:
-        raise bad_request(f"voice cloning ({', '.join(cloning)}) is not available on this "
-                          "server; use a preset voice (GET /v1/audio/voices)", cloning[0])
+    clone = parse_inline_clone(msg, service.model_type)
     book = ctx.voice_book()
+    voice = optional_str(msg, "voice")  # a cloned voice takes its place
     options = SpeechOptions(
-        voice=book.resolve_voice(optional_str(msg, "voice")),
+        voice=None if clone is not None else book.resolve_voice(voice),
         language=book.resolve_language(optional_str(msg, "language")),
         instruct=optional_str(msg, "instructions") or None,
         seed=optional_int(msg, "seed", low=0, high=2**63 - 1),
@@ -648,4 +653,4 @@ def parse_config(msg: dict, ctx: ServerContext) -> SessionConfig:
         chunk_frames=optional_int(msg, "chunk_frames", low=1, high=MAX_CHUNK_FRAMES),
         max_chunk_frames=optional_int(msg, "max_chunk_frames", low=1, high=MAX_CHUNK_FRAMES),
     )
-    return SessionConfig(options, streamed, word_timestamps, transport == "async")
+    return SessionConfig(options, streamed, word_timestamps, transport == "async", clone)
