@@ -22,15 +22,18 @@ def request(seed: int) -> SynthesisRequest:
     return SynthesisRequest("A short one.", voice=VOICE, seed=seed, max_frames=4)
 
 
-async def speak(client: RemoteTTSClient, seed: int) -> tuple[int, object]:
-    """Samples of the utterance, and the socket it was spoken on."""
-    stream = client.open_stream(request(seed))
+async def read(stream) -> tuple[int, object]:
+    """Samples of the stream's utterance, and the socket it was spoken on."""
     samples, socket = 0, None
     async for chunk in stream:
         socket = socket or stream._ws
         samples += len(chunk.pcm)
     await stream.wait_closed()
     return samples, socket
+
+
+async def speak(client: RemoteTTSClient, seed: int) -> tuple[int, object]:
+    return await read(client.open_stream(request(seed)))
 
 
 async def test_the_next_utterance_reuses_the_socket_and_aclose_closes_it(server):
@@ -58,11 +61,7 @@ async def test_a_streamed_text_turn_hands_its_socket_to_the_next_one(server):
         for piece in pieces:
             stream.append(piece)
         stream.end()
-        samples, socket = 0, None
-        async for chunk in stream:
-            socket = socket or stream._ws
-            samples += len(chunk.pcm)
-        return samples, socket
+        return await read(stream)
 
     try:
         first, used = await asyncio.wait_for(turn(["Token ", "by ", "token."]), TIMEOUT)
