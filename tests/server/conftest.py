@@ -128,3 +128,19 @@ async def eventually(predicate, within: float = 30.0, what: str = "condition") -
 def settled(srv: RunningServer) -> bool:
     """No stream admitted, none open in the engine service."""
     return srv.ctx.gate.in_use == 0 and not srv.ctx.live
+
+
+@pytest.fixture(scope="module")
+def base_path(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("base", zero_eos=True)
+
+
+@pytest.fixture(scope="module")
+def base_server(base_path) -> Iterator[RunningServer]:
+    """A server on a tiny Base model (voices uploaded or cloned inline), one a test module."""
+    service = load_service(base_path)
+    try:
+        with running(settings_for(base_path), service) as srv:
+            yield srv
+    finally:
+        service.close()

@@ -15,7 +15,7 @@ import pytest
 from pipecat_qwen_fast import SynthesisRequest
 from pipecat_qwen_fast.server.voices_api import MAX_UPLOAD_BYTES
 
-from .conftest import FRAME_SAMPLES, eventually, load_service, running, settings_for, settled
+from .conftest import FRAME_SAMPLES, eventually, settled
 from .test_ws import read_until_done
 
 pytestmark = pytest.mark.timeout(240)
@@ -35,21 +35,6 @@ def wav_bytes(seconds: float, rate: int = 24000, seed: int = 0) -> bytes:
         w.setframerate(rate)
         w.writeframes((samples * 32767).astype("<i2").tobytes())
     return out.getvalue()
-
-
-@pytest.fixture(scope="module")
-def base_path(tiny_checkpoint):
-    return tiny_checkpoint("base", zero_eos=True)
-
-
-@pytest.fixture(scope="module")
-def base_server(base_path):
-    service = load_service(base_path)
-    try:
-        with running(settings_for(base_path), service) as srv:
-            yield srv
-    finally:
-        service.close()
 
 
 async def upload(http: httpx.AsyncClient, name: str | None, audio: bytes | None,

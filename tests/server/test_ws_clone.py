@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from .conftest import FRAME_SAMPLES, eventually, settled
-from .test_voices import base_path, base_server, upload, wav_bytes  # noqa: F401 - fixtures
+from .test_voices import upload, wav_bytes
 from .test_ws import read_until_done
 
 pytestmark = pytest.mark.timeout(240)
