@@ -108,9 +108,14 @@ class InlineVoices:
         if making is None:
             making = asyncio.ensure_future(self._make(clone, ctx))
             self._making[key] = making
-            making.add_done_callback(lambda _: self._making.pop(key, None))
+            making.add_done_callback(lambda done: self._settle(key, done))
         # A socket that goes away while it waits leaves the voice to be made for the others.
         return await asyncio.shield(making)
+
+    def _settle(self, key: str, done: asyncio.Future) -> None:
+        self._making.pop(key, None)
+        if not done.cancelled():
+            done.exception()  # retrieved: every socket that waited for it has gone
 
     async def _make(self, clone: InlineClone, ctx: Any) -> Any:
         service = ctx.require_ready()
