@@ -286,7 +286,7 @@ class RemoteTTSClient:
             stale = [ws for t, ws in self._spares if ws.closed or now - t >= SPARE_MAX_AGE_S]
             self._spares = [(t, ws) for t, ws in self._spares if ws not in stale]
             for ws in stale:
-                await _close(ws)
+                self._chore(_close(ws))  # each waits for the server's reply: side by side
 
     def connect_spares(self) -> None:
         """Start connecting the spare sockets that are missing (after a cancelled turn); never
