@@ -273,9 +273,7 @@ class RemoteTTSClient:
             return
         self._spares.append((time.monotonic(), ws))
         if self._sweeper is None or self._sweeper.done():
-            self._sweeper = loop.create_task(self._sweep(), name="qwen-fast-remote-sweep")
-            self._chores.add(self._sweeper)
-            self._sweeper.add_done_callback(self._chores.discard)
+            self._sweeper = self._chore(self._sweep())
 
     async def _sweep(self) -> None:
         """Close idle sockets as they pass SPARE_MAX_AGE_S, so that none is left open once the
@@ -309,10 +307,11 @@ class RemoteTTSClient:
             return
         self._spares.append((time.monotonic(), ws))
 
-    def _chore(self, coro) -> None:
+    def _chore(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._chores.add(task)  # the loop keeps only a weak reference to a task
         task.add_done_callback(self._chores.discard)
+        return task
 
     async def connect(self) -> aiohttp.ClientWebSocketResponse:
         try:

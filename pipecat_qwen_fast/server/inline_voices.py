@@ -27,7 +27,7 @@ from .speech import optional_bool, optional_str
 logger = logging.getLogger("pipecat_qwen_fast.server")
 
 MAX_KEPT = 32
-MAX_REF_TEXT_CHARS = 2000  # as an upload's (voices_api)
+MAX_REF_TEXT_CHARS = 2000  # a reference's transcript, inline or uploaded
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,28 @@ def parse_inline_clone(msg: dict, model_type: str) -> InlineClone | None:
                           "(WAV, FLAC, OGG or MP3) base64-encoded", "ref_audio") from None
     if not audio:
         raise bad_request("ref_audio is empty", "ref_audio")
+    check_ref_text(ref_text)
+    # The official model's x_vector_only_mode: the speaker embedding alone, the transcript unused.
+    return InlineClone(audio, None if x_vector_only or not ref_text else ref_text)
+
+
+def check_ref_text(ref_text: str | None) -> None:
     if ref_text is not None and len(ref_text) > MAX_REF_TEXT_CHARS:
         raise bad_request(f"'ref_text' is {len(ref_text)} characters; the limit is "
                           f"{MAX_REF_TEXT_CHARS}", "ref_text")
-    # The official model's x_vector_only_mode: the speaker embedding alone, the transcript unused.
-    return InlineClone(audio, None if x_vector_only or not ref_text else ref_text)
+
+
+async def encode_voice(ctx: Any, audio: bytes, ref_text: str | None, param: str, **kw: Any) -> Any:
+    """A Voice from a recording, made on a worker thread (streams on the event loop keep
+    flowing); a 400 naming `param` if the engine cannot take the recording (its message says
+    what is wrong with it, never the transcript), else the engine's failure."""
+    try:
+        return await asyncio.to_thread(ctx.require_ready().engine.create_voice, audio, ref_text,
+                                       **kw)
+    except InvalidInputError as exc:
+        raise bad_request(str(exc), param) from None
+    except Exception as exc:  # noqa: BLE001 - answered as the engine's failure
+        raise from_engine_error(exc, ctx.settings.retry_after_s) from None
 
 
 class InlineVoices:
@@ -118,15 +135,9 @@ class InlineVoices:
             done.exception()  # retrieved: every socket that waited for it has gone
 
     async def _make(self, clone: InlineClone, ctx: Any) -> Any:
-        service = ctx.require_ready()
         async with ctx.voice_upload_lock:
-            try:
-                voice = await asyncio.to_thread(service.engine.create_voice, clone.audio,
-                                                clone.ref_text, register=False)
-            except InvalidInputError as exc:
-                raise bad_request(str(exc), "ref_audio") from None
-            except Exception as exc:  # noqa: BLE001 - answered as the engine's failure
-                raise from_engine_error(exc, ctx.settings.retry_after_s) from None
+            voice = await encode_voice(ctx, clone.audio, clone.ref_text, "ref_audio",
+                                       register=False)
         logger.info("inline voice created: %.1f s, %s", voice.ref_seconds,
                     "icl" if voice.prompt.icl else "x-vector")
         self._kept[clone.key] = voice

@@ -10,7 +10,6 @@ made here is used by name as ``voice`` in /v1/audio/speech and in a WebSocket's 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -22,8 +21,9 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from pipecat_qwen_fast import InvalidInputError
 from pipecat_qwen_fast.voices.voice import check_name
 
-from .api_errors import ApiError, bad_request, from_engine_error
+from .api_errors import ApiError, bad_request
 from .context import ServerContext, context_of
+from .inline_voices import check_ref_text, encode_voice
 
 logger = logging.getLogger("pipecat_qwen_fast.server")
 
@@ -33,7 +33,6 @@ router = APIRouter()
 # is room for the form's other fields.
 MAX_UPLOAD_BYTES = 10 * 1024 * 1024
 UPLOAD_FIELDS = frozenset({"file", "name", "ref_text"})
-MAX_REF_TEXT_CHARS = 2000
 
 
 @router.get("/v1/audio/voices")
@@ -67,21 +66,12 @@ async def upload_voice(request: Request) -> JSONResponse:
         await form.close()
     if not audio:
         raise bad_request("'file' is empty", "file")
-    if ref_text is not None and len(ref_text) > MAX_REF_TEXT_CHARS:
-        raise bad_request(f"'ref_text' is {len(ref_text)} characters; the limit is "
-                          f"{MAX_REF_TEXT_CHARS}", "ref_text")
+    check_ref_text(ref_text)
     async with ctx.voice_upload_lock:
         if name in library or name.lower() in ctx.voice_book().voices:
             raise ApiError(409, f"a voice named {name!r} already exists; delete it first or "
                            "choose another name", param="name", code="voice_exists")
-        try:
-            voice = await asyncio.to_thread(ctx.service.engine.create_voice, audio, ref_text,
-                                            name=name)
-        except InvalidInputError as exc:
-            # The engine's message names what is wrong with the recording; never the transcript.
-            raise bad_request(str(exc), "file") from None
-        except Exception as exc:  # noqa: BLE001 - answered as the engine's failure
-            raise from_engine_error(exc, ctx.settings.retry_after_s) from None
+        voice = await encode_voice(ctx, audio, ref_text, "file", name=name)
     logger.info("voice created: %s, %.1f s, %s", voice.name, voice.ref_seconds,
                 "icl" if voice.prompt.icl else "x-vector")
     return JSONResponse({"name": voice.name, "ref_seconds": voice.ref_seconds,
