@@ -5,6 +5,8 @@ number of sockets one client holds."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -36,9 +38,21 @@ async def speak(client: RemoteTTSClient, seed: int) -> tuple[int, object]:
     return await read(client.open_stream(request(seed)))
 
 
-async def test_the_next_utterance_reuses_the_socket_and_aclose_closes_it(server):
-    client = RemoteTTSClient(server.base_url)
+@contextlib.asynccontextmanager
+async def client_of(server, **kw) -> AsyncIterator[RemoteTTSClient]:
+    """A client of `server`, closed at the end; after a test that passed, every socket it held
+    must be gone on the server too."""
+    client = RemoteTTSClient(server.base_url, **kw)
     try:
+        yield client
+    finally:
+        await client.aclose()
+    await eventually(lambda: settled(server) and server.ctx.open_sockets == 0,
+                     what="the client's sockets to close on the server")
+
+
+async def test_the_next_utterance_reuses_the_socket_and_aclose_closes_it(server):
+    async with client_of(server) as client:
         first, used = await asyncio.wait_for(speak(client, 1), TIMEOUT)
         assert [ws for _, ws in client._spares] == [used]  # kept: no spare, no close
         second, again = await asyncio.wait_for(speak(client, 1), TIMEOUT)
@@ -46,16 +60,10 @@ async def test_the_next_utterance_reuses_the_socket_and_aclose_closes_it(server)
         third, other_voice = await asyncio.wait_for(speak(client, 5), TIMEOUT)
         assert other_voice is used and third > 0  # a new session.config on the same socket
         assert server.ctx.open_sockets == 1
-    finally:
-        await client.aclose()
-    await eventually(lambda: settled(server) and server.ctx.open_sockets == 0,
-                     what="the kept socket to close on the server")
 
 
 async def test_a_streamed_text_turn_hands_its_socket_to_the_next_one(server):
-    client = RemoteTTSClient(server.base_url)
-
-    async def turn(pieces: list[str]) -> tuple[int, object]:
+    async def turn(client: RemoteTTSClient, pieces: list[str]) -> tuple[int, object]:
         stream = client.open_text_stream(SynthesisRequest("", voice=VOICE, seed=8, max_frames=6,
                                                           text_mode="dual_track"))
         for piece in pieces:
@@ -63,21 +71,16 @@ async def test_a_streamed_text_turn_hands_its_socket_to_the_next_one(server):
         stream.end()
         return await read(stream)
 
-    try:
-        first, used = await asyncio.wait_for(turn(["Token ", "by ", "token."]), TIMEOUT)
-        second, again = await asyncio.wait_for(turn(["Token by ", "token."]), TIMEOUT)
+    async with client_of(server) as client:
+        first, used = await asyncio.wait_for(turn(client, ["Token ", "by ", "token."]), TIMEOUT)
+        second, again = await asyncio.wait_for(turn(client, ["Token by ", "token."]), TIMEOUT)
         assert again is used and first == second > 0
         plain, after = await asyncio.wait_for(speak(client, 9), TIMEOUT)  # then a whole text
         assert after is used and plain > 0
-    finally:
-        await client.aclose()
-    await eventually(lambda: settled(server) and server.ctx.open_sockets == 0,
-                     what="the socket to close on the server")
 
 
 async def test_a_cancelled_turns_socket_is_closed_and_a_spare_connected(server):
-    client = RemoteTTSClient(server.base_url)
-    try:
+    async with client_of(server) as client:
         stream = client.open_stream(SynthesisRequest("A longer one to cut short.", voice=VOICE,
                                                      seed=6, max_frames=40))
         await asyncio.wait_for(stream.__anext__(), TIMEOUT)
@@ -88,10 +91,6 @@ async def test_a_cancelled_turns_socket_is_closed_and_a_spare_connected(server):
         spare = client._spares[0][1]
         samples, used = await asyncio.wait_for(speak(client, 6), TIMEOUT)
         assert used is spare and samples > 0
-    finally:
-        await client.aclose()
-    await eventually(lambda: settled(server) and server.ctx.open_sockets == 0,
-                     what="the sockets to close on the server")
 
 
 async def test_a_stale_socket_is_closed_not_used(server, monkeypatch):
