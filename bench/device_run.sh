@@ -31,8 +31,12 @@
 #   paged-attn    the paged decode-attention kernel's loop and dot forms, timed and checked, no engine
 #               (bench/probes/paged_attention_ab.py; seconds)
 #   gputests    the test files of the GPU paths (GPU_TESTS), junit XML
+#   cache-out   the engine cache ($QWEN_FAST_CACHE: megakernel library, inductor and Triton) as
+#               $OUT/cache.tgz; carry it back as .devcache/cache.tgz and the next call's first load
+#               starts warm (a cold one costs ~4 minutes of the call)
+#   pack        every result folder under $OUT into $OUT/results.tgz (only 8 files come back)
 # DEVICE_SECONDS (default 570) bounds the whole call from its start; STARTUP_RUNS picks the starts
-# (default cold,warm); FLEET_ARGS adds arguments to the fleet runs; STREAMING_ARGS to the
+# (default cold,warm); FLEET_BUDGET caps the fleet step's seconds (to leave fleet2 its share); FLEET_ARGS adds arguments to the fleet runs; STREAMING_ARGS to the
 # streaming-text run (default --runs 8). Everything lands in $OUT.
 # An engine switch's A/B in one call: FLEET2_ENV="QWEN_FAST_OVERLAP_VOCODER=1" with steps fleet fleet2.
 # To measure main's HEAD while others have uncommitted edits in the tree: here,
@@ -57,6 +61,10 @@ export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null 
 ck=/tmp/qwen-fast-ck-0.6b-cv
 # The start-up runs leave a complete cache folder here; later steps load from it.
 export QWEN_FAST_CACHE=${QWEN_FAST_CACHE:-/tmp/qwen-fast-startup/cache}
+if [ -s .devcache/cache.tgz ]; then
+    mkdir -p "$QWEN_FAST_CACHE" && tar xzf .devcache/cache.tgz -C "$QWEN_FAST_CACHE" \
+        && echo "engine cache from .devcache: $(du -sh "$QWEN_FAST_CACHE" | cut -f1)"
+fi
 left() { echo $(( ${DEVICE_SECONDS:-570} - ($(date +%s) - t0) )); }
 # Until the server on port 8177 is ready and its batch path's background warm-up is done (as bench
 # fleet waits in process), at most 8 minutes.
@@ -82,8 +90,9 @@ PY
                       --variant custom_voice --zero-eos --out "$ck" ;;
             startup) python3 -m pipecat_qwen_fast.cli bench startup --model "$ck" --out "$out/startup" \
                          --runs "${STARTUP_RUNS:-cold,warm}" --timeout "$(left)" ;;
-            fleet) python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet" \
-                       --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
+            fleet) fb=$(( $(left) - 10 )); [ "${FLEET_BUDGET:-$fb}" -lt "$fb" ] && fb=$FLEET_BUDGET
+                   python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet" \
+                       --budget "$fb" ${FLEET_ARGS:-} ;;
             fleet2) # the same sweep again on a fresh engine, with FLEET2_ENV (VAR=value ...) set: an A/B in one call
                     env ${FLEET2_ENV:-} python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet2" \
                         --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
@@ -184,6 +193,9 @@ from livekit.plugins import qwen_fast' ;;
                           tests/test_vocoder_graphs.py tests/test_prefill_graphs.py tests/test_graph_backend.py \
                           tests/test_hybrid_backend.py tests/test_startup.py tests/test_fleet_gpu.py \
                           tests/test_text_gpu.py tests/test_voice_clone_gpu.py tests/test_megakernel_prefill.py} ;;
+            cache-out) tar czf "$out/cache.tgz" -C "$QWEN_FAST_CACHE" . && ls -l "$out/cache.tgz" ;;
+            pack) (cd "$out" && find . -mindepth 1 -maxdepth 1 -type d -printf '%P\n' \
+                       | tar czf results.tgz -T - --remove-files) && ls -l "$out/results.tgz" ;;
             *) echo "unknown step $step" ;;
         esac
         echo "== step $step exit $? at $(( $(date +%s) - t0 )) s"
