@@ -88,8 +88,9 @@ ATTN_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
 BATCHED_PREFILL_MIN = 8
 # Fewer calls than that, opened in one round (a busy engine opens at most 4 a round), share a
 # captured prefill of this many rows, for prompts within its buckets; captured in the background
-# warm-up where QWEN_FAST_ROW_PREFILL=1 (until then, and for longer prompts, one captured replay
-# a call). Off by default until the H200 has run its GPU test and timed it (row_prefill_ab.py).
+# warm-up unless QWEN_FAST_ROW_PREFILL=0 (until then, and for longer prompts, one captured replay
+# a call). H200, 32 live calls: 2-4 opens in 3.3-4.9 ms against 4.7-9.4 (row_prefill_ab.py,
+# bench/results/2026-11-28-h200-session30/).
 ROW_PREFILL_ROWS = 4
 ROW_PREFILL_BUCKETS = (16, 32, 64)
 # cuDNN's attention builds a plan for every new (calls, length) shape, ~70-90 ms each: every
@@ -541,10 +542,10 @@ class GraphBackend:
 
     def capture_row_prefills(self, force: bool = False) -> None:
         """The row prefills' graphs (background warm-up: a compile and a capture a bucket), where
-        `QWEN_FAST_ROW_PREFILL=1` or `force` (the probe's A/B); without them one replay a call, as
-        before. A failed capture leaves none: an entry without its graph would run the eager
-        layers, far slower than one replay a call."""
-        if not self.use_graphs or not (force or os.environ.get("QWEN_FAST_ROW_PREFILL", "0") == "1"):
+        `QWEN_FAST_ROW_PREFILL` is not 0, or `force` (the probe's A/B); else one replay a call.
+        A failed capture leaves none: an entry without its graph would run the eager layers, far
+        slower than one replay a call."""
+        if not self.use_graphs or not (force or os.environ.get("QWEN_FAST_ROW_PREFILL", "1") != "0"):
             return
         try:
             self.row_prefills.capture_all()

@@ -12,15 +12,16 @@ CPU path and what the GPU test compares the kernel with (tests/test_graph_backen
 
 Two forms of the kernel, chosen by `QWEN_FAST_PAGED_ATTN` (read at each call; the compiled step
 captures whichever was chosen when it was captured):
-* `loop` (the default, measured): each page's scores and weighted values as broadcast products
+* `loop`: each page's scores and weighted values as broadcast products
   summed in fp32, [rep, P, head_dim] values at once: 16 K values a thread at the talker's
   64-position pages, which the compiler is likely to spill.
 * `dot`: the same online softmax with both products on the tensor cores (`tl.dot`), the rep query
   heads padded to the 16 rows a product needs. The scores' products are exact (bf16 x bf16 into
   fp32); the probabilities go in as two bf16 terms (high and low) so the weighted sum keeps ~16 bits
-  of each; fp32 pools use fp32 products. Not yet measured on the GPU
-  (`bench/probes/paged_attention_ab.py`): predicted 2-4x faster at 64-512 rows (no spilled
-  broadcast tile), which at 512 rows is ~8-10 of the round's 24 ms.
+  of each; fp32 pools use fp32 products. The default: predicted 2-4x faster than `loop` at 64-512
+  rows (no spilled broadcast tile); measured 2.95x at 64 rows to 4.17x at 512 (0.108 against 0.450
+  ms a layer) on the H200 (`bench/probes/paged_attention_ab.py`,
+  bench/results/2026-11-28-h200-session30/).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def paged_attention_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, pages: 
 
 
 def kernel_choice() -> str:
-    kind = os.environ.get("QWEN_FAST_PAGED_ATTN", "loop")
+    kind = os.environ.get("QWEN_FAST_PAGED_ATTN", "dot")
     if kind not in KERNELS:
         raise ValueError(f"QWEN_FAST_PAGED_ATTN must be one of {', '.join(KERNELS)}; got {kind!r}")
     return kind
@@ -60,7 +61,7 @@ def kernel_choice() -> str:
 def paged_attention_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, pages: Tensor, pos: Tensor,
                            kind: str | None = None) -> Tensor:
     """`paged_attention_reference` as one Triton kernel (CUDA, or Triton's interpreter): grid (rows,
-    kv heads). `kind`: "loop" or "dot" (default: `QWEN_FAST_PAGED_ATTN`, else "loop")."""
+    kv heads). `kind`: "loop" or "dot" (default: `QWEN_FAST_PAGED_ATTN`, else "dot")."""
     kind = kind or kernel_choice()
     bb, H, hd = q.shape
     _, kvh, P, _ = k_pool.shape

@@ -336,8 +336,8 @@ class EngineService:
             rest in the next rounds); None: every call that arrived.
         overlap_vocoder: a batched round's vocoder calls run on a CUDA stream of their own beside
             the next round's frame, their chunks handed over once that frame is launched
-            (engine/deferred_audio.py). None: the environment's QWEN_FAST_OVERLAP_VOCODER=1 turns
-            it on; off by default until the H200 shows it pays (docs/journal/NOTES.md).
+            (engine/deferred_audio.py). None: QWEN_FAST_OVERLAP_VOCODER=0|1 where set, else on for
+            an engine on a GPU (the H200's fleet: docs/journal/NOTES.md, "Three round switches").
     """
 
     def __init__(
@@ -366,9 +366,9 @@ class EngineService:
         self.max_lead_s = max_lead_s
         self.contention_rows = CONTENTION_ROWS
         self.max_opens_per_round = max_opens_per_round
-        if overlap_vocoder is None:
-            overlap_vocoder = os.environ.get("QWEN_FAST_OVERLAP_VOCODER", "0") == "1"
-        self.overlap_vocoder = overlap_vocoder
+        if overlap_vocoder is None and os.environ.get("QWEN_FAST_OVERLAP_VOCODER") in ("0", "1"):
+            overlap_vocoder = os.environ["QWEN_FAST_OVERLAP_VOCODER"] == "1"
+        self.overlap_vocoder = overlap_vocoder  # None until the engine loads: on for a GPU engine
         self.round_ms = 0.0  # smoothed wall time of the rounds that ran frames (engine thread)
         # Their count and summed wall time, for a server's /metrics: a scraper's mean round over
         # an interval is the quotient of the two deltas.
@@ -612,6 +612,8 @@ class EngineService:
             except Exception as exc:  # noqa: BLE001 - only a warm-up: the work itself will say what fails
                 logger.warning("engine thread warm-up failed: %s: %s", type(exc).__name__, exc)
         # Only engines that defer audio know the switch (a stand-in engine, say, does not).
+        if self.overlap_vocoder is None:
+            self.overlap_vocoder = getattr(getattr(engine, "device", None), "type", None) == "cuda"
         defers = self.overlap_vocoder and hasattr(engine, "defer_vocoder_audio")
         if defers:
             engine.defer_vocoder_audio = True
