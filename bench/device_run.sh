@@ -28,7 +28,7 @@
 #   batch-overlap  a round's vocoder call on a second stream beside the batched decode, against
 #               one after the other (bench/probes/batch_overlap.py)
 #   round-probes  batch-overlap and row-prefill on one engine, loaded once (bench/probes/round_probes.py)
-#   paged-attn    the paged decode-attention kernel's loop and dot forms, timed and checked, no engine
+#   paged-attn    the paged decode-attention kernel against its reference, timed and checked, no engine
 #               (bench/probes/paged_attention_ab.py; seconds)
 #   gputests    the test files of the GPU paths (GPU_TESTS), junit XML
 #   cache-out   the engine cache ($QWEN_FAST_CACHE: megakernel library, inductor and Triton) as

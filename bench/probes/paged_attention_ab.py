@@ -1,19 +1,19 @@
-"""The paged decode-attention kernel's two forms against each other and the reference:
+"""The paged decode-attention kernel against its torch reference, checked and timed:
 `python bench/probes/paged_attention_ab.py --out DIR [--rows 64,128,256,512]`.
 
 Why: the batched round's attention was 15.4 of 24.4 ms at 512 rows on the H200
-(batch_round_profile), ~14x what reading the rows' K/V costs. The `loop` kernel forms each page's
-products as [rep, 64, 128] fp32 broadcasts; `dot` puts both products on the tensor cores
-(backends/paged_attention.py). Prediction: `dot` 2-4x faster at 64-512 rows, errors against the
-fp32 reference as small as `loop`'s (bf16 output rounding).
+(batch_round_profile), ~14x what reading the rows' K/V costs. This probe chose the kernel's
+tensor-core form over one of broadcast products, 2.95-4.17x faster
+(bench/results/2026-11-28-h200-session30/probes/, the last run with both); it now times the kernel
+against the reference (gather, mask, softmax in torch) to show what it saves.
 
 Per rows R: random bf16 pools in the talker's layout (8 kv heads, 16 query heads, head_dim 128,
 pages of 64), each row at a position drawn from `--positions` (default 100-200, the fleet's)
-on pages scattered over the pool; each kernel's median time over do_bench's repeats (CUDA
-events), its maximum error against `paged_attention_reference` and the ratio loop / dot. No engine
+on pages scattered over the pool; the kernel's and the reference's median times over do_bench's
+repeats (CUDA events), the kernel's maximum error against the reference and the ratio. No engine
 is loaded: a few seconds of device time.
 
-`--check-only` runs small shapes of both kernels against the reference without timing: on a CPU
+`--check-only` runs small shapes of the kernel against the reference without timing: on a CPU
 under Triton's interpreter (TRITON_INTERPRET=1, fp32 and fp16: the interpreter's bf16 products
 are wrong, its own limit, so bf16 is checked on the GPU only) - tests/test_paged_attention_probe.py.
 
@@ -32,7 +32,6 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2])]  # the repository
 from pipecat_qwen_fast.backends.paged_attention import (
-    KERNELS,
     paged_attention_reference,
     paged_attention_triton,
 )
@@ -55,21 +54,19 @@ def inputs(rows: int, page: int, positions: tuple[int, int], dtype: torch.dtype,
     return q, k_pool, v_pool, pages, pos
 
 
-def max_error(kind: str, args: tuple) -> float:
+def max_error(args: tuple) -> float:
     want = paged_attention_reference(*args).float()
-    got = paged_attention_triton(*args, kind=kind).float()
+    got = paged_attention_triton(*args).float()
     return (got - want).abs().max().item()
 
 
 def check(device: str, dtypes: list[torch.dtype]) -> list[dict]:
-    """Small shapes, both kernels, each dtype: the talker's page (64) and the predictor's (16)."""
+    """Small shapes, each dtype: the talker's page (64) and the predictor's (16)."""
     out = []
     for dtype in dtypes:
         for page, positions in ((64, (0, 150)), (16, (0, 40))):
             args = inputs(4, page, positions, dtype, device, seed=page)
-            for kind in KERNELS:
-                out.append({"dtype": str(dtype).removeprefix("torch."), "page": page, "kernel": kind,
-                            "max_error": max_error(kind, args)})
+            out.append({"dtype": str(dtype).removeprefix("torch."), "page": page, "max_error": max_error(args)})
     return out
 
 
@@ -78,26 +75,26 @@ def time_rows(rows: int, positions: tuple[int, int]) -> dict:
 
     args = inputs(rows, 64, positions, torch.bfloat16, "cuda", seed=rows)
     cell = {"rows": rows}
-    for kind in KERNELS:
-        cell[f"{kind}_ms"] = triton.testing.do_bench(lambda kind=kind: paged_attention_triton(*args, kind=kind),
-                                                     warmup=25, rep=200, return_mode="median")
-        cell[f"{kind}_max_error"] = max_error(kind, args)
-    cell["loop_over_dot"] = cell["loop_ms"] / cell["dot_ms"]
+    for name, fn in (("kernel", paged_attention_triton), ("reference", paged_attention_reference)):
+        cell[f"{name}_ms"] = triton.testing.do_bench(lambda fn=fn: fn(*args), warmup=25, rep=200,
+                                                     return_mode="median")
+    cell["max_error"] = max_error(args)
+    cell["reference_over_kernel"] = cell["reference_ms"] / cell["kernel_ms"]
     return cell
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# Paged decode attention: loop against dot ({result['device']}, commit {result['commit']})", ""]
+    title = f"# Paged decode attention: the kernel against its reference ({result['device']}, commit {result['commit']})"
+    lines = [title, ""]
     if result.get("cells"):
         lines += [f"bf16, pages of 64, positions {result['positions']}; medians (do_bench).", "",
-                  "| rows | loop ms | dot ms | loop / dot | max error loop / dot |", "|---|---|---|---|---|"]
+                  "| rows | kernel ms | reference ms | reference / kernel | max error |", "|---|---|---|---|---|"]
         for c in result["cells"]:
-            lines.append(f"| {c['rows']} | {c['loop_ms']:.4f} | {c['dot_ms']:.4f} | {c['loop_over_dot']:.2f} | "
-                         f"{c['loop_max_error']:.1e} / {c['dot_max_error']:.1e} |")
+            lines.append(f"| {c['rows']} | {c['kernel_ms']:.4f} | {c['reference_ms']:.4f} | "
+                         f"{c['reference_over_kernel']:.2f} | {c['max_error']:.1e} |")
         lines.append("")
-    lines += ["Checks against the reference (small shapes):", "", "| dtype | page | kernel | max error |",
-              "|---|---|---|---|"]
-    lines += [f"| {c['dtype']} | {c['page']} | {c['kernel']} | {c['max_error']:.1e} |" for c in result["checks"]]
+    lines += ["Checks against the reference (small shapes):", "", "| dtype | page | max error |", "|---|---|---|"]
+    lines += [f"| {c['dtype']} | {c['page']} | {c['max_error']:.1e} |" for c in result["checks"]]
     return "\n".join(lines) + "\n"
 
 

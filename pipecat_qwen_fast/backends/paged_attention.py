@@ -10,29 +10,20 @@ once for the `rep` query heads that share it (GQA) and only the pages up to the 
 `paged_attention_reference` is the same math in plain torch (gather the pages, mask, softmax): the
 CPU path and what the GPU test compares the kernel with (tests/test_graph_backend.py).
 
-Two forms of the kernel, chosen by `QWEN_FAST_PAGED_ATTN` (read at each call; the compiled step
-captures whichever was chosen when it was captured):
-* `loop`: each page's scores and weighted values as broadcast products
-  summed in fp32, [rep, P, head_dim] values at once: 16 K values a thread at the talker's
-  64-position pages, which the compiler is likely to spill.
-* `dot`: the same online softmax with both products on the tensor cores (`tl.dot`), the rep query
-  heads padded to the 16 rows a product needs. The scores' products are exact (bf16 x bf16 into
-  fp32); the probabilities go in as two bf16 terms (high and low) so the weighted sum keeps ~16 bits
-  of each; fp32 pools use fp32 products. The default: predicted 2-4x faster than `loop` at 64-512
-  rows (no spilled broadcast tile); measured 2.95x at 64 rows to 4.17x at 512 (0.108 against 0.450
-  ms a layer) on the H200 (`bench/probes/paged_attention_ab.py`,
-  bench/results/2026-11-28-h200-session30/).
+The kernel puts both products on the tensor cores (`tl.dot`), the rep query heads padded to the 16
+rows a product needs. The scores' products are exact (bf16 x bf16 into fp32); the probabilities go
+in as two bf16 terms (high and low) so the weighted sum keeps ~16 bits of each; fp32 pools use fp32
+products. It replaced a form that summed broadcast products in fp32 ([rep, P, head_dim] values a
+page, which spilled): predicted 2-4x faster, measured 2.95x at 64 rows to 4.17x at 512 (0.108
+against 0.450 ms a layer) on the H200 (bench/results/2026-11-28-h200-session30/probes/).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
-_kernels: dict[str, object] = {}
-KERNELS = ("loop", "dot")
+_kernel: list = []  # compiled on first use
 
 
 def paged_attention_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, pages: Tensor, pos: Tensor) -> Tensor:
@@ -51,18 +42,9 @@ def paged_attention_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, pages: 
     return torch.einsum("bgrn,bgnd->bgrd", p, values).reshape(bb, H, hd).to(q.dtype)
 
 
-def kernel_choice() -> str:
-    kind = os.environ.get("QWEN_FAST_PAGED_ATTN", "dot")
-    if kind not in KERNELS:
-        raise ValueError(f"QWEN_FAST_PAGED_ATTN must be one of {', '.join(KERNELS)}; got {kind!r}")
-    return kind
-
-
-def paged_attention_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, pages: Tensor, pos: Tensor,
-                           kind: str | None = None) -> Tensor:
+def paged_attention_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, pages: Tensor, pos: Tensor) -> Tensor:
     """`paged_attention_reference` as one Triton kernel (CUDA, or Triton's interpreter): grid (rows,
-    kv heads). `kind`: "loop" or "dot" (default: `QWEN_FAST_PAGED_ATTN`, else "dot")."""
-    kind = kind or kernel_choice()
+    kv heads)."""
     bb, H, hd = q.shape
     _, kvh, P, _ = k_pool.shape
     rep = H // kvh
@@ -70,64 +52,22 @@ def paged_attention_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, pages: Ten
     args = (q, k_pool, v_pool, pages, pos, out,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
             pages.stride(0), out.stride(0), out.stride(1), hd**-0.5)
-    if kind == "dot":
-        if rep > 16 or P < 16:
-            raise ValueError(f"the dot kernel takes up to 16 query heads a kv head and pages of >= 16 positions; "
-                             f"got {rep} and {P}")
-        _triton_kernel("dot")[(bb, kvh)](*args, REP=rep, P=P, HD=hd, FP32=q.dtype == torch.float32)
-    else:
-        _triton_kernel("loop")[(bb, kvh)](*args, REP=rep, REP_PAD=max(2, _next_pow2(rep)), P=P, HD=hd)
+    if rep > 16 or P < 16:
+        raise ValueError(f"the paged attention kernel takes up to 16 query heads a kv head and pages of >= 16 "
+                         f"positions; got {rep} and {P}")
+    _triton_kernel()[(bb, kvh)](*args, REP=rep, P=P, HD=hd, FP32=q.dtype == torch.float32)
     return out
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def _triton_kernel(kind: str):
+def _triton_kernel():
     """Compiled on first use: triton exists only where CUDA does (or its interpreter runs)."""
-    if kind in _kernels:
-        return _kernels[kind]
+    if _kernel:
+        return _kernel[0]
     import triton
     import triton.language as tl
 
     @triton.jit
     def paged_decode_attention(q_ptr, k_ptr, v_ptr, pages_ptr, pos_ptr, out_ptr,
-                               stride_qb, stride_qh, stride_kp, stride_kh, stride_ko,
-                               stride_pb, stride_ob, stride_oh, scale,
-                               REP: tl.constexpr, REP_PAD: tl.constexpr, P: tl.constexpr, HD: tl.constexpr):
-        b = tl.program_id(0)
-        g = tl.program_id(1)
-        pos = tl.load(pos_ptr + b)
-        r = tl.arange(0, REP_PAD)
-        d = tl.arange(0, HD)
-        o = tl.arange(0, P)
-        heads = g * REP + r
-        rmask = r < REP
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=rmask[:, None], other=0.0)
-        q = q.to(tl.float32) * scale
-        m = tl.full([REP_PAD], float("-inf"), tl.float32)
-        l = tl.zeros([REP_PAD], tl.float32)
-        acc = tl.zeros([REP_PAD, HD], tl.float32)
-        for j in range(pos // P + 1):
-            page = tl.load(pages_ptr + b * stride_pb + j)
-            base = page * stride_kp + g * stride_kh + o[:, None] * stride_ko + d[None, :]
-            k = tl.load(k_ptr + base).to(tl.float32)  # [P, HD]
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [REP_PAD, P]
-            s = tl.where((j * P + o <= pos)[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + base).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m = m_new
-        acc = acc / l[:, None]
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
-
-    @triton.jit
-    def paged_decode_attention_dot(q_ptr, k_ptr, v_ptr, pages_ptr, pos_ptr, out_ptr,
                                    stride_qb, stride_qh, stride_kp, stride_kh, stride_ko,
                                    stride_pb, stride_ob, stride_oh, scale,
                                    REP: tl.constexpr, P: tl.constexpr, HD: tl.constexpr, FP32: tl.constexpr):
@@ -169,5 +109,5 @@ def _triton_kernel(kind: str):
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
-    _kernels.update(loop=paged_decode_attention, dot=paged_decode_attention_dot)
-    return _kernels[kind]
+    _kernel.append(paged_decode_attention)
+    return _kernel[0]
