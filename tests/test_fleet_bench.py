@@ -259,6 +259,10 @@ def test_short_sweep_writes_json_and_markdown(endless, tmp_path):
         assert heard >= 1 and lv["first_audio_ms"]["n"] >= heard
         assert lv["frames_per_s"] > 0
         assert lv["rounds"]["rounds"] > 0 and lv["rounds"]["decode_ms_mean"] > 0
+        # The process's collections over the level, by generation (engine/heap.py's GcPauses).
+        gcp = lv["gc_pauses"]
+        assert set(gcp) == {"gen0", "gen1", "gen2"}
+        assert all(g["collections"] >= 0 and 0 <= g["max_ms"] <= g["total_ms"] for g in gcp.values())
         # A level meets this bar (any latency) exactly when nothing was cut unheard, late, refused or failed.
         assert lv["meets_bar"] == (not lv["misses"])
     # Each level of 2 s gives each caller at least one utterance.
@@ -438,7 +442,7 @@ def test_callers_split_over_two_processes_against_a_server(served, tmp_path):
     md = (out / "fleet.md").read_text()
     assert "split over 2 processes" in md
     (row,) = [line for line in md.splitlines() if line.startswith("| 4 |")]
-    assert row.count("|") == 12 and "; 2 caller processes " in row  # 11 columns, the lag among them
+    assert row.count("|") == 13 and "; 2 caller processes " in row  # 12 columns, the lag among them
 
 
 def test_caller_processes_need_a_server_url(endless):

@@ -66,6 +66,7 @@ from pipecat_qwen_fast.bench.fleet_workload import (
     verdict,
 )
 from pipecat_qwen_fast.bench.main import build_checkpoint, git_commit, log
+from pipecat_qwen_fast.engine.heap import GcPauses
 from pipecat_qwen_fast.engine.service import EngineService
 
 RESULT = "fleet.json"
@@ -246,9 +247,11 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 # A server's /metrics (its rounds, its loop's lag) before and after the level.
                 read_metrics = getattr(run.endpoint, "read_metrics", None)
                 served_before = await read_metrics() if read_metrics is not None else None
-                utts, wall, caller_lag = await run_callers(run, replies, LevelPlan(
-                    closed=closed, value=value, duration=args.duration, stagger=args.stagger, listen=args.listen,
-                    drain=drain, seed=args.seed))
+                # This process's collections (in process: the engine thread's rounds stall on them).
+                with GcPauses() as gc_pauses:
+                    utts, wall, caller_lag = await run_callers(run, replies, LevelPlan(
+                        closed=closed, value=value, duration=args.duration, stagger=args.stagger,
+                        listen=args.listen, drain=drain, seed=args.seed))
                 served_after = await read_metrics() if read_metrics is not None else None
                 rounds = run.endpoint.take_rounds()
                 summary = summarize_rounds(rounds, wall) if rounds is not None else None
@@ -258,7 +261,8 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                          **summarize_level(utts, args.duration),
                          "rounds": summary,
                          "loop_lag": {"server": histogram_lag(served_before, served_after), "callers": caller_lag},
-                         "peak_gpu_memory_gib": _peak_memory_gib(device)}
+                         "peak_gpu_memory_gib": _peak_memory_gib(device),
+                         "gc_pauses": gc_pauses.summary()}
                 level["misses"] = verdict(level, bar_ms, underruns_count=closed)
                 level["meets_bar"] = not level["misses"]
                 section["levels"].append(level)
@@ -271,7 +275,7 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 log(f"{prefix}{mode} {key} {value}: {level['utterances']} utterances, first audio p50/p95 "
                     f"{fa['p50'] or 0:.1f}/{fa['p95'] or 0:.1f} ms, {level['underrun_utterances']} underran, "
                     f"{level['frames_per_s']:.0f} frames/s, {level['refused']} refused, "
-                    f"{fleet_report.lag_text(level['loop_lag'])}: "
+                    f"{fleet_report.lag_text(level['loop_lag'])}; {fleet_report.gc_text(level['gc_pauses'])}: "
                     + ("bar met" if level["meets_bar"] else "bar missed"))
                 if level["misses"] and not args.keep_going:
                     section["stopped"] = f"{key} {value} missed the bar (--keep-going runs the levels after it)"

@@ -42,6 +42,14 @@ def _lag(figures: dict | None) -> str:
     return f"{_fmt(figures['p50_ms'], 2)} / {_fmt(figures['p99_ms'], 2)}" if figures and figures.get("n") else "n/a"
 
 
+def gc_text(pauses: dict | None) -> str:
+    """The level's full collections in the benchmark's process: count and longest."""
+    if not pauses:
+        return "gc n/a"
+    full = pauses["gen2"]
+    return f"full gc {full['collections']}x, longest {full['max_ms']:.0f} ms"
+
+
 def lag_text(loop_lag: dict | None) -> str:
     """A level's event-loop lag, p50 / p99 in ms: the server's (from its /metrics), then each
     caller process's."""
@@ -63,12 +71,12 @@ def level_table(levels: list[dict], key: str, title: str) -> str:
     lines = [
         (f"| {title} | utterances | first audio p50 / p95 / p99 (ms) | utterances with an underrun | worst lateness "
          "(ms) | frames/s | refused | errors / no audio / cut | round, mean ms: wall: decode / vocoder / prefill / host "
-         "| event-loop lag p50 / p99 (ms) | bar |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+         "| event-loop lag p50 / p99 (ms) | full gc: count, longest | bar |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for lv in levels:
         if "skipped" in lv:
-            lines.append(f"| {lv[key]:g} | skipped: {lv['skipped']} | | | | | | | | | |")
+            lines.append(f"| {lv[key]:g} | skipped: {lv['skipped']} | | | | | | | | | | |")
             continue
         fa = lv["first_audio_ms"]
         bar = "met" if lv["meets_bar"] else "missed: " + "; ".join(lv["misses"])
@@ -76,7 +84,7 @@ def level_table(levels: list[dict], key: str, title: str) -> str:
             f"| {lv[key]:g} | {lv['utterances']} | {_fmt(fa['p50'])} / {_fmt(fa['p95'])} / {_fmt(fa['p99'])} | "
             f"{lv['underrun_utterances']} | {_fmt(lv['worst_lateness_ms'])} | {_fmt(lv['frames_per_s'])} | "
             f"{lv['refused']} | {lv['errors']} / {lv['no_audio']} / {lv['cut_by_level_end']} | {_rounds_cell(lv)} | "
-            f"{lag_text(lv.get('loop_lag'))} | {bar} |"
+            f"{lag_text(lv.get('loop_lag'))} | {gc_text(lv.get('gc_pauses'))} | {bar} |"
         )
     return "\n".join(lines)
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Self
 import numpy as np
 
 from pipecat_qwen_fast.engine.deferred_audio import DeferredChunk
+from pipecat_qwen_fast.engine.heap import freeze_heap, release_heap
 from pipecat_qwen_fast.engine.request import SynthesisRequest, chunk_target, round_budget_ms
 from pipecat_qwen_fast.engine.text_session import DEFAULT_IDLE_TIMEOUT_S
 from pipecat_qwen_fast.errors import EngineClosedError, EngineOverloadedError, NoFreeSlotError
@@ -338,6 +339,12 @@ class EngineService:
             the next round's frame, their chunks handed over once that frame is launched
             (engine/deferred_audio.py). None: QWEN_FAST_OVERLAP_VOCODER=0|1 where set, else on for
             an engine on a GPU (the H200's fleet: docs/journal/NOTES.md, "Three round switches").
+        freeze_heap: freeze the process's heap out of the garbage collector's reach once the engine
+            is loaded (a full collection first, before the service is ready) and again once it is
+            fully warm (engine/heap.py: a full collection over the loaded model's objects stalled
+            every stream for 0.6 s). Process-wide; objects made later are collected as usual, and
+            the frozen ones go back to the collector once no service holds the heap frozen (after
+            close). None: on for an engine on a GPU.
     """
 
     def __init__(
@@ -352,6 +359,7 @@ class EngineService:
         max_lead_s: float | None = MAX_LEAD_S,
         max_opens_per_round: int | None = MAX_OPENS_PER_ROUND,
         overlap_vocoder: bool | None = None,
+        freeze_heap: bool | None = None,
     ) -> None:
         if max_buffered_chunks < 1:
             raise ValueError(f"max_buffered_chunks must be >= 1, got {max_buffered_chunks}")
@@ -369,6 +377,8 @@ class EngineService:
         if overlap_vocoder is None and os.environ.get("QWEN_FAST_OVERLAP_VOCODER") in ("0", "1"):
             overlap_vocoder = os.environ["QWEN_FAST_OVERLAP_VOCODER"] == "1"
         self.overlap_vocoder = overlap_vocoder  # None until the engine loads: on for a GPU engine
+        self.freeze_heap = freeze_heap
+        self._warm_frozen = False  # frozen again once the engine was fully warm
         self.round_ms = 0.0  # smoothed wall time of the rounds that ran frames (engine thread)
         # Their count and summed wall time, for a server's /metrics: a scraper's mean round over
         # an interval is the quotient of the two deltas.
@@ -612,6 +622,10 @@ class EngineService:
             except Exception as exc:  # noqa: BLE001 - only a warm-up: the work itself will say what fails
                 logger.warning("engine thread warm-up failed: %s: %s", type(exc).__name__, exc)
         # Only engines that defer audio know the switch (a stand-in engine, say, does not).
+        if self.freeze_heap is None:
+            self.freeze_heap = getattr(getattr(engine, "device", None), "type", None) == "cuda"
+        if self.freeze_heap:
+            freeze_heap(collect=True, holder=id(self))  # nobody waits on this engine yet
         if self.overlap_vocoder is None:
             self.overlap_vocoder = getattr(getattr(engine, "device", None), "type", None) == "cuda"
         defers = self.overlap_vocoder and hasattr(engine, "defer_vocoder_audio")
@@ -702,6 +716,10 @@ class EngineService:
                 self._resolve_audio()
                 # Idle: a step of the deferred warm-up (each well under a second), then look again.
                 if not self._engine.warm_step():
+                    if self.freeze_heap and not self._warm_frozen:
+                        # The background warm-up's graphs and compiled code are long-lived too.
+                        self._warm_frozen = True
+                        freeze_heap(collect=False, holder=id(self))
                     self._wake.wait(self._idle_timeout())
 
     def _resolve_audio(self, finished_only: bool = False) -> None:
@@ -864,6 +882,7 @@ class EngineService:
             except Exception as exc:  # noqa: BLE001 - shutting down anyway
                 logger.warning("engine close failed: %s: %s", type(exc).__name__, exc)
         self._engine = None
+        release_heap(id(self))
         if self._on_exit is not None:
             self._on_exit(self)
 

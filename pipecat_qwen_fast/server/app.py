@@ -73,15 +73,12 @@ def start_engine(settings: ServerSettings) -> Any:
     from pipecat_qwen_fast import EngineService, QwenTTSEngine
 
     def load() -> Any:
-        engine = QwenTTSEngine.from_pretrained(settings.model, device=settings.device,
-                                               dtype=settings.dtype, backend=settings.backend,
-                                               warmup=True, progress=False)
-        # Here, before the service is ready, the full collection first (~0.2 s with torch
-        # loaded) stalls no stream.
-        freeze_heap(collect=True)
-        return engine
+        return QwenTTSEngine.from_pretrained(settings.model, device=settings.device,
+                                             dtype=settings.dtype, backend=settings.backend,
+                                             warmup=True, progress=False)
 
-    return EngineService(load, name=settings.model_name)
+    # Its own process: the heap frozen once loaded and once fully warm, on a CPU too (engine/heap.py).
+    return EngineService(load, name=settings.model_name, freeze_heap=True)
 
 
 async def report_load(ctx: ServerContext,
@@ -99,23 +96,11 @@ async def report_load(ctx: ServerContext,
                 time.monotonic() - started, service.model_type, len(service.voices),
                 ctx.settings.max_streams)
     if ctx.owns_service:
-        # The background warm-up's graphs and compiled code are long-lived too.
+        # The service freezes the heap again then (the warm-up's graphs and code are long-lived).
         while service.alive and not getattr(service.engine, "fully_warm", True):
             await asyncio.sleep(1.0)
-        freeze_heap(collect=False)
         logger.info("fully warm; %d objects frozen out of the garbage collector's reach",
                     gc.get_freeze_count())
-
-
-def freeze_heap(*, collect: bool) -> None:
-    """Move every object alive now out of the collector's reach (gc.freeze). With torch and the
-    model on the heap a full collection took ~170 ms on a CPU, holding the GIL, and the objects
-    each socket and turn makes set one off about every 15 s at 128 callers: a stall of every
-    stream at once, the engine's rounds included (docs/SERVER.md, "Performance"). `collect` first frees
-    what is already garbage, so that it is not kept for good."""
-    if collect:
-        gc.collect()
-    gc.freeze()
 
 
 async def answer_api_error(request: Request, error: Exception) -> JSONResponse:
