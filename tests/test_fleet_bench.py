@@ -12,6 +12,7 @@ import statistics
 import time
 
 import pytest
+import torch
 
 from pipecat_qwen_fast.bench import fleet, fleet_callers, fleet_report, texts
 from pipecat_qwen_fast.bench.fleet_callers import is_overload
@@ -263,6 +264,7 @@ def test_short_sweep_writes_json_and_markdown(endless, tmp_path):
         gcp = lv["gc_pauses"]
         assert set(gcp) == {"gen0", "gen1", "gen2"}
         assert all(g["collections"] >= 0 and 0 <= g["max_ms"] <= g["total_ms"] for g in gcp.values())
+        assert lv["frames_compiled"] == 0  # the CPU's eager engine compiles nothing
         # A level meets this bar (any latency) exactly when nothing was cut unheard, late, refused or failed.
         assert lv["meets_bar"] == (not lv["misses"])
     # Each level of 2 s gives each caller at least one utterance.
@@ -546,3 +548,10 @@ def test_lag_column_reads_each_caller_process():
     assert fleet_report.lag_text(lag) == "server 0.25 / 3.50; 2 caller processes 0.10 / 1.00, 0.20 / 2.00"
     assert fleet_report.lag_text({"server": None, "callers": lag["callers"][:1]}) == "server n/a; callers 0.10 / 1.00"
     assert fleet_report.lag_text(None) == "n/a"
+
+
+def test_frames_compiled_counts_a_compile_in_this_process():
+    # What a level's `frames_compiled` reads: a recompile mid-level holds the GIL for seconds.
+    before = fleet.frames_compiled()
+    torch.compile(lambda x: x * 3 + 1, backend="eager")(torch.ones(2))
+    assert fleet.frames_compiled() == before + 1

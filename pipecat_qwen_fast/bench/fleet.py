@@ -160,6 +160,14 @@ def _modes(args: argparse.Namespace) -> list[str]:
     return ["closed", "open"] if args.mode == "both" else [args.mode]
 
 
+def frames_compiled() -> int:
+    """Frames torch.compile has compiled in this process so far: one mid-level is a recompile
+    (a new shape), seconds of the GIL."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"]
+
+
 def _peak_memory_gib(device: torch.device | None) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device is not None and device.type == "cuda" else None
 
@@ -247,7 +255,9 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 # A server's /metrics (its rounds, its loop's lag) before and after the level.
                 read_metrics = getattr(run.endpoint, "read_metrics", None)
                 served_before = await read_metrics() if read_metrics is not None else None
-                # This process's collections (in process: the engine thread's rounds stall on them).
+                # This process's collections and compiles (in process: the engine thread's rounds
+                # and the callers' loop stall on both, the GIL held).
+                compiled_before = frames_compiled()
                 with GcPauses() as gc_pauses:
                     utts, wall, caller_lag = await run_callers(run, replies, LevelPlan(
                         closed=closed, value=value, duration=args.duration, stagger=args.stagger,
@@ -262,7 +272,8 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                          "rounds": summary,
                          "loop_lag": {"server": histogram_lag(served_before, served_after), "callers": caller_lag},
                          "peak_gpu_memory_gib": _peak_memory_gib(device),
-                         "gc_pauses": gc_pauses.summary()}
+                         "gc_pauses": gc_pauses.summary(),
+                         "frames_compiled": frames_compiled() - compiled_before}
                 level["misses"] = verdict(level, bar_ms, underruns_count=closed)
                 level["meets_bar"] = not level["misses"]
                 section["levels"].append(level)
@@ -275,7 +286,8 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 log(f"{prefix}{mode} {key} {value}: {level['utterances']} utterances, first audio p50/p95 "
                     f"{fa['p50'] or 0:.1f}/{fa['p95'] or 0:.1f} ms, {level['underrun_utterances']} underran, "
                     f"{level['frames_per_s']:.0f} frames/s, {level['refused']} refused, "
-                    f"{fleet_report.lag_text(level['loop_lag'])}; {fleet_report.gc_text(level['gc_pauses'])}: "
+                    f"{fleet_report.lag_text(level['loop_lag'])}; {fleet_report.gc_text(level['gc_pauses'])}, "
+                    f"{level['frames_compiled']} frames compiled: "
                     + ("bar met" if level["meets_bar"] else "bar missed"))
                 if level["misses"] and not args.keep_going:
                     section["stopped"] = f"{key} {value} missed the bar (--keep-going runs the levels after it)"
