@@ -5,12 +5,13 @@ refusal on as a retryable error. Real engine, tiny checkpoint, CPU."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from helpers_service import open_together
 
 from pipecat_qwen_fast import EngineOverloadedError, QwenTTSEngine, SynthesisRequest
-from pipecat_qwen_fast.engine.service import EngineService
+from pipecat_qwen_fast.engine.service import EngineService, smoothed_round_ms
 
 CPU = {"device": "cpu", "dtype": "float32", "backend": "torch"}
 TIMEOUT = 120
@@ -77,6 +78,48 @@ async def test_slow_rounds_refuse_new_streams_while_streams_are_live(engine):
         assert service.max_round_ms is None
     with pytest.raises(ValueError, match="max_round_ms"):
         EngineService.for_engine(engine, max_round_ms=0)
+
+
+def test_one_stall_moves_the_admission_signal_a_step_and_sustained_slow_rounds_cross_it():
+    limit = 32.0
+    steady = 13.0
+    after_stall = smoothed_round_ms(steady, 630.0, limit)
+    assert after_stall < limit  # the H200's 630 ms round counted as 64: 23.2 ms
+    assert smoothed_round_ms(steady, 630.0, None) > limit  # without a limit nothing is capped
+    # Rounds over the limit, round after round, cross it as soon as without the cap.
+    for slow in (40.0, 100.0, 630.0):
+        ms, rounds = steady, 0
+        while ms <= limit:
+            ms, rounds = smoothed_round_ms(ms, slow, limit), rounds + 1
+        assert rounds <= 6, (slow, rounds)
+    assert smoothed_round_ms(0.0, 20.0, limit) == 20.0  # the first round is taken as it is
+
+
+async def test_one_stalled_round_does_not_refuse_the_next_call(engine):
+    # A round stalled far past the limit (a collection, a recompile), the rounds around it quick:
+    # the call that arrives after it is served. The limit is far above a CPU round's time.
+    stall = {"next": False}
+    step_many = engine.step_many
+
+    def stalling_step_many(sessions):
+        if stall["next"]:
+            stall["next"] = False
+            time.sleep(1.5)
+        return step_many(sessions)
+
+    engine.step_many = stalling_step_many
+    async with EngineService.for_engine(engine, max_round_ms=200.0) as service:
+        await service.wait_ready()
+        live = service.open_stream(SynthesisRequest("Live.", seed=1, max_frames=200, chunk_frames=1))
+        await asyncio.wait_for(live.__anext__(), TIMEOUT)
+        rounds = service.rounds
+        stall["next"] = True
+        while service.rounds <= rounds + 1:  # the stalled round and one after it are counted
+            await asyncio.sleep(0.01)
+        assert service.round_ms < 200.0
+        pcm = await asyncio.wait_for(service.synthesize(SynthesisRequest("Next.", seed=3, max_frames=3)), TIMEOUT)
+        assert len(pcm) == 3 * 1920
+        await live.aclose()
 
 
 async def test_streams_ahead_of_playback_sit_out_rounds_under_contention(engine):

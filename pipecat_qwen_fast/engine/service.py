@@ -82,6 +82,19 @@ MAX_OPENS_PER_ROUND = 4
 ROUND_MARGIN = 0.8
 MAX_ROUND_MS = ROUND_MARGIN * round_budget_ms(SynthesisRequest(""))
 ROUND_EWMA = 0.2  # weight of the newest round in the smoothed round time
+# A round counts at most this many times the limit in the smoothed time: one stall (a 630 ms round
+# in the H200's fleet at 256 callers) then moves it a step, not past the limit for the ~0.1 s of
+# arrivals that queued behind the stall (46 refusals), while rounds over the limit round after
+# round still cross it as soon as before.
+ROUND_SAMPLE_CAP = 2.0
+
+
+def smoothed_round_ms(previous: float, ms: float, limit: float | None) -> float:
+    """The admission signal after a round of `ms` (0.0 before the first round)."""
+    if limit is not None:
+        ms = min(ms, ROUND_SAMPLE_CAP * limit)
+    return ms if previous == 0.0 else previous + ROUND_EWMA * (ms - previous)
+
 FRAME_S = 0.08
 
 # At exit, how long a model still loading is waited for (see _stop_services_at_exit).
@@ -329,7 +342,9 @@ class EngineService:
             refused with EngineOverloadedError instead of being served late. None: no limit.
         max_round_ms: a new stream is refused (EngineOverloadedError) while the smoothed round
             time exceeds this and streams are live: its chunks could not keep ahead of its
-            playback. "auto": MAX_ROUND_MS on a GPU, no limit elsewhere; None: no limit.
+            playback. A round counts at most twice the limit, so one stall does not refuse the
+            calls that queued behind it. "auto": MAX_ROUND_MS on a GPU, no limit elsewhere; None:
+            no limit.
         max_lead_s: under contention (more than CONTENTION_ROWS ready streams), streams this far
             ahead of their playback sit a round out (and far enough to finish their chunk in
             time, LEAD_SAFETY); None: every ready stream runs every round.
@@ -702,7 +717,7 @@ class EngineService:
                 for stream, result in zip(ready, results):
                     self._after_step(stream, result)
                 ms = (time.perf_counter() - started) * 1e3
-                self.round_ms = ms if self.round_ms == 0.0 else self.round_ms + ROUND_EWMA * (ms - self.round_ms)
+                self.round_ms = smoothed_round_ms(self.round_ms, ms, self.max_round_ms)
                 self.rounds += 1
                 self.round_seconds += ms / 1e3
                 if timer is not None:
