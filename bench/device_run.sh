@@ -118,15 +118,19 @@ PY
                           done
                           kill -TERM $spid; wait $spid ;;
             fleet-server-proc) # issue 37 as deployed: the server in a process of its own (no caller
-                          # shares its interpreter), callers here over loopback; then the same
-                          # sweep in process. Both dual-track (a server turn is one engine stream).
+                          # shares its interpreter), callers over loopback (in CALLER_PROCS
+                          # processes, default 1); then the same sweep in process, its engine
+                          # loading from the server's cache (~100 s, not ~300). Both dual-track (a
+                          # server turn is one engine stream). SERVER_BUDGET: the server half's
+                          # seconds after the server is warm (default half of what is left).
                           python3 -m pipecat_qwen_fast.cli serve --model "$ck" --port 8177 --max-streams 100000 \
                               > "$out/serve.log" 2>&1 &
                           spid=$!
                           wait_warm
                           half=$(( ($(left) - 30) / 2 ))
                           python3 -m pipecat_qwen_fast.cli bench fleet --server-url http://127.0.0.1:8177 \
-                              --text-mode dual_track --out "$out/fleet-server-proc" --budget "$half" ${FLEET_ARGS:-}
+                              --text-mode dual_track --caller-processes "${CALLER_PROCS:-1}" \
+                              --out "$out/fleet-server-proc" --budget "${SERVER_BUDGET:-$half}" ${FLEET_ARGS:-}
                           kill -TERM $spid; wait $spid
                           python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --text-mode dual_track \
                               --out "$out/fleet-engine-proc" --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
