@@ -31,9 +31,12 @@
 #   paged-attn    the paged decode-attention kernel against its reference, timed and checked, no engine
 #               (bench/probes/paged_attention_ab.py; seconds)
 #   gputests    the test files of the GPU paths (GPU_TESTS), junit XML
-#   cache-out   the engine cache ($QWEN_FAST_CACHE: megakernel library, inductor and Triton) as
-#               $OUT/cache.tgz; carry it back as .devcache/cache.tgz and the next call's first load
-#               starts warm (a cold one costs ~4 minutes of the call)
+#   cache-out   the engine cache ($QWEN_FAST_CACHE: megakernel library, inductor and Triton),
+#               xz-compressed in parts of 15 MiB ($OUT/cache.txz.part-aa, -ab, ...; at most 5, the
+#               sizes by file type in the log); copy the parts into .devcache/ and carry it (with
+#               WHEELS=server scripts/device_wheels.sh: the wheels fit beside it) and the next
+#               call's first load starts warm (a cold one costs ~4 minutes of the call). 2026-11-28:
+#               114 MB as gzip, over what comes back, so not yet used
 #   pack        every result folder under $OUT into $OUT/results.tgz (only 8 files come back)
 # DEVICE_SECONDS (default 570) bounds the whole call from its start; STARTUP_RUNS picks the starts
 # (default cold,warm); FLEET_BUDGET caps the fleet step's seconds (to leave fleet2 its share); FLEET_ARGS adds arguments to the fleet runs; STREAMING_ARGS to the
@@ -61,8 +64,8 @@ export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null 
 ck=/tmp/qwen-fast-ck-0.6b-cv
 # The start-up runs leave a complete cache folder here; later steps load from it.
 export QWEN_FAST_CACHE=${QWEN_FAST_CACHE:-/tmp/qwen-fast-startup/cache}
-if [ -s .devcache/cache.tgz ]; then
-    mkdir -p "$QWEN_FAST_CACHE" && tar xzf .devcache/cache.tgz -C "$QWEN_FAST_CACHE" \
+if ls .devcache/cache.txz.part-* >/dev/null 2>&1; then
+    mkdir -p "$QWEN_FAST_CACHE" && cat .devcache/cache.txz.part-* | xz -d | tar x -C "$QWEN_FAST_CACHE" \
         && echo "engine cache from .devcache: $(du -sh "$QWEN_FAST_CACHE" | cut -f1)"
 fi
 left() { echo $(( ${DEVICE_SECONDS:-570} - ($(date +%s) - t0) )); }
@@ -197,7 +200,11 @@ from livekit.plugins import qwen_fast' ;;
                           tests/test_vocoder_graphs.py tests/test_prefill_graphs.py tests/test_graph_backend.py \
                           tests/test_hybrid_backend.py tests/test_startup.py tests/test_fleet_gpu.py \
                           tests/test_text_gpu.py tests/test_voice_clone_gpu.py tests/test_megakernel_prefill.py} ;;
-            cache-out) tar czf "$out/cache.tgz" -C "$QWEN_FAST_CACHE" . && ls -l "$out/cache.tgz" ;;
+            cache-out) echo "engine cache by file type (KiB):"
+                       find "$QWEN_FAST_CACHE" -type f -printf '%s %f\n' | awk '{n=split($2,p,"."); e=(n>1)?p[n]:"-";
+                           s[e]+=$1} END {for (e in s) printf "%10d %s\n", s[e]/1024, e}' | sort -rn | head -15
+                       tar cf - -C "$QWEN_FAST_CACHE" . | xz -T0 -6 | split -b 15M -a 2 - "$out/cache.txz.part-"
+                       ls -l "$out"/cache.txz.part-* ;;
             pack) (cd "$out" && find . -mindepth 1 -maxdepth 1 -type d -printf '%P\n' \
                        | tar czf results.tgz -T - --remove-files) && ls -l "$out/results.tgz" ;;
             *) echo "unknown step $step" ;;

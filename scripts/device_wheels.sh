@@ -20,7 +20,11 @@ frameworks=(pipecat-ai==1.14.0 livekit==1.1.21 livekit-agents==1.8.9 livekit-api
             opentelemetry-exporter-http-transport==0.66b2 num2words==0.5.14 loudness==0.2.0
             loguru==0.7.3 httpx2==2.16.2 sniffio==1.3.1 json-repair==0.63.5 pyjwt==2.15.1
             docstring-parser==0.18.0)
+# WHEELS=server: the server's alone (~6 MB, room beside a carried engine cache: bench/device_run.sh
+# cache-out); a .whl/ kept from before keeps the frameworks' too, so start from an empty one.
+selected=("${frameworks[@]}")
+[ "${WHEELS:-all}" = server ] && selected=()
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d .whl "${server[@]}" "${frameworks[@]}"
+    --platform manylinux2014_x86_64 -d .whl "${server[@]}" ${selected[@]+"${selected[@]}"}
 du -sh .whl
