@@ -1,6 +1,7 @@
-"""Voices cloned inline, from a WebSocket session.config's ``ref_audio`` (vLLM-Omni's field, which
-LiveKit's Qwen3TTS client sends): the recording as base64 (or a ``data:`` URL), with its
-transcript in ``ref_text`` for an in-context voice, or ``x_vector_only_mode`` for an x-vector one.
+"""Voices cloned inline, from ``ref_audio`` in a WebSocket session.config (as LiveKit's Qwen3TTS
+client sends it) or a POST /v1/audio/speech body (vLLM-Omni's fields on both): the recording as
+base64 (or a ``data:`` URL), with its transcript in ``ref_text`` for an in-context voice, or
+``x_vector_only_mode`` for an x-vector one.
 
 A voice is made once per recording and transcript and kept (the last MAX_KEPT), so a client that
 sends the same reference on every socket, as LiveKit's does, pays the encoders once. It is not
@@ -27,12 +28,14 @@ from .speech import optional_bool, optional_str
 logger = logging.getLogger("pipecat_qwen_fast.server")
 
 MAX_KEPT = 32
+# A message or body that carries a recording: 30 s of 16-bit 48 kHz WAV is 2.9 MB, 3.8 in base64.
+MAX_INLINE_BYTES = 4 * 1024 * 1024
 MAX_REF_TEXT_CHARS = 2000  # a reference's transcript, inline or uploaded
 
 
 @dataclass(frozen=True)
 class InlineClone:
-    """A session.config's reference: the recording's bytes and, for an in-context voice, its
+    """A request's reference: the recording's bytes and, for an in-context voice, its
     transcript."""
 
     audio: bytes

@@ -1,7 +1,8 @@
 """OpenAI's speech API: ``POST /v1/audio/speech``, plus ``/v1/models`` (voices: :mod:`.voices_api`).
 
-Beyond OpenAI's fields it takes vLLM-Omni's ``language`` and ``max_new_tokens`` (a cap in 80 ms
-frames) and a ``seed``. The body is parsed by hand rather than by a pydantic model so that no
+Beyond OpenAI's fields it takes vLLM-Omni's ``language``, ``max_new_tokens`` (a cap in 80 ms
+frames), ``task_type`` and, on a Base model, a recording to clone (``ref_audio``, ``ref_text``,
+``x_vector_only_mode``: :mod:`.inline_voices`), and a ``seed``. The body is parsed by hand rather than by a pydantic model so that no
 error message can carry the input back (a validation error would quote it), and so that a 1 MB
 body is refused before it is read whole. Audio streams back chunk by chunk as the engine makes
 it: raw PCM, a WAV whose header announces an open length, or OpenAI's server-sent events
@@ -24,11 +25,13 @@ from starlette.types import Receive, Scope, Send
 
 from .api_errors import ApiError, bad_request, from_engine_error
 from .context import ServerContext, context_of
+from .inline_voices import MAX_INLINE_BYTES, InlineClone, parse_inline_clone
 from .metrics import PlayoutClock
 from .speech import (
     SpeechOptions,
     check_fields,
     check_speed,
+    check_task_type,
     check_text,
     frame_cap,
     optional_int,
@@ -42,7 +45,8 @@ logger = logging.getLogger("pipecat_qwen_fast.server")
 router = APIRouter()
 
 FIELDS = frozenset({"model", "input", "voice", "instructions", "response_format", "speed",
-                    "stream_format", "language", "seed", "max_new_tokens"})
+                    "stream_format", "language", "seed", "max_new_tokens", "task_type",
+                    "ref_audio", "ref_text", "x_vector_only_mode", "speaker_embedding"})
 MEDIA_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav"}
 STREAM_FORMATS = ("audio", "sse")
 # A JSON escape (backslash, u, four hex digits) takes 6 bytes a character; the rest is room
@@ -56,10 +60,14 @@ async def create_speech(request: Request) -> StreamingResponse:
     ctx = context_of(request)
     started = time.monotonic()
     ctx.authorize(request.headers)
-    body = await read_json_object(request, ctx.settings.max_input_chars)
-    check_fields(body, FIELDS, "the request")
-    text, options, fmt, stream_format = parse_speech(body, ctx)
     service = ctx.require_ready()
+    # A Base model's request may carry a recording to clone.
+    extra = MAX_INLINE_BYTES if service.model_type == "base" else 0
+    body = await read_json_object(request, ctx.settings.max_input_chars, extra)
+    check_fields(body, FIELDS, "the request")
+    text, options, fmt, stream_format, clone = parse_speech(body, ctx)
+    if clone is not None:  # before a slot is taken: encoding a new recording takes a while
+        options.voice = await ctx.inline_voices.voice(clone, ctx)
     slot = ctx.gate.admit()
     stream: AudioStream | None = None
     try:
@@ -75,8 +83,9 @@ async def create_speech(request: Request) -> StreamingResponse:
         await close_quietly(stream)
         slot.release()
         raise from_engine_error(exc, ctx.settings.retry_after_s) from None
-    logger.info("speech request: %d chars, voice=%s, format=%s/%s", len(text), options.voice,
-                fmt, stream_format)
+    # A cloned voice's repr holds its transcript: never logged.
+    logger.info("speech request: %d chars, voice=%s, format=%s/%s", len(text),
+                "(inline clone)" if clone is not None else options.voice, fmt, stream_format)
 
     async def finish() -> None:
         await close_quietly(stream)
@@ -96,9 +105,13 @@ async def list_models(request: Request) -> JSONResponse:
         {"id": ctx.settings.model_name, "object": "model", "owned_by": "pipecat-qwen-fast"}]})
 
 
-def parse_speech(body: dict, ctx: ServerContext) -> tuple[str, SpeechOptions, str, str]:
-    """The text, the synthesis options, the audio format and the stream format of a request."""
+def parse_speech(body: dict, ctx: ServerContext) -> tuple[str, SpeechOptions, str, str, InlineClone | None]:
+    """The text, the synthesis options, the audio format, the stream format and the recording to
+    clone (None: a named voice) of a request."""
     text = check_text(required_str(body, "input"), ctx.settings.max_input_chars)
+    model_type = ctx.require_ready().model_type
+    check_task_type(body, model_type)
+    clone = parse_inline_clone(body, model_type)
     # One process serves one model, so 'model' names nothing to choose: clients send their own
     # defaults ('tts-1', 'gpt-4o-mini-tts') and are served the same.
     optional_str(body, "model")
@@ -113,26 +126,27 @@ def parse_speech(body: dict, ctx: ServerContext) -> tuple[str, SpeechOptions, st
     check_speed(body)
     book = ctx.voice_book()
     options = SpeechOptions(
-        voice=book.resolve_voice(optional_str(body, "voice")),
+        voice=None if clone is not None else book.resolve_voice(optional_str(body, "voice")),
         language=book.resolve_language(optional_str(body, "language")),
         instruct=optional_str(body, "instructions") or None,
         seed=optional_int(body, "seed", low=0, high=2**63 - 1),
         max_frames=frame_cap(optional_int(body, "max_new_tokens", low=1), ctx.settings.max_frames),
     )
-    return text, options, fmt, stream_format
+    return text, options, fmt, stream_format, clone
 
 
-async def read_json_object(request: Request, max_chars: int) -> dict:
-    """The body as a JSON object; refused before it is all read if it cannot fit the bound."""
-    limit = max_chars * BODY_BYTES_PER_CHAR + BODY_OVERHEAD
+async def read_json_object(request: Request, max_chars: int, extra: int = 0) -> dict:
+    """The body as a JSON object; refused before it is all read if it cannot fit the bound (the
+    text's, plus `extra` bytes for a recording)."""
+    limit = max_chars * BODY_BYTES_PER_CHAR + BODY_OVERHEAD + extra
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large(int(declared), limit)
+        raise too_large(int(declared), limit, extra)
     data = bytearray()
     async for piece in request.stream():
         data += piece
         if len(data) > limit:
-            raise too_large(len(data), limit)
+            raise too_large(len(data), limit, extra)
     try:
         body = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -144,9 +158,12 @@ async def read_json_object(request: Request, max_chars: int) -> dict:
     return body
 
 
-def too_large(size: int, limit: int) -> ApiError:
+def too_large(size: int, limit: int, extra: int = 0) -> ApiError:
+    bound = "input is bounded by the server's max_input_chars"
+    if extra:
+        bound += f", ref_audio by {extra} bytes"
     return ApiError(413, f"the request body is {size} bytes or more; the limit is {limit} "
-                    "(input is bounded by the server's max_input_chars)", code="body_too_large")
+                    f"({bound})", code="body_too_large")
 
 
 def wav_header(sample_rate: int) -> bytes:

@@ -17,13 +17,13 @@ import uvicorn
 
 from .app import build_app
 from .context import ServerContext
+from .inline_voices import MAX_INLINE_BYTES
 from .settings import ServerSettings
 
 logger = logging.getLogger("pipecat_qwen_fast.server")
 
 # The uvicorn's own limit on a WebSocket message. A session.config with inline reference audio
 # is the largest message the protocol has; this server refuses those anyway.
-WS_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 
 class DrainingServer(uvicorn.Server):
@@ -77,7 +77,7 @@ def make_server(settings: ServerSettings, service=None) -> DrainingServer:
     app = build_app(settings, service, on_load_failure=lambda exc: holder[0].fail_load(exc))
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,
-        ws_max_size=WS_MAX_MESSAGE_BYTES, lifespan="on",
+        ws_max_size=MAX_INLINE_BYTES, lifespan="on",
         # Our drain has already waited for the streams; what is left is closing sockets.
         timeout_graceful_shutdown=5,
     )

@@ -122,6 +122,18 @@ class VoiceBook:
         return name
 
 
+TASK_TYPES = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
+
+
+def check_task_type(body: dict, model_type: str) -> None:
+    """vLLM-Omni's ``task_type``, where given, must name the one model this server runs."""
+    expected = TASK_TYPES.get(model_type, model_type)
+    task_type = optional_str(body, "task_type")
+    if task_type is not None and task_type.lower() != expected.lower():
+        raise bad_request(f"task_type {task_type!r} does not match this server's model, a "
+                          f"{expected} model", "task_type")
+
+
 def frame_cap(requested: int | None, server_cap: int | None) -> int | None:
     """A request's frame cap (vLLM-Omni's max_new_tokens), never above the server's."""
     if requested is None or server_cap is None:

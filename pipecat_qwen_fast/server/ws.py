@@ -69,6 +69,7 @@ from .speech import (
     SpeechOptions,
     check_fields,
     check_speed,
+    check_task_type,
     frame_cap,
     optional_bool,
     optional_int,
@@ -91,7 +92,6 @@ CONFIG_FIELDS = frozenset({
     # This server's extensions (the remote adapters send them): the engine's request options.
     "greedy", "chunk_frames", "max_chunk_frames",
 })
-TASK_TYPES = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
 # Close codes (RFC 6455): 1003 a data type not accepted, 1007 data inconsistent with its type,
 # 1008 a policy violation, 1009 a message too big, 1001 going away (the server is draining).
 CLOSE_BINARY, CLOSE_BAD_DATA, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_GOING_AWAY = (
@@ -317,7 +317,7 @@ class SpeechSocket:
         if not isinstance(msg, dict):
             raise ProtocolError(CLOSE_BAD_DATA, "messages must be JSON objects")
         # A session.config may carry a recording (ref_audio; uvicorn bounds every message at
-        # WS_MAX_MESSAGE_BYTES); any other message is bounded by the text it may hold.
+        # inline_voices.MAX_INLINE_BYTES); any other message is bounded by the text it may hold.
         if len(text) > self.max_message_chars and msg.get("type") != "session.config":
             raise self.too_big(text)
         kind = msg.get("type")
@@ -600,11 +600,7 @@ def parse_config(msg: dict, ctx: ServerContext) -> SessionConfig:
     """A session.config's fields as synthesis options; an ApiError names what cannot be served."""
     check_fields(msg, CONFIG_FIELDS, "session.config")
     service = ctx.require_ready()
-    expected = TASK_TYPES.get(service.model_type, service.model_type)
-    task_type = optional_str(msg, "task_type")
-    if task_type is not None and task_type.lower() != expected.lower():
-        raise bad_request(f"task_type {task_type!r} does not match this server's model, a "
-                          f"{expected} model", "task_type")
+    check_task_type(msg, service.model_type)
     optional_str(msg, "model")  # one model per process: any name is served by it
     response_format = optional_str(msg, "response_format")
     if response_format not in (None, "pcm"):
