@@ -2,7 +2,7 @@
 
 With torch, the model, compiled graphs and CUDA graphs loaded, a process holds ~1.8 million
 objects the collector tracks (the H200 server's count, 2026-11-28). A full collection walks all of
-them holding the GIL: ~170 ms on this CPU, and a 630 ms host stall in one round of the H200's
+them holding the GIL: ~170 ms on the 2-core development machine, and a 630 ms host stall in one round of the H200's
 in-process fleet at 256 callers (bench/results/2026-11-28-h200-session30/), every stream late at
 once. The objects a fleet's streams make set one off every few seconds. `gc.freeze()` moves what
 is alive now out of the collector's reach, so later collections walk only what came after.

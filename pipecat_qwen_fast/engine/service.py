@@ -87,6 +87,7 @@ ROUND_EWMA = 0.2  # weight of the newest round in the smoothed round time
 # arrivals that queued behind the stall (46 refusals), while rounds over the limit round after
 # round still cross it as soon as before.
 ROUND_SAMPLE_CAP = 2.0
+FRAME_S = 0.08
 
 
 def smoothed_round_ms(previous: float, ms: float, limit: float | None) -> float:
@@ -95,7 +96,6 @@ def smoothed_round_ms(previous: float, ms: float, limit: float | None) -> float:
         ms = min(ms, ROUND_SAMPLE_CAP * limit)
     return ms if previous == 0.0 else previous + ROUND_EWMA * (ms - previous)
 
-FRAME_S = 0.08
 
 # At exit, how long a model still loading is waited for (see _stop_services_at_exit).
 LOAD_EXIT_WAIT_S = 10.0
@@ -636,13 +636,13 @@ class EngineService:
                 prepare()
             except Exception as exc:  # noqa: BLE001 - only a warm-up: the work itself will say what fails
                 logger.warning("engine thread warm-up failed: %s: %s", type(exc).__name__, exc)
-        # Only engines that defer audio know the switch (a stand-in engine, say, does not).
         if self.freeze_heap is None:
             self.freeze_heap = getattr(getattr(engine, "device", None), "type", None) == "cuda"
         if self.freeze_heap:
             freeze_heap(collect=True, holder=id(self))  # nobody waits on this engine yet
         if self.overlap_vocoder is None:
             self.overlap_vocoder = getattr(getattr(engine, "device", None), "type", None) == "cuda"
+        # Only engines that defer audio know the switch (a stand-in engine, say, does not).
         defers = self.overlap_vocoder and hasattr(engine, "defer_vocoder_audio")
         if defers:
             engine.defer_vocoder_audio = True

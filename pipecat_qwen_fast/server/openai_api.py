@@ -2,9 +2,9 @@
 
 Beyond OpenAI's fields it takes vLLM-Omni's ``language``, ``max_new_tokens`` (a cap in 80 ms
 frames), ``task_type`` and, on a Base model, a recording to clone (``ref_audio``, ``ref_text``,
-``x_vector_only_mode``: :mod:`.inline_voices`), and a ``seed``. The body is parsed by hand rather than by a pydantic model so that no
-error message can carry the input back (a validation error would quote it), and so that a 1 MB
-body is refused before it is read whole. Audio streams back chunk by chunk as the engine makes
+``x_vector_only_mode``: :mod:`.inline_voices`), and a ``seed``. The body is parsed by hand
+rather than by a pydantic model so that no error message can carry the input back (a validation
+error would quote it), and so that a 1 MB body is refused before it is read whole. Audio streams back chunk by chunk as the engine makes
 it: raw PCM, a WAV whose header announces an open length, or OpenAI's server-sent events
 (``stream_format="sse"``, which LiveKit's OpenAI TTS asks for by default).
 """
