@@ -4,7 +4,9 @@ base64 (or a ``data:`` URL), with its transcript in ``ref_text`` for an in-conte
 ``x_vector_only_mode`` for an x-vector one.
 
 A voice is made once per recording and transcript and kept (the last MAX_KEPT), so a client that
-sends the same reference on every socket, as LiveKit's does, pays the encoders once. It is not
+sends the same reference on every socket, as LiveKit's does, pays the encoders once. At most
+MAX_MAKING new recordings wait to be encoded; one more is refused (503, Retry-After) rather than
+held, with its body, behind them. It is not
 registered by name: GET /v1/audio/voices lists uploads only. Encoding runs on a worker thread,
 one at a time with uploads (ServerContext.voice_upload_lock).
 """
@@ -22,12 +24,14 @@ from typing import Any
 
 from pipecat_qwen_fast import InvalidInputError
 
-from .api_errors import bad_request, from_engine_error
+from .api_errors import bad_request, from_engine_error, refused
 from .speech import optional_bool, optional_str
 
 logger = logging.getLogger("pipecat_qwen_fast.server")
 
 MAX_KEPT = 32
+# New recordings queued for the encoders at once (~25 ms each on the H200, ~1 s on a CPU).
+MAX_MAKING = 8
 # A message or body that carries a recording: 30 s of 16-bit 48 kHz WAV is 2.9 MB, 3.8 in base64.
 MAX_INLINE_BYTES = 4 * 1024 * 1024
 MAX_REF_TEXT_CHARS = 2000  # a reference's transcript, inline or uploaded
@@ -126,6 +130,10 @@ class InlineVoices:
             return self._kept[key]
         making = self._making.get(key)
         if making is None:
+            if len(self._making) >= MAX_MAKING:
+                raise refused(f"{MAX_MAKING} recordings are already waiting to be cloned; retry, "
+                              "or upload the voice once (POST /v1/audio/voices) and name it",
+                              ctx.settings.retry_after_s, "overloaded")
             making = asyncio.ensure_future(self._make(clone, ctx))
             self._making[key] = making
             making.add_done_callback(lambda done: self._settle(key, done))

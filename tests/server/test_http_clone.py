@@ -5,13 +5,15 @@ and every reference the server refuses answered with a 4xx naming the problem.""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import threading
 
 import httpx
 import openai
 import pytest
 
-from pipecat_qwen_fast.server.inline_voices import MAX_INLINE_BYTES
+from pipecat_qwen_fast.server.inline_voices import MAX_INLINE_BYTES, MAX_MAKING
 
 from .conftest import FRAME_SAMPLES, eventually, settled
 from .test_voices import upload, wav_bytes
@@ -93,3 +95,36 @@ async def test_a_custom_voice_server_names_what_it_cannot_do(server):
     assert clone.status_code == 400 and "needs a Base model" in clone.json()["error"]["message"]
     assert task.status_code == 400
     assert "does not match this server's model, a CustomVoice model" in task.json()["error"]["message"]
+
+
+async def test_recordings_past_the_encoders_queue_are_refused_not_held(base_server, monkeypatch):
+    # The encoders held up: MAX_MAKING new recordings wait, one more is refused at once with a
+    # retry hint (its 4 MB body is not held behind them); those waiting are then all served.
+    engine = base_server.ctx.require_ready().engine
+    gate = threading.Event()
+    create_voice = engine.create_voice
+
+    def held_create_voice(*args, **kw):
+        gate.wait(TIMEOUT)
+        return create_voice(*args, **kw)
+
+    monkeypatch.setattr(engine, "create_voice", held_create_voice)
+    recordings = [base64.b64encode(wav_bytes(1.5, seed=100 + i)).decode() for i in range(MAX_MAKING + 1)]
+    making = base_server.ctx.inline_voices._making
+    async with httpx.AsyncClient(base_url=base_server.base_url, timeout=TIMEOUT) as http:
+        def post(recording: str):
+            return http.post("/v1/audio/speech", json={
+                "input": TEXT, "voice": "unused", "max_new_tokens": FRAMES, "ref_audio": recording})
+
+        waiting = [asyncio.create_task(post(r)) for r in recordings[:MAX_MAKING]]
+        try:
+            await eventually(lambda: len(making) == MAX_MAKING, what="the queue to fill")
+            refused = await post(recordings[MAX_MAKING])
+        finally:
+            gate.set()
+        served = await asyncio.gather(*waiting)
+    error = refused.json()["error"]
+    assert refused.status_code == 503 and refused.headers["Retry-After"], error
+    assert error["code"] == "overloaded" and "already waiting to be cloned" in error["message"]
+    assert [r.status_code for r in served] == [200] * MAX_MAKING
+    await eventually(lambda: settled(base_server), what="the streams to close")
