@@ -1,6 +1,6 @@
 """`qwen-fast-tts serve` over the stand-in engine (sim_engine.py), its timelines traced
 (timeline.py). Arguments are serve's. Environment, for A/Bs of what the server does under load:
-NO_FREEZE=1 leaves the heap unfrozen (server/app.py freeze_heap), LOOP=asyncio|uvloop picks
+NO_FREEZE=1 leaves the heap unfrozen (the service's freeze_heap, engine/heap.py), LOOP=asyncio|uvloop picks
 uvicorn's event loop (the GPU machine's image has no uvloop), SWITCH=seconds sets
 sys.setswitchinterval. PROFILE=path writes a cProfile of the event loop's thread (CPU time of
 that thread only) to path at exit.
@@ -17,9 +17,9 @@ import timeline
 sim_engine.install()
 timeline.install_server()
 if os.environ.get("NO_FREEZE"):
-    from pipecat_qwen_fast.server import app
+    from pipecat_qwen_fast.engine import service
 
-    app.freeze_heap = lambda **kw: None
+    service.freeze_heap = lambda **kw: 0
 if os.environ.get("SWITCH"):
     sys.setswitchinterval(float(os.environ["SWITCH"]))
 if os.environ.get("LOOP"):
