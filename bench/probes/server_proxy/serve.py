@@ -2,7 +2,8 @@
 (timeline.py). Arguments are serve's. Environment, for A/Bs of what the server does under load:
 NO_FREEZE=1 leaves the heap unfrozen (the service's freeze_heap, engine/heap.py), LOOP=asyncio|uvloop picks
 uvicorn's event loop (the GPU machine's image has no uvloop), SWITCH=seconds sets
-sys.setswitchinterval. PROFILE=path writes a cProfile of the event loop's thread (CPU time of
+sys.setswitchinterval, WS=websockets|websockets-sansio|wsproto picks uvicorn's WebSocket
+implementation (its "auto" takes websockets-sansio here). PROFILE=path writes a cProfile of the event loop's thread (CPU time of
 that thread only) to path at exit.
 """
 
@@ -22,6 +23,10 @@ if os.environ.get("NO_FREEZE"):
     service.freeze_heap = lambda **kw: 0
 if os.environ.get("SWITCH"):
     sys.setswitchinterval(float(os.environ["SWITCH"]))
+if os.environ.get("WS"):
+    import uvicorn.config
+
+    uvicorn.config.WS_PROTOCOLS["auto"] = uvicorn.config.WS_PROTOCOLS[os.environ["WS"]]
 if os.environ.get("LOOP"):
     import uvicorn.config
 
