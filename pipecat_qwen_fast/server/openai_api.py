@@ -25,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from .api_errors import ApiError, bad_request, from_engine_error
 from .context import ServerContext, context_of
+from .encoders import CODECS, StreamEncoder
 from .inline_voices import MAX_INLINE_BYTES, InlineClone, parse_inline_clone
 from .metrics import PlayoutClock
 from .speech import (
@@ -47,7 +48,8 @@ router = APIRouter()
 FIELDS = frozenset({"model", "input", "voice", "instructions", "response_format", "speed",
                     "stream_format", "language", "seed", "max_new_tokens", "task_type",
                     "ref_audio", "ref_text", "x_vector_only_mode", "speaker_embedding"})
-MEDIA_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav"}
+MEDIA_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav",
+               **{fmt: media for fmt, (_, _, media, _) in CODECS.items()}}
 STREAM_FORMATS = ("audio", "sse")
 # A JSON escape (backslash, u, four hex digits) takes 6 bytes a character; the rest is room
 # for the other fields.
@@ -185,29 +187,38 @@ class StreamAborted(Exception):
 
 async def encode_chunks(stream: AudioStream, first: bytes, fmt: str, stream_format: str,
                         sample_rate: int, ctx: ServerContext) -> AsyncIterator[bytes]:
-    header = wav_header(sample_rate) if fmt == "wav" else b""
-    pending = header + first
-    while True:
-        if pending:
-            if stream_format == "sse":
-                yield sse_event({"type": "speech.audio.delta",
-                                 "audio": base64.b64encode(pending).decode()})
-            else:
-                yield pending
-        try:
-            pcm = await stream.next_pcm()
-        except Exception as exc:
-            error = from_engine_error(exc, ctx.settings.retry_after_s)
-            ctx.count_failure(error)
-            logger.error("speech stream failed after %d chunks: %s", stream.chunks, error.message)
-            if stream_format == "sse":
-                yield sse_event({"type": "error", "error": error.body()["error"]})
-            raise StreamAborted() from None
-        if pcm is None:
-            break
-        pending = pcm
-    if stream_format == "sse":
-        yield sse_event({"type": "speech.audio.done"})
+    def framed(audio: bytes) -> bytes:
+        if stream_format == "sse":
+            return sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(audio).decode()})
+        return audio
+
+    encoder = StreamEncoder(fmt, sample_rate) if fmt in CODECS else None
+    try:
+        header = wav_header(sample_rate) if fmt == "wav" else b""
+        pending = encoder.encode(first) if encoder is not None else header + first
+        while True:
+            if pending:  # an encoder may hold a chunk's audio until the next
+                yield framed(pending)
+            try:
+                pcm = await stream.next_pcm()
+            except Exception as exc:
+                error = from_engine_error(exc, ctx.settings.retry_after_s)
+                ctx.count_failure(error)
+                logger.error("speech stream failed after %d chunks: %s", stream.chunks, error.message)
+                if stream_format == "sse":
+                    yield sse_event({"type": "error", "error": error.body()["error"]})
+                raise StreamAborted() from None
+            if pcm is None:
+                break
+            pending = encoder.encode(pcm) if encoder is not None else pcm
+        tail = encoder.finish() if encoder is not None else b""
+        if tail:
+            yield framed(tail)
+        if stream_format == "sse":
+            yield sse_event({"type": "speech.audio.done"})
+    finally:
+        if encoder is not None:
+            encoder.close()
 
 
 class AudioResponse(StreamingResponse):

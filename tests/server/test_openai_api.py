@@ -12,6 +12,7 @@ import time
 import wave
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -123,6 +124,59 @@ async def test_livekit_openai_tts_with_base_url(server, endless_service):
         before = record.stream_id
 
 
+def decoded(data: bytes) -> tuple[np.ndarray, int]:
+    """A compressed response decoded by PyAV (FFmpeg): int16 mono samples and their rate."""
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        frames = [f.to_ndarray().reshape(-1) for f in container.decode(audio=0)]
+        rate = container.streams.audio[0].rate
+    samples = np.concatenate(frames)
+    if samples.dtype.kind == "f":
+        samples = np.round(samples * 32767).astype(np.int16)
+    return samples.astype(np.int16), rate
+
+
+# format, media type, the rate it decodes at, samples the codec may add (its priming and padding)
+COMPRESSED = [("flac", "audio/flac", 24000, 0), ("mp3", "audio/mpeg", 24000, 1152 + 2 * 576 + 528),
+              ("aac", "audio/aac", 24000, 2 * 1024), ("opus", "audio/ogg", 48000, 960 + 312)]
+
+
+@pytest.mark.parametrize("fmt, media, rate, padding", COMPRESSED, ids=[c[0] for c in COMPRESSED])
+async def test_compressed_formats_stream_through_the_openai_sdk(server, endless_service, fmt, media,
+                                                                rate, padding):
+    pieces = []
+    async with sdk(server) as client, client.audio.speech.with_streaming_response.create(
+        model="tts-1", voice=VOICE, input=TEXT, response_format=fmt, extra_body={"seed": 9},
+    ) as response:
+        assert response.headers["content-type"] == media
+        async for piece in response.iter_bytes():
+            pieces.append(piece)
+    assert len(pieces) > 1  # encoded as the chunks came, not at the end
+    samples, decoded_rate = decoded(b"".join(pieces))
+    reference = np.frombuffer(await reference_pcm(endless_service, TEXT, seed=9), dtype="<i2")
+    assert decoded_rate == rate
+    expected = len(reference) * rate // 24000
+    assert expected <= len(samples) <= expected + padding, (len(samples), expected)
+    if fmt == "flac":  # lossless: the engine's samples exactly
+        assert np.array_equal(samples, reference)
+
+
+async def test_livekit_openai_tts_default_mp3(server, endless_service):
+    # LiveKit's openai.TTS asks for mp3 unless told otherwise, and decodes it itself.
+    from livekit.plugins import openai as lk_openai
+
+    before = endless_service.streams_opened
+    tts = lk_openai.TTS(model="tts-1", voice=VOICE, base_url=server.base_url + "/v1", api_key="unused")
+    try:
+        frames = [ev.frame async for ev in tts.synthesize(TEXT)]
+    finally:
+        await tts.aclose()
+    record = await one_record_after(endless_service, before)
+    heard = sum(f.samples_per_channel for f in frames) * 24000 // frames[0].sample_rate
+    assert record.frames_decoded * FRAME_SAMPLES <= heard <= record.frames_decoded * FRAME_SAMPLES + 4800
+
+
 async def test_pipecat_openai_tts_service_with_base_url(server, endless_service):
     from pipecat.frames.frames import ErrorFrame, TTSAudioRawFrame, TTSSpeakFrame
     from pipecat.services.openai.tts import OpenAITTSService
@@ -155,8 +209,8 @@ BAD_REQUESTS = [
     pytest.param({"input": TEXT, "voice": VOICE, "speed": 1.5}, 400, "'speed' must be 1.0",
                  id="speed-1.5"),
     pytest.param({"input": TEXT, "voice": "nobody"}, 400, "valid voices: ", id="unknown-voice"),
-    pytest.param({"input": TEXT, "voice": VOICE, "response_format": "mp3"}, 400,
-                 "valid choices: pcm, wav", id="unknown-format"),
+    pytest.param({"input": TEXT, "voice": VOICE, "response_format": "m4a"}, 400,
+                 "valid choices: pcm, wav, mp3, opus, aac, flac", id="unknown-format"),
     pytest.param({"input": TEXT, "voice": VOICE, "stream_format": "json"}, 400,
                  "valid choices: audio, sse", id="unknown-stream-format"),
     pytest.param({"input": TEXT, "voice": VOICE, "language": "klingon"}, 400, "valid languages",
