@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from collections.abc import Callable
 from typing import Self
 
 _holders: set[int] = set()  # who froze the heap and has not let go (EngineService ids)
@@ -42,27 +43,36 @@ def release_heap(holder: int) -> None:
                 gc.unfreeze()
 
 
+def watch_gc(observe: Callable[[int, float], None]) -> Callable[[], None]:
+    """Call `observe(generation, seconds)` after every collection, from the collector's own
+    callbacks (in whichever thread set it off, the GIL held); returns what stops it."""
+    started: list[float] = []
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started:
+            observe(info["generation"], time.perf_counter() - started.pop())
+
+    gc.callbacks.append(callback)
+    return lambda: gc.callbacks.remove(callback)
+
+
 class GcPauses:
-    """Each collection's generation and duration while installed (`with GcPauses() as pauses:`),
-    from the collector's own callbacks: what a round's host time holds when the collector runs."""
+    """Each collection's generation and duration while installed (`with GcPauses() as pauses:`):
+    what a round's host time holds when the collector runs."""
 
     def __init__(self) -> None:
         self.pauses: list[tuple[int, float]] = []  # (generation, ms)
-        self._started: float | None = None
-
-    def _callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        elif self._started is not None:
-            self.pauses.append((info["generation"], (time.perf_counter() - self._started) * 1e3))
-            self._started = None
+        self._stop: Callable[[], None] | None = None
 
     def __enter__(self) -> Self:
-        gc.callbacks.append(self._callback)
+        self._stop = watch_gc(lambda generation, s: self.pauses.append((generation, s * 1e3)))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self._callback)
+        if self._stop is not None:
+            self._stop()
 
     def summary(self) -> dict:
         """Per generation: collections, total and longest ms."""

@@ -17,6 +17,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pipecat_qwen_fast.engine.heap import watch_gc
+
 from . import openai_api, voices_api, ws
 from .api_errors import ApiError
 from .context import ServerContext, context_of
@@ -44,11 +46,13 @@ def build_app(settings: ServerSettings, service: Any = None,
         # /metrics' qwen_tts_event_loop_lag_seconds, sampled while the app serves.
         loop_lag = asyncio.create_task(watch_loop_lag(ctx.metrics.loop_lag.observe),
                                        name="qwen-tts-loop-lag")
+        stop_gc_watch = watch_gc(ctx.metrics.observe_gc)  # qwen_tts_gc_pause_seconds
         try:
             yield
         finally:
             ctx.gate.begin_drain()
             watcher.cancel()
+            stop_gc_watch()
             loop_lag.cancel()
             await asyncio.wait([loop_lag])  # gone before the loop closes (a cancel of ours propagates)
             if ctx.owns_service:

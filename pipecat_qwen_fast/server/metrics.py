@@ -31,6 +31,9 @@ LATENESS_BUCKETS = (0.0, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0
 # The event loop's lag: a task sleeps LOOP_LAG_INTERVAL_S again and again, and each wake-up's delay
 # is observed. Sub-millisecond on an idle loop; every socket's chunks wait as long as it.
 LOOP_LAG_INTERVAL_S = 0.01
+# A collection holds the GIL: every stream and the engine thread wait it out. Young ones take
+# ~0.1-3 ms; a full one over a loaded model's unfrozen heap 0.2-0.6 s (engine/heap.py).
+GC_PAUSE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
                     0.075, 0.1, 0.2, 0.5, 1.0)
 
@@ -77,6 +80,10 @@ class ServerMetrics:
             "qwen_tts_event_loop_lag_seconds", "How late the server's event loop woke a task "
             f"sleeping {LOOP_LAG_INTERVAL_S * 1e3:g} ms, sampled all the time: what every "
             "socket's delivery waited then.", buckets=LOOP_LAG_BUCKETS, registry=r)
+        self.gc_pauses = Histogram(
+            "qwen_tts_gc_pause_seconds", "Garbage collections in the server's process and how "
+            "long each held the GIL, by generation (2: a full one).", ["generation"],
+            buckets=GC_PAUSE_BUCKETS, registry=r)
         self.streams = Counter(
             "qwen_tts_streams_total", "Engine streams ended, by how: completed, cancelled "
             "(client left), failed.", ["endpoint", "outcome"], registry=r)
@@ -85,6 +92,9 @@ class ServerMetrics:
         for endpoint in ENDPOINTS:
             self.underruns.labels(endpoint)
             self.audio_seconds.labels(endpoint)
+
+    def observe_gc(self, generation: int, seconds: float) -> None:
+        self.gc_pauses.labels(str(generation)).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

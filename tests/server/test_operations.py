@@ -190,6 +190,25 @@ async def test_loop_lag_sampler_runs_with_the_app_and_is_gone_after(endless_serv
     assert task.cancelled() and not samplers()
 
 
+async def test_gc_pauses_are_metered_while_the_app_runs_and_not_after(endless_service, endless_path):
+    from pipecat_qwen_fast.server.app import build_app
+
+    app = build_app(settings_for(endless_path), endless_service)
+    registry = app.state.qwen_tts.metrics.registry
+
+    def full() -> float:
+        return registry.get_sample_value("qwen_tts_gc_pause_seconds_count", {"generation": "2"}) or 0
+
+    async with app.router.lifespan_context(app):
+        before = full()
+        gc.collect()
+        assert full() == before + 1
+        assert registry.get_sample_value("qwen_tts_gc_pause_seconds_sum", {"generation": "2"}) > 0
+    after = full()
+    gc.collect()
+    assert full() == after  # the collector's callback went with the app
+
+
 class Collect(logging.Handler):
     def __init__(self) -> None:
         super().__init__(level=1)
