@@ -441,6 +441,8 @@ def test_callers_split_over_two_processes_against_a_server(served, tmp_path):
         assert p["started_late_ms"] < 500  # each had the plan before the level's start
     server = level["loop_lag"]["server"]
     assert server["n"] > 0 and 0 <= server["p50_ms"] <= server["p99_ms"]
+    # The server's collections over the level, from its /metrics.
+    assert set(level["server_gc_pauses"]) == {"gen0", "gen1", "gen2"}
     md = (out / "fleet.md").read_text()
     assert "split over 2 processes" in md
     (row,) = [line for line in md.splitlines() if line.startswith("| 4 |")]
@@ -555,3 +557,21 @@ def test_frames_compiled_counts_a_compile_in_this_process():
     before = fleet.frames_compiled()
     torch.compile(lambda x: x * 3 + 1, backend="eager")(torch.ones(2))
     assert fleet.frames_compiled() == before + 1
+
+
+def test_served_gc_reads_a_levels_collections_from_the_servers_metrics():
+    from pipecat_qwen_fast.bench.fleet_workload import parse_metrics, served_gc
+    from pipecat_qwen_fast.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(active=lambda: 0, queued=lambda: 0, in_use=lambda: 0, sockets=lambda: 0,
+                            capacity=1, ready=lambda: True)
+    metrics.observe_gc(2, 0.004)  # before the level: not counted
+    before = parse_metrics(metrics.render().decode())
+    for generation, seconds in ((0, 0.0003), (0, 0.0004), (2, 0.03), (2, 0.008)):
+        metrics.observe_gc(generation, seconds)
+    level = served_gc(before, parse_metrics(metrics.render().decode()))
+    assert level["gen0"]["collections"] == 2 and level["gen0"]["max_ms"] == 0.5
+    assert level["gen1"] == {"collections": 0, "total_ms": 0.0, "max_ms": 0.0, "max_is_bound": True}
+    full = level["gen2"]
+    assert full["collections"] == 2 and full["total_ms"] == 38.0 and full["max_ms"] == 50.0
+    assert served_gc(before, {"qwen_tts_engine_rounds_total": 1.0}) is None  # not published

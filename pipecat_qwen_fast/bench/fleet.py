@@ -59,6 +59,7 @@ from pipecat_qwen_fast.bench.fleet_workload import (
     capacity,
     fleet_replies,
     histogram_lag,
+    served_gc,
     served_rounds,
     server_rounds,
     summarize_level,
@@ -273,6 +274,7 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                          "loop_lag": {"server": histogram_lag(served_before, served_after), "callers": caller_lag},
                          "peak_gpu_memory_gib": _peak_memory_gib(device),
                          "gc_pauses": gc_pauses.summary(),
+                         "server_gc_pauses": served_gc(served_before, served_after),
                          "frames_compiled": frames_compiled() - compiled_before}
                 level["misses"] = verdict(level, bar_ms, underruns_count=closed)
                 level["meets_bar"] = not level["misses"]
@@ -286,7 +288,9 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 log(f"{prefix}{mode} {key} {value}: {level['utterances']} utterances, first audio p50/p95 "
                     f"{fa['p50'] or 0:.1f}/{fa['p95'] or 0:.1f} ms, {level['underrun_utterances']} underran, "
                     f"{level['frames_per_s']:.0f} frames/s, {level['refused']} refused, "
-                    f"{fleet_report.lag_text(level['loop_lag'])}; {fleet_report.gc_text(level['gc_pauses'])}, "
+                    f"{fleet_report.lag_text(level['loop_lag'])}; {fleet_report.gc_text(level['gc_pauses'])}"
+                    + (f" (server's: {fleet_report.gc_text(level['server_gc_pauses'])})"
+                       if level["server_gc_pauses"] else "") + ", "
                     f"{level['frames_compiled']} frames compiled: "
                     + ("bar met" if level["meets_bar"] else "bar missed"))
                 if level["misses"] and not args.keep_going:

@@ -47,7 +47,8 @@ def gc_text(pauses: dict | None) -> str:
     if not pauses:
         return "gc n/a"
     full = pauses["gen2"]
-    return f"full gc {full['collections']}x, longest {full['max_ms']:.0f} ms"
+    bound = "<= " if full.get("max_is_bound") else ""
+    return f"full gc {full['collections']}x, longest {bound}{full['max_ms']:.0f} ms"
 
 
 def lag_text(loop_lag: dict | None) -> str:

@@ -260,6 +260,32 @@ def server_rounds(metrics: dict[str, float] | None) -> tuple[float, float] | Non
 
 
 LOOP_LAG_METRIC = "qwen_tts_event_loop_lag_seconds"
+GC_METRIC = "qwen_tts_gc_pause_seconds"
+
+
+def served_gc(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:
+    """A level's collections in a server's process from its /metrics read before and after it, by
+    generation: their count, total ms, and the longest's bucket bound (`max_ms`, an upper bound:
+    the histogram keeps no maximum); None where the server does not publish them."""
+    if before is None or after is None or not any(k.startswith(GC_METRIC) for k in after):
+        return None
+    out = {}
+    for gen in (0, 1, 2):
+        label = f'generation="{gen}"'
+
+        def delta(name: str) -> float:
+            return after.get(name, 0.0) - before.get(name, 0.0)
+
+        count = delta(f"{GC_METRIC}_count{{{label}}}")
+        total = delta(f"{GC_METRIC}_sum{{{label}}}")
+        prefix = f"{GC_METRIC}_bucket{{{label},le=\""
+        buckets = sorted((float(name[len(prefix):].split('"')[0]), delta(name))
+                         for name in after if name.startswith(prefix))
+        # The first bound by which every one had ended (inf: one took longer than the last bound).
+        longest = next((upper for upper, cumulative in buckets if cumulative >= count), 0.0)
+        out[f"gen{gen}"] = {"collections": int(count), "total_ms": round(1e3 * total, 2),
+                            "max_ms": 1e3 * longest if count else 0.0, "max_is_bound": True}
+    return out
 
 
 def _lag_histogram(metrics: dict[str, float]) -> tuple[list[tuple[float, float]], float] | None:
