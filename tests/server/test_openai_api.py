@@ -162,6 +162,20 @@ async def test_compressed_formats_stream_through_the_openai_sdk(server, endless_
         assert np.array_equal(samples, reference)
 
 
+async def test_sse_carries_a_compressed_format_whole(server, endless_service):
+    # The encoder's tail (its last frames and the container's end) is a delta of its own.
+    async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+        response = await http.post(server.base_url + "/v1/audio/speech", json={
+            "input": TEXT, "voice": VOICE, "response_format": "flac", "stream_format": "sse",
+            "seed": 13})
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done" and len(events) > 2
+    data = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    samples, _ = decoded(data)
+    reference = np.frombuffer(await reference_pcm(endless_service, TEXT, seed=13), dtype="<i2")
+    assert np.array_equal(samples, reference)
+
+
 async def test_livekit_openai_tts_default_mp3(server, endless_service):
     # LiveKit's openai.TTS asks for mp3 unless told otherwise, and decodes it itself.
     from livekit.plugins import openai as lk_openai
