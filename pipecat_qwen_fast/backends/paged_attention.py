@@ -20,10 +20,10 @@ against 0.450 ms a layer) on the H200 (bench/results/2026-11-28-h200-session30/p
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
-
-_kernel: list = []  # compiled on first use
 
 
 def paged_attention_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, pages: Tensor, pos: Tensor) -> Tensor:
@@ -59,10 +59,9 @@ def paged_attention_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, pages: Ten
     return out
 
 
+@functools.cache
 def _triton_kernel():
     """Compiled on first use: triton exists only where CUDA does (or its interpreter runs)."""
-    if _kernel:
-        return _kernel[0]
     import triton
     import triton.language as tl
 
@@ -109,5 +108,4 @@ def _triton_kernel():
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
-    _kernel.append(paged_decode_attention)
-    return _kernel[0]
+    return paged_decode_attention

@@ -636,12 +636,13 @@ class EngineService:
                 prepare()
             except Exception as exc:  # noqa: BLE001 - only a warm-up: the work itself will say what fails
                 logger.warning("engine thread warm-up failed: %s: %s", type(exc).__name__, exc)
+        on_gpu = getattr(getattr(engine, "device", None), "type", None) == "cuda"
         if self.freeze_heap is None:
-            self.freeze_heap = getattr(getattr(engine, "device", None), "type", None) == "cuda"
+            self.freeze_heap = on_gpu
         if self.freeze_heap:
-            freeze_heap(collect=True, holder=id(self))  # nobody waits on this engine yet
+            self._freeze("loaded", collect=True)  # nobody waits on this engine yet
         if self.overlap_vocoder is None:
-            self.overlap_vocoder = getattr(getattr(engine, "device", None), "type", None) == "cuda"
+            self.overlap_vocoder = on_gpu
         # Only engines that defer audio know the switch (a stand-in engine, say, does not).
         defers = self.overlap_vocoder and hasattr(engine, "defer_vocoder_audio")
         if defers:
@@ -734,8 +735,12 @@ class EngineService:
                     if self.freeze_heap and not self._warm_frozen:
                         # The background warm-up's graphs and compiled code are long-lived too.
                         self._warm_frozen = True
-                        freeze_heap(collect=False, holder=id(self))
+                        self._freeze("fully warm", collect=False)
                     self._wake.wait(self._idle_timeout())
+
+    def _freeze(self, when: str, *, collect: bool) -> None:
+        frozen = freeze_heap(collect=collect, holder=id(self))
+        logger.info("engine %s: %d objects frozen out of the garbage collector's reach", when, frozen)
 
     def _resolve_audio(self, finished_only: bool = False) -> None:
         if self._engine is not None and getattr(self._engine, "defer_vocoder_audio", False):

@@ -7,7 +7,6 @@ serve``, :mod:`.run`) and as a Ray Serve ingress (:mod:`.ray_serve`).
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -100,11 +99,10 @@ async def report_load(ctx: ServerContext,
                 time.monotonic() - started, service.model_type, len(service.voices),
                 ctx.settings.max_streams)
     if ctx.owns_service:
-        # The service freezes the heap again then (the warm-up's graphs and code are long-lived).
         while service.alive and not getattr(service.engine, "fully_warm", True):
             await asyncio.sleep(1.0)
-        logger.info("fully warm; %d objects frozen out of the garbage collector's reach",
-                    gc.get_freeze_count())
+        # The service logs its heap freezes itself (engine/heap.py), the second one about now.
+        logger.info("fully warm")
 
 
 async def answer_api_error(request: Request, error: Exception) -> JSONResponse:
