@@ -25,7 +25,7 @@ from typing import Any
 from pipecat_qwen_fast import InvalidInputError
 
 from .api_errors import bad_request, from_engine_error, refused
-from .speech import optional_bool, optional_str
+from .speech import check_task_type, optional_bool, optional_str
 
 logger = logging.getLogger("pipecat_qwen_fast.server")
 
@@ -90,6 +90,16 @@ def parse_inline_clone(msg: dict, model_type: str) -> InlineClone | None:
     check_ref_text(ref_text)
     # The official model's x_vector_only_mode: the speaker embedding alone, the transcript unused.
     return InlineClone(audio, None if x_vector_only or not ref_text else ref_text)
+
+
+def parse_voice(body: dict, book: Any, model_type: str) -> tuple[str | None, InlineClone | None]:
+    """A request's voice, for both endpoints: the recording to clone where it carries one (its
+    ``voice`` then names nothing, as in vLLM-Omni, but must still be a string), else its named
+    voice resolved by `book` (speech.VoiceBook). ``task_type`` is checked against the model."""
+    check_task_type(body, model_type)
+    clone = parse_inline_clone(body, model_type)
+    voice = optional_str(body, "voice")
+    return (None if clone is not None else book.resolve_voice(voice)), clone
 
 
 def check_ref_text(ref_text: str | None) -> None:

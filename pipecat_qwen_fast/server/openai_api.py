@@ -26,13 +26,12 @@ from starlette.types import Receive, Scope, Send
 from .api_errors import ApiError, bad_request, from_engine_error
 from .context import ServerContext, context_of
 from .encoders import CODECS, StreamEncoder
-from .inline_voices import MAX_INLINE_BYTES, InlineClone, parse_inline_clone
+from .inline_voices import MAX_INLINE_BYTES, InlineClone, parse_voice
 from .metrics import PlayoutClock
 from .speech import (
     SpeechOptions,
     check_fields,
     check_speed,
-    check_task_type,
     check_text,
     frame_cap,
     optional_int,
@@ -111,9 +110,8 @@ def parse_speech(body: dict, ctx: ServerContext) -> tuple[str, SpeechOptions, st
     """The text, the synthesis options, the audio format, the stream format and the recording to
     clone (None: a named voice) of a request."""
     text = check_text(required_str(body, "input"), ctx.settings.max_input_chars)
-    model_type = ctx.require_ready().model_type
-    check_task_type(body, model_type)
-    clone = parse_inline_clone(body, model_type)
+    book = ctx.voice_book()
+    voice, clone = parse_voice(body, book, ctx.require_ready().model_type)
     # One process serves one model, so 'model' names nothing to choose: clients send their own
     # defaults ('tts-1', 'gpt-4o-mini-tts') and are served the same.
     optional_str(body, "model")
@@ -126,9 +124,8 @@ def parse_speech(body: dict, ctx: ServerContext) -> tuple[str, SpeechOptions, st
         raise bad_request(f"stream_format {stream_format!r} is not supported; valid choices: "
                           f"{', '.join(STREAM_FORMATS)}", "stream_format")
     check_speed(body)
-    book = ctx.voice_book()
     options = SpeechOptions(
-        voice=None if clone is not None else book.resolve_voice(optional_str(body, "voice")),
+        voice=voice,
         language=book.resolve_language(optional_str(body, "language")),
         instruct=optional_str(body, "instructions") or None,
         seed=optional_int(body, "seed", low=0, high=2**63 - 1),

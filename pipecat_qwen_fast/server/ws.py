@@ -61,7 +61,7 @@ from pipecat_qwen_fast.model.prompt import DUAL_TRACK, PREFILL
 
 from .api_errors import ApiError, bad_request, from_engine_error
 from .context import ServerContext, context_of
-from .inline_voices import InlineClone, parse_inline_clone
+from .inline_voices import InlineClone, parse_voice
 from .metrics import PlayoutClock
 from .speech import (
     MAX_CHUNK_FRAMES,
@@ -69,7 +69,6 @@ from .speech import (
     SpeechOptions,
     check_fields,
     check_speed,
-    check_task_type,
     frame_cap,
     optional_bool,
     optional_int,
@@ -600,7 +599,6 @@ def parse_config(msg: dict, ctx: ServerContext) -> SessionConfig:
     """A session.config's fields as synthesis options; an ApiError names what cannot be served."""
     check_fields(msg, CONFIG_FIELDS, "session.config")
     service = ctx.require_ready()
-    check_task_type(msg, service.model_type)
     optional_str(msg, "model")  # one model per process: any name is served by it
     response_format = optional_str(msg, "response_format")
     if response_format not in (None, "pcm"):
@@ -632,11 +630,10 @@ def parse_config(msg: dict, ctx: ServerContext) -> SessionConfig:
     if word_timestamps and not streamed:
         raise bad_request("word timestamps come from streamed-text turns: send "
                           "non_streaming_mode=false with them", "word_timestamps")
-    clone = parse_inline_clone(msg, service.model_type)
     book = ctx.voice_book()
-    voice = optional_str(msg, "voice")  # a cloned voice takes its place
+    voice, clone = parse_voice(msg, book, service.model_type)
     options = SpeechOptions(
-        voice=None if clone is not None else book.resolve_voice(voice),
+        voice=voice,
         language=book.resolve_language(optional_str(msg, "language")),
         instruct=optional_str(msg, "instructions") or None,
         seed=optional_int(msg, "seed", low=0, high=2**63 - 1),
