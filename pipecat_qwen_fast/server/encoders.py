@@ -3,7 +3,8 @@ the engine's chunks arrive, through PyAV (FFmpeg's encoders and muxers; LiveKit'
 depend on it). Each chunk's packets leave with it: the muxers flush every packet, and Ogg closes
 a page every 20 ms instead of every second, so first audio waits for the encoder's own
 look-ahead (a frame or two), not for a buffer to fill. pcm and wav stay the cheap formats: an
-encoder costs the event loop ~0.1-0.6 ms a chunk.
+encoder costs the event loop 0.4 (flac) to 5 (mp3) ms of CPU a second of audio on the 2-core
+development machine (bench/probes/encoder_cost.py, bench/results/2026-11-28-cpu-session30-encoders/).
 """
 
 from __future__ import annotations
