@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2])]  # the repository
-from pipecat_qwen_fast.server.encoders import CODECS, StreamEncoder  # noqa: E402
+from pipecat_qwen_fast.server.encoders import CODECS, StreamEncoder
 
 RATE = 24000
 CHUNK = 4 * 1920
