@@ -39,7 +39,7 @@
 #               114 MB as gzip, over what comes back, so not yet used
 #   pack        every result folder under $OUT into $OUT/results.tgz (only 8 files come back)
 # DEVICE_SECONDS (default 570) bounds the whole call from its start; STARTUP_RUNS picks the starts
-# (default cold,warm); FLEET_BUDGET caps the fleet step's seconds (to leave fleet2 its share); FLEET_ARGS adds arguments to the fleet runs; STREAMING_ARGS to the
+# (default cold,warm); SERVE_ARGS adds arguments to `serve` (e.g. --engine-process); FLEET_BUDGET caps the fleet step's seconds (to leave fleet2 its share); FLEET_ARGS adds arguments to the fleet runs; STREAMING_ARGS to the
 # streaming-text run (default --runs 8). Everything lands in $OUT.
 # An engine switch's A/B in one call: FLEET2_ENV="QWEN_FAST_OVERLAP_VOCODER=1" with steps fleet fleet2.
 # To measure main's HEAD while others have uncommitted edits in the tree: here,
@@ -129,7 +129,7 @@ PY
                           # loading from the server's cache (~100 s, not ~300). Both dual-track (a
                           # server turn is one engine stream). SERVER_BUDGET: the server half's
                           # seconds after the server is warm (default half of what is left).
-                          python3 -m pipecat_qwen_fast.cli serve --model "$ck" --port 8177 --max-streams 100000 \
+                          python3 -m pipecat_qwen_fast.cli serve --model "$ck" --port 8177 --max-streams 100000 ${SERVE_ARGS:-} \
                               > "$out/serve.log" 2>&1 &
                           spid=$!
                           wait_warm
@@ -142,7 +142,7 @@ PY
                               --out "$out/fleet-engine-proc" --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
             fleet-server-procs) # issue 37: as fleet-server-proc's first half, the callers split over
                           # CALLER_PROCS processes (a fleet is many agent processes, not one loop)
-                          python3 -m pipecat_qwen_fast.cli serve --model "$ck" --port 8177 --max-streams 100000 \
+                          python3 -m pipecat_qwen_fast.cli serve --model "$ck" --port 8177 --max-streams 100000 ${SERVE_ARGS:-} \
                               > "$out/serve-procs.log" 2>&1 &
                           spid=$!
                           wait_warm

@@ -38,7 +38,8 @@ def build_app(settings: ServerSettings, service: Any = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if ctx.service is None:
-            ctx.service = start_engine(settings)
+            # The engine process's collections go into the same histogram as this one's.
+            ctx.service = start_engine(settings, on_gc=ctx.metrics.observe_gc)
         watcher = asyncio.create_task(report_load(ctx, on_load_failure))
         if settings.wait_ready_on_startup:
             await ctx.service.wait_ready()
@@ -70,9 +71,19 @@ def build_app(settings: ServerSettings, service: Any = None,
     return app
 
 
-def start_engine(settings: ServerSettings) -> Any:
-    """An EngineService that loads the model on its own thread and warms it up before it is
-    ready (on CPU too, where loading alone would skip warm-up)."""
+def start_engine(settings: ServerSettings, on_gc: Callable[[int, float], None] | None = None) -> Any:
+    """The engine the app serves from, loading on its own thread and warmed up before it is ready
+    (on CPU too, where loading alone would skip warm-up): in a child process with
+    ``settings.engine_process`` (server/engine_process.py), else an EngineService in this one."""
+    if settings.engine_process:
+        from .engine_process import EngineProcess
+
+        return EngineProcess(settings, on_gc=on_gc)
+    return load_engine_service(settings)
+
+
+def load_engine_service(settings: ServerSettings) -> Any:
+    """An EngineService for ``settings`` (in whichever process calls it)."""
     from pipecat_qwen_fast import EngineService, QwenTTSEngine
 
     def load() -> Any:
@@ -80,7 +91,8 @@ def start_engine(settings: ServerSettings) -> Any:
                                              dtype=settings.dtype, backend=settings.backend,
                                              warmup=True, progress=False)
 
-    # Its own process: the heap frozen once loaded and once fully warm, on a CPU too (engine/heap.py).
+    # A process of its own: the heap frozen once loaded and once fully warm, on a CPU too
+    # (engine/heap.py).
     return EngineService(load, name=settings.model_name, freeze_heap=True)
 
 

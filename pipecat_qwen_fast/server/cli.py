@@ -39,6 +39,9 @@ def add_serve_parser(sub) -> None:
                             "OpenAI voice names (repeatable)")
     serve.add_argument("--served-model-name", default=None,
                        help="the model id /v1/models reports")
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                       help="run the engine in a child process, this one keeping the sockets, "
+                            "so that socket work never holds up the engine (default: off)")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     serve.set_defaults(func=cmd_serve)
@@ -60,7 +63,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, api_key=args.api_key, max_streams=args.max_streams,
             max_input_chars=args.max_input_chars, max_frames=args.max_frames,
             drain_timeout_s=args.drain_timeout, voice_aliases=parse_voice_aliases(args.voice_alias),
-            served_model_name=args.served_model_name, log_level=args.log_level)
+            served_model_name=args.served_model_name, log_level=args.log_level,
+            engine_process=args.engine_process)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -38,6 +38,8 @@ class ServerSettings:
             routes nothing to a replica that is still loading); standalone servers answer
             ``/health`` while they load.
         log_level: uvicorn's log level for the standalone server.
+        engine_process: run the engine in a child process of its own, this one keeping the
+            sockets (server/engine_process.py): the engine thread then has a GIL to itself.
     """
 
     model: str
@@ -58,6 +60,7 @@ class ServerSettings:
     served_model_name: str | None = None
     wait_ready_on_startup: bool = False
     log_level: str = "info"
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         if self.api_key is None:
