@@ -39,9 +39,10 @@ def add_serve_parser(sub) -> None:
                             "OpenAI voice names (repeatable)")
     serve.add_argument("--served-model-name", default=None,
                        help="the model id /v1/models reports")
-    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                        help="run the engine in a child process, this one keeping the sockets, "
-                            "so that socket work never holds up the engine (default: off)")
+                            "so that socket work never holds up the engine (default: on; "
+                            "--no-engine-process: one process)")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     serve.set_defaults(func=cmd_serve)

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from pipecat_qwen_fast.engine.heap import freeze_heap, release_heap
 from pipecat_qwen_fast.errors import EngineClosedError, InvalidInputError
 
 logger = logging.getLogger("pipecat_qwen_fast.server")
@@ -411,6 +412,12 @@ class EngineProcess:
         if state.get("failed"):
             self._ready.set_exception(state["error"])
         elif state.get("ready"):
+            # This process's own heap (torch and the app imported: ~400k objects) frozen too,
+            # before any stream: a full collection of it stalls every socket's audio at once
+            # (the H200's first engine-process run had 100-200 ms ones, 2026-11-28).
+            frozen = freeze_heap(collect=True, holder=id(self))
+            logger.info("server process: %d objects frozen out of the garbage collector's reach",
+                        frozen)
             self._ready.set_result(None)
 
     def _gone(self) -> None:
@@ -430,6 +437,7 @@ class EngineProcess:
                 future.set_exception(error)
 
     def _join(self) -> None:
+        release_heap(id(self))
         self._proc.join(STOP_TIMEOUT_S)
         if self._proc.is_alive():
             logger.warning("engine process did not stop in %.0f s; killing it", STOP_TIMEOUT_S)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import os
 import signal
 
@@ -51,6 +52,8 @@ async def test_engine_runs_in_a_child_process_and_speaks_as_in_process(proc_serv
     await ready(proc_server)
     service = proc_server.ctx.service
     assert service.pid not in (None, os.getpid())
+    # The server's own heap is frozen too, once the engine is ready (no long full collections).
+    assert gc.get_freeze_count() > 0
     async with aiohttp.ClientSession() as http, http.ws_connect(proc_server.ws_url) as ws:
         await ws.send_json({**CONFIG, "seed": 3})
         for piece in ("One sentence here. Ano", "ther one follows."):
