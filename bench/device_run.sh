@@ -152,7 +152,8 @@ PY
                           kill -TERM $spid; wait $spid ;;
             fleet-open) python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet-open" \
                             --mode open --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
-            server-latency) python3 -m pipecat_qwen_fast.cli bench server-latency --model "$ck" --out "$out/server" ;;
+            server-latency) python3 -m pipecat_qwen_fast.cli bench server-latency --model "$ck" --out "$out/server" \
+                                ${LATENCY_ARGS:-} ;;  # LATENCY_ARGS=--engine-process: the server's engine in a child
             prefill-modes) timeout -s INT "$(( $(left) - 5 ))" python3 bench/probes/prefill_modes.py \
                                --out "$out/prefill_modes" ;;
             open-profile) timeout -s INT "$(( $(left) - 5 ))" python3 bench/probes/open_profile.py \

@@ -31,9 +31,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_in_thread(service, model, device: str, backend: str, max_streams: int = 32):
+def serve_in_thread(service, model, device: str, backend: str, max_streams: int = 32,
+                    engine_process: bool = False):
     """The server app over `service`, on a free loopback port in a thread: (server, thread, port).
-    Stop it with `server.should_exit = True` and a join of the thread."""
+    With `engine_process` (and service None) the server loads its own engine in a child process,
+    as `serve` does, and this returns once that engine is fully warm. Stop it with
+    `server.should_exit = True` and a join of the thread."""
     import uvicorn
 
     from pipecat_qwen_fast.server.app import build_app
@@ -41,7 +44,8 @@ def serve_in_thread(service, model, device: str, backend: str, max_streams: int 
 
     port = free_port()
     settings = ServerSettings(model=str(model), device=device, backend=backend, host="127.0.0.1",
-                              port=port, log_level="warning", max_streams=max_streams)
+                              port=port, log_level="warning", max_streams=max_streams,
+                              engine_process=engine_process)
     config = uvicorn.Config(build_app(settings, service), host="127.0.0.1", port=port,
                             log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
@@ -53,7 +57,24 @@ def serve_in_thread(service, model, device: str, backend: str, max_streams: int 
         time.sleep(0.05)
     if not server.started:
         raise RuntimeError("the server did not start within 20 s")
+    if engine_process:
+        wait_fully_warm(port)
     return server, thread, port
+
+
+def wait_fully_warm(port: int, timeout_s: float = 900.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
+                if json.load(r).get("fully_warm"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server's engine process was not fully warm within {timeout_s:.0f} s")
 
 
 async def in_process(service, voice: str | None, frames: int) -> float:
@@ -163,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--frames", type=int, default=8, help="frames each request makes (the first chunk is one)"
     )
+    p.add_argument(
+        "--engine-process", action="store_true",
+        help="the server loads its own engine in a child process, as `serve` does (a second "
+        "engine on the device); in-process requests keep this process's engine",
+    )
     args = p.parse_args(argv)
 
     import torch
@@ -179,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     service = EngineService(load, name="server-latency")
     service.wait_ready_blocking()
     voice = service.engine.voices[0] if service.engine.voices else None
-    server, thread, port = serve_in_thread(service, args.model, args.device, args.backend)
+    server, thread, port = serve_in_thread(None if args.engine_process else service, args.model,
+                                           args.device, args.backend,
+                                           engine_process=args.engine_process)
 
     async def run() -> dict:
         # The service's async API binds to the loop it is used from: this one.
@@ -196,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
             "backend": args.backend,
             "frames": args.frames,
+            "server_engine": "child process" if args.engine_process else "the same EngineService",
             "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         }
     )

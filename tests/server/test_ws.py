@@ -305,7 +305,10 @@ async def test_clients_gone_as_their_refused_turns_end_leave_no_slot(endless_ser
     """Turns the engine refuses (admission by round time), each client hanging up on the refusal:
     the server sends session.done into a closing socket, and the turns' slots still
     come back (an H200 fleet run ended with 129 slots held by such turns)."""
-    held = endless_service.open_stream(SynthesisRequest(LONG_TEXT, voice=VOICE, max_frames=400))
+    # Long enough to outlast the 20 refusals on a loaded 2-core machine (the full suite once saw
+    # a turn admitted: the held stream had ended, and with no live stream nothing is refused).
+    held = endless_service.open_stream(SynthesisRequest(" ".join([LONG_TEXT] * 4), voice=VOICE,
+                                                        max_frames=2000))
     saved = endless_service._max_round_ms
     try:
         await eventually(lambda: endless_service.round_ms > 0, what="a round")
