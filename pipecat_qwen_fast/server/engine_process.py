@@ -152,9 +152,13 @@ class RemoteStream:
         return self._words
 
     def cancel(self) -> None:
-        if not self._close_sent:
-            self._close_sent = True
+        if self._close_sent or self._closed.is_set():
+            return
+        self._close_sent = True
+        try:
             self._owner._send(("close", self._sid))
+        except EngineClosedError:  # the engine process is gone: nothing left to free
+            self._mark_closed()
 
     async def aclose(self) -> None:
         """Cancel the stream if it runs; return once the engine process has freed its session."""

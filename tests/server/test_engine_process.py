@@ -48,6 +48,18 @@ async def ready(srv) -> None:
     raise TimeoutError("the engine process did not get ready")
 
 
+async def start_long_turn(ws) -> None:
+    """A turn of 400 frames on `ws`, returned once its first audio is in."""
+    await ws.send_json({**CONFIG, "max_new_tokens": 400})
+    await ws.send_json({"type": "input.text", "text": LONG_TEXT})
+    await ws.send_json({"type": "input.done"})
+    for _ in range(MAX_MESSAGES):
+        msg = await ws.receive(timeout=TIMEOUT)
+        if msg.type is aiohttp.WSMsgType.BINARY:
+            return
+    raise AssertionError("no audio")
+
+
 async def test_engine_runs_in_a_child_process_and_speaks_as_in_process(proc_server, endless_service):
     await ready(proc_server)
     service = proc_server.ctx.service
@@ -96,14 +108,9 @@ async def test_socket_that_leaves_mid_stream_frees_the_child_session(proc_server
     await ready(proc_server)
     service = proc_server.ctx.service
     async with aiohttp.ClientSession() as http, http.ws_connect(proc_server.ws_url) as ws:
-        await ws.send_json({**CONFIG, "max_new_tokens": 400})
-        await ws.send_json({"type": "input.text", "text": LONG_TEXT})
-        await ws.send_json({"type": "input.done"})
-        for _ in range(MAX_MESSAGES):
-            msg = await ws.receive(timeout=TIMEOUT)
-            if msg.type is aiohttp.WSMsgType.BINARY:
-                break
-        assert service.admitted_streams >= 0
+        await start_long_turn(ws)
+        # The child counts the turn while it runs (its report comes every 0.2 s).
+        await eventually(lambda: service.admitted_streams == 1, what="the child's count")
     await eventually(lambda: settled(proc_server) and not service._streams,
                      what="the stream to be closed in the child")
     # The child's own count (reported every 0.2 s) comes back to zero: its session was freed.
@@ -145,13 +152,7 @@ async def test_a_dead_engine_process_ends_streams_cleanly_and_fails_health(endle
         await ready(srv)
         service = srv.ctx.service
         async with aiohttp.ClientSession() as http, http.ws_connect(srv.ws_url) as ws:
-            await ws.send_json({**CONFIG, "max_new_tokens": 400})
-            await ws.send_json({"type": "input.text", "text": LONG_TEXT})
-            await ws.send_json({"type": "input.done"})
-            for _ in range(MAX_MESSAGES):
-                msg = await ws.receive(timeout=TIMEOUT)
-                if msg.type is aiohttp.WSMsgType.BINARY:
-                    break
+            await start_long_turn(ws)
             os.kill(service.pid, signal.SIGKILL)
             items = await read_until_done(ws)
         errors = [e for e in events(items) if e["type"] == "error"]

@@ -110,9 +110,10 @@ async def test_a_server_that_loads_its_engine_freezes_the_heap(endless_path):
         gc.unfreeze()
 
 
-def test_server_exits_when_its_model_fails_to_load(tmp_path):
-    # The server loads its own engine here; the folder does not exist.
-    settings = settings_for(tmp_path / "no-such-model")
+@pytest.mark.parametrize("engine_process", [False, True], ids=["one-process", "engine-process"])
+def test_server_exits_when_its_model_fails_to_load(tmp_path, engine_process):
+    # The server loads its own engine here (in a child with engine_process); no such folder.
+    settings = settings_for(tmp_path / "no-such-model", engine_process=engine_process)
     with running(settings) as srv:
         srv.thread.join(LOAD_TIMEOUT)
         assert not srv.thread.is_alive() and srv.server.load_failed
