@@ -31,14 +31,13 @@ def attach(loop, conn, on_message, reader: str) -> None:
         loop.add_reader(conn.fileno(), readable)
         return
 
-    def read() -> None:
-        while True:
-            try:
-                msg = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):
-                return
-            loop.call_soon_threadsafe(on_message, msg)
-    threading.Thread(target=read, daemon=True).start()
+    # The engine process's own reader (server/engine_process.py).
+    from pipecat_qwen_fast.server.engine_process import pump
+
+    def on_batch(batch: list) -> None:
+        for msg in batch:
+            on_message(msg)
+    threading.Thread(target=pump, args=(conn, loop, on_batch, lambda: None), daemon=True).start()
 
 
 def child(conn, reader: str) -> None:

@@ -29,11 +29,9 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
-import os
 import pickle
 import signal
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -53,17 +51,44 @@ STOP_TIMEOUT_S = 30.0
 CALL_TIMEOUT_S = 120.0
 
 
-def dumps(msg: Any) -> bytes:
+# Where an "end" and a "reply" carry their exception.
+ERROR_AT = {"end": 2, "reply": 3}
+
+
+def dumps(msg: tuple) -> bytes:
     try:
         return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:
-        if msg and msg[0] == "end" and isinstance(msg[2], BaseException):
-            exc = msg[2]
-            return pickle.dumps((*msg[:2], RuntimeError(f"{type(exc).__name__}: {exc}"), msg[3]))
-        if msg and msg[0] == "reply" and isinstance(msg[3], BaseException):
-            exc = msg[3]
-            return pickle.dumps((*msg[:3], RuntimeError(f"{type(exc).__name__}: {exc}"), msg[4]))
-        raise
+        at = ERROR_AT.get(msg[0])
+        if at is None or not isinstance(msg[at], BaseException):
+            raise
+        exc = msg[at]  # one that does not pickle travels as its text
+        return dumps((*msg[:at], RuntimeError(f"{type(exc).__name__}: {exc}"), *msg[at + 1:]))
+
+
+def pump(conn: Any, loop: asyncio.AbstractEventLoop, on_batch: Any, on_eof: Any,
+         take: Any = None) -> None:
+    """A reader thread's body: messages off ``conn`` to ``on_batch(list)`` on ``loop``, batched
+    into one hop while more are waiting, then ``on_eof()`` once the pipe closes. ``take(msg)``
+    sees each message here first, in this thread."""
+    while True:
+        try:
+            batch = [pickle.loads(conn.recv_bytes())]
+            while len(batch) < 64 and conn.poll():
+                batch.append(pickle.loads(conn.recv_bytes()))
+        except (EOFError, OSError):
+            break
+        if take is not None:
+            for msg in batch:
+                take(msg)
+        try:
+            loop.call_soon_threadsafe(on_batch, batch)
+        except RuntimeError:  # the loop has closed
+            return
+    try:
+        loop.call_soon_threadsafe(on_eof)
+    except RuntimeError:
+        pass
 
 
 # -- the server's side -------------------------------------------------------------------------
@@ -87,7 +112,7 @@ class RemoteStream:
     a text stream; ``cancel``/``aclose``. ``record.opened`` turns true with the first chunk (the
     engine process does not report the prefill's end separately)."""
 
-    def __init__(self, owner: EngineProcess, sid: int, text_stream: bool) -> None:
+    def __init__(self, owner: EngineProcess, sid: int) -> None:
         self._owner = owner
         self._sid = sid
         self._items: collections.deque = collections.deque()
@@ -97,7 +122,6 @@ class RemoteStream:
         self._closed = asyncio.Event()
         self._close_sent = False
         self._words: list = []
-        self.text_stream = text_stream
         self.record = _Record()
 
     # engine -> here (on the server's loop)
@@ -228,7 +252,9 @@ class EngineProcess:
         self._stopping = False
         self._on_gc = on_gc
         self._view: _EngineView | None = None
-        self._reader = threading.Thread(target=self._read, name="qwen-tts-engine-pipe", daemon=True)
+        self._reader = threading.Thread(
+            target=pump, args=(self._conn, self._loop, self._dispatch, self._gone, self._take),
+            name="qwen-tts-engine-pipe", daemon=True)
         self._reader.start()
         atexit.register(self._kill)
         logger.info("engine process started (pid %d)", self._proc.pid)
@@ -245,7 +271,7 @@ class EngineProcess:
 
     @property
     def alive(self) -> bool:
-        return self._alive and not self._state.get("failed")
+        return self._alive and not self._state.get("failed") and self._state.get("alive", True)
 
     async def wait_ready(self) -> EngineProcess:
         await asyncio.shield(self._ready)
@@ -305,7 +331,7 @@ class EngineProcess:
         if not self.alive:
             raise EngineClosedError("the TTS engine process has stopped")
         sid = next(self._ids)
-        stream = self._streams[sid] = RemoteStream(self, sid, text_stream)
+        stream = self._streams[sid] = RemoteStream(self, sid)
         self._send(("open", sid, request, text_stream, idle_timeout_s))
         return stream
 
@@ -354,34 +380,19 @@ class EngineProcess:
             except (OSError, ValueError) as exc:  # the engine process is gone
                 raise EngineClosedError("the TTS engine process has stopped") from exc
 
-    def _read(self) -> None:
-        """The reader thread: messages, batched into one hop to the loop while more are waiting."""
-        conn, post = self._conn, self._loop.call_soon_threadsafe
-        while True:
-            try:
-                batch = [pickle.loads(conn.recv_bytes())]
-                while len(batch) < 64 and conn.poll():
-                    batch.append(pickle.loads(conn.recv_bytes()))
-            except (EOFError, OSError):
-                break
-            for msg in batch:  # replies are taken here: their waiters block a worker thread
-                if msg[0] == "reply":
-                    if msg[4] is not None:  # before the caller sees the result
-                        self._state["library"] = msg[4]
-                    future = self._calls.get(msg[1])
-                    if future is not None and not future.done():
-                        if msg[2]:
-                            future.set_result(msg[3])
-                        else:
-                            future.set_exception(msg[3])
-            try:
-                post(self._dispatch, batch)
-            except RuntimeError:  # the loop has closed
-                return
-        try:
-            post(self._gone)
-        except RuntimeError:
-            pass
+    def _take(self, msg: tuple) -> None:
+        """In the reader thread: a reply resolves its call here, whose waiter blocks a worker
+        thread (or, for a short call, the loop itself)."""
+        if msg[0] != "reply":
+            return
+        if msg[4] is not None:  # before the caller sees the result
+            self._state["library"] = msg[4]
+        future = self._calls.get(msg[1])
+        if future is not None and not future.done():
+            if msg[2]:
+                future.set_result(msg[3])
+            else:
+                future.set_exception(msg[3])
 
     def _dispatch(self, batch: list) -> None:
         streams = self._streams
@@ -498,8 +509,8 @@ class EngineHost:
         loop = asyncio.get_running_loop()
         stop_gc_watch = watch_gc(lambda generation, s: self.gc_pauses.append((generation, s)))
         self.service = load_engine_service(self.settings)
-        reader = threading.Thread(target=self.read, args=(loop,), name="qwen-tts-server-pipe",
-                                  daemon=True)
+        reader = threading.Thread(target=pump, args=(self.conn, loop, self.handle, self.stopped.set),
+                                  name="qwen-tts-server-pipe", daemon=True)
         reader.start()
         reporter = asyncio.create_task(self.report())
         try:
@@ -512,22 +523,11 @@ class EngineHost:
             stop_gc_watch()
             self.conn.close()
 
-    def read(self, loop: asyncio.AbstractEventLoop) -> None:
-        while True:
-            try:
-                msg = pickle.loads(self.conn.recv_bytes())
-            except (EOFError, OSError):
-                break
-            try:
-                loop.call_soon_threadsafe(self.handle, msg)
-            except RuntimeError:
-                return
-        try:
-            loop.call_soon_threadsafe(self.stopped.set)
-        except RuntimeError:
-            pass
+    def handle(self, batch: list) -> None:
+        for msg in batch:
+            self.handle_one(msg)
 
-    def handle(self, msg: tuple) -> None:
+    def handle_one(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "open":
             self.open(*msg[1:])
@@ -599,8 +599,8 @@ class EngineHost:
 
     def run_call(self, method: str, args: tuple, kwargs: dict) -> Any:
         engine = self.service.engine
-        if method == "create_voice":
-            return cpu_voice(engine.create_voice(*args, **kwargs))
+        if method == "create_voice":  # its tensors are on the CPU (voices/encoders.py)
+            return engine.create_voice(*args, **kwargs)
         if method == "remove_voice":
             engine.voice_library.remove(*args)
             return None
@@ -616,28 +616,21 @@ class EngineHost:
             return
         engine = service.engine
         library = engine.voice_library if service.model_type == "base" else None
-        info = {"ready": True, "model_type": service.model_type, "voices": list(service.voices),
-                "languages": list(service.languages), "sample_rate": service.sample_rate,
-                "pid": os.getpid()}
+        # What does not change goes once; the library's names change only by the server's
+        # calls, whose replies carry them.
+        state = {"ready": True, "model_type": service.model_type, "voices": list(service.voices),
+                 "languages": list(service.languages), "sample_rate": service.sample_rate,
+                 "library": library.names() if library is not None else []}
         while True:
             pauses, self.gc_pauses = self.gc_pauses, []
-            self.send(("state", {**info, "alive": service.alive, "rounds": service.rounds,
+            self.send(("state", {**state, "alive": service.alive, "rounds": service.rounds,
                                  "round_seconds": service.round_seconds,
                                  "round_ms": service.round_ms,
                                  "admitted": service.admitted_streams,
                                  "fully_warm": bool(getattr(engine, "fully_warm", True)),
-                                 "library": library.names() if library is not None else [],
-                                 "gc": pauses, "at": time.monotonic()}))
+                                 "gc": pauses}))
+            state = {}
             if not service.alive:
                 self.stopped.set()
                 return
             await asyncio.sleep(STATE_INTERVAL_S)
-
-
-def cpu_voice(voice: Any) -> Any:
-    """The Voice with its tensors on the CPU: pickled to the server, which never uses the GPU."""
-    prompt = voice.prompt
-    moved = dataclasses.replace(
-        prompt, x_vector=prompt.x_vector.detach().cpu(),
-        ref_codes=None if prompt.ref_codes is None else prompt.ref_codes.detach().cpu())
-    return dataclasses.replace(voice, prompt=moved)

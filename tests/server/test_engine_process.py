@@ -25,6 +25,8 @@ from .test_ws import (
     events,
     read_until_done,
     reference_pcm,
+    send_turn,
+    sentence_pcm,
 )
 from .test_ws_streamed import speak_pieces
 
@@ -68,14 +70,9 @@ async def test_engine_runs_in_a_child_process_and_speaks_as_in_process(proc_serv
     assert gc.get_freeze_count() > 0
     async with aiohttp.ClientSession() as http, http.ws_connect(proc_server.ws_url) as ws:
         await ws.send_json({**CONFIG, "seed": 3})
-        for piece in ("One sentence here. Ano", "ther one follows."):
-            await ws.send_json({"type": "input.text", "text": piece})
-        await ws.send_json({"type": "input.done"})
+        await send_turn(ws, "One sentence here. Ano", "ther one follows.")
         items = await read_until_done(ws)
-    kinds = ["audio" if isinstance(i, bytes) else i["type"] for i in items]
-    first_done = kinds.index("audio.done")
-    first = b"".join(i for i in items[1:first_done] if isinstance(i, bytes))
-    second = b"".join(i for i in items[first_done + 2:-2] if isinstance(i, bytes))
+    first, second = sentence_pcm(items)
     assert items[-1] == {"type": "session.done", "total_sentences": 2}
     assert first == await reference_pcm(endless_service, "One sentence here.", 3, 12)
     assert second == await reference_pcm(endless_service, "Another one follows.", 3, 12)

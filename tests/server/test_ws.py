@@ -56,6 +56,23 @@ def events(items: list) -> list[dict]:
     return [i for i in items if isinstance(i, dict)]
 
 
+async def send_turn(ws, *pieces: str) -> None:
+    for piece in pieces:
+        await ws.send_json({"type": "input.text", "text": piece})
+    await ws.send_json({"type": "input.done"})
+
+
+def sentence_pcm(items: list) -> list[bytes]:
+    """Each sentence's audio: the bytes between its audio.start and its audio.done."""
+    out: list[bytes] = []
+    for item in items:
+        if isinstance(item, dict) and item["type"] == "audio.start":
+            out.append(b"")
+        elif isinstance(item, bytes):
+            out[-1] += item
+    return out
+
+
 async def reference_pcm(service, text: str, seed: int, max_frames: int) -> bytes:
     request = SynthesisRequest(text, voice=VOICE, seed=seed, max_frames=max_frames)
     pcm = await asyncio.wait_for(service.synthesize(request), TIMEOUT)
@@ -111,9 +128,7 @@ async def test_protocol_messages_in_order_and_audio_equal_to_in_process(server, 
         # An empty flush (the client's keepalive) answers at once with no sentences.
         await ws.send_json({"type": "input.done"})
         assert events(await read_until_done(ws)) == [{"type": "session.done", "total_sentences": 0}]
-        for piece in ("One sentence here. Ano", "ther one follows."):
-            await ws.send_json({"type": "input.text", "text": piece})
-        await ws.send_json({"type": "input.done"})
+        await send_turn(ws, "One sentence here. Ano", "ther one follows.")
         items = await read_until_done(ws)
     kinds = ["audio" if isinstance(i, bytes) else i["type"] for i in items]
     first_done = kinds.index("audio.done")
@@ -126,8 +141,7 @@ async def test_protocol_messages_in_order_and_audio_equal_to_in_process(server, 
             for e in starts] == [(0, "One sentence here.", "pcm", 24000),
                                  (1, "Another one follows.", "pcm", 24000)]
     dones = [e for e in events(items) if e["type"] == "audio.done"]
-    first = b"".join(i for i in items[1:first_done] if isinstance(i, bytes))
-    second = b"".join(i for i in items[first_done + 2:-2] if isinstance(i, bytes))
+    first, second = sentence_pcm(items)
     assert dones == [
         {"type": "audio.done", "sentence_index": 0, "total_bytes": len(first), "error": False},
         {"type": "audio.done", "sentence_index": 1, "total_bytes": len(second), "error": False}]
