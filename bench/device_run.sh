@@ -89,6 +89,10 @@ PY
 {
     echo "== $(date -u '+%F %T UTC') commit $BENCH_COMMIT steps: $*"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+    # Every process's CPU share every 5 s, and the CPU topology (cpu/cpu.jsonl; bench/probes/cpu_watch.py).
+    mkdir -p "$out/cpu"
+    python3 bench/probes/cpu_watch.py --out "$out/cpu/cpu.jsonl" &
+    cwpid=$!
     for step in "$@"; do
         echo "== step $step at $(( $(date +%s) - t0 )) s, $(left) s left"
         case $step in
@@ -209,10 +213,12 @@ from livekit.plugins import qwen_fast' ;;
                            s[e]+=$1} END {for (e in s) printf "%10d %s\n", s[e]/1024, e}' | sort -rn | head -15
                        tar cf - -C "$QWEN_FAST_CACHE" . | xz -T0 -6 | split -b 15M -a 2 - "$out/cache.txz.part-"
                        ls -l "$out"/cache.txz.part-* ;;
-            pack) (cd "$out" && find . -mindepth 1 -maxdepth 1 -type d -printf '%P\n' \
+            pack) kill $cwpid 2>/dev/null; wait $cwpid 2>/dev/null
+                  (cd "$out" && find . -mindepth 1 -maxdepth 1 -type d -printf '%P\n' \
                        | tar czf results.tgz -T - --remove-files) && ls -l "$out/results.tgz" ;;
             *) echo "unknown step $step" ;;
         esac
         echo "== step $step exit $? at $(( $(date +%s) - t0 )) s"
     done
+    kill $cwpid 2>/dev/null
 } 2>&1 | tee "$out/device.log"

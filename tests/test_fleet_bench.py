@@ -388,8 +388,9 @@ def served(endless):
 @pytest.mark.timeout(300)
 def test_sweep_against_a_server_of_another_process(served, tmp_path):
     """--server-url: callers on a running server's WebSocket, with no engine in the benchmark's own
-    process (the run issue 38 makes through Ray Serve's proxy); its rounds' count and mean wall
-    time from the server's /metrics, the split into decode and vocoder not being published."""
+    process (the run issue 38 makes through Ray Serve's proxy); its rounds' count, mean wall time
+    and streams a round from the server's /metrics, the split into decode and vocoder not being
+    published."""
     out = tmp_path / "fleet-url"
     rc = fleet.main([
         "--server-url", served, "--voice", "ryan", "--text-mode", "dual_track",
@@ -405,6 +406,8 @@ def test_sweep_against_a_server_of_another_process(served, tmp_path):
     rounds = level["rounds"]
     assert rounds["source"] == "server /metrics" and rounds["rounds"] >= 10
     assert 0 < rounds["wall_ms_mean"] < 2500 and 0 < rounds["busy_fraction"] <= 1.0
+    # Two callers: a round steps one or both of them.
+    assert 1.0 <= rounds["streams_per_round_mean"] <= 2.0
     assert " (server's /metrics: " in (out / "fleet.md").read_text()
     # The event loops' lag: the server's from its /metrics, the callers' (all in this process) here.
     lag = level["loop_lag"]

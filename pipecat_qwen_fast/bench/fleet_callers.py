@@ -37,7 +37,6 @@ from pipecat_qwen_fast.bench.fleet_workload import (
     parse_metrics,
     playback_end,
     poisson_arrivals,
-    server_rounds,
 )
 from pipecat_qwen_fast.engine.request import SynthesisRequest
 
@@ -146,11 +145,6 @@ class ServerEndpoint(InProcessEndpoint):
                 return parse_metrics(await response.text())
         except aiohttp.ClientError:
             return None
-
-    async def read_rounds(self) -> tuple[float, float] | None:
-        """The server's engine rounds so far and their summed seconds, from its /metrics (a
-        server in another process), or None where it does not publish them."""
-        return server_rounds(await self.read_metrics())
 
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -31,8 +31,10 @@ def _rounds_cell(lv: dict) -> str:
     if not r:
         return "n/a"
     if "decode_ms_mean" not in r:  # a server's /metrics: the wall time only
-        return (f"{_fmt(r['wall_ms_mean'], 2)} (server's /metrics: {r['rounds']} rounds, busy "
-                f"{_fmt(100 * (r['busy_fraction'] or 0), 0)} %)")
+        streams = r.get("streams_per_round_mean")
+        return (f"{_fmt(r['wall_ms_mean'], 2)} (server's /metrics: {r['rounds']} rounds"
+                + (f", {_fmt(streams, 0)} streams" if streams is not None else "")
+                + f", busy {_fmt(100 * (r['busy_fraction'] or 0), 0)} %)")
     return (f"{_fmt(r['wall_ms_mean'], 2)}: {_fmt(r['decode_ms_mean'], 2)} / {_fmt(r['vocoder_ms_mean'], 2)} / "
             f"{_fmt(r['prefill_ms_mean'], 2)} / {_fmt(r['host_ms_mean'], 2)} ({_fmt(r['streams_per_round_mean'], 0)} "
             f"streams, busy {_fmt(100 * (r['busy_fraction'] or 0), 0)} %)")

@@ -209,18 +209,21 @@ def summarize_rounds(rounds: list, level_wall_s: float) -> dict | None:
     }
 
 
-def served_rounds(before: tuple[float, float], after: tuple[float, float] | None,
+def served_rounds(before: tuple[float, ...], after: tuple[float, ...] | None,
                   level_wall_s: float) -> dict | None:
-    """A level's rounds from a server's /metrics counters (rounds, seconds) read before and after
-    it: their count and mean wall time, the split into decode and vocoder not being published."""
+    """A level's rounds from a server's /metrics counters (rounds, seconds, streams stepped) read
+    before and after it: their count, mean wall time and streams a round (where the server
+    publishes them), the split into decode and vocoder not being published."""
     if after is None:
         return None
     n, seconds = after[0] - before[0], after[1] - before[1]
     if n <= 0:
         return None
+    streams = after[2] - before[2] if after[2] is not None and before[2] is not None else None
     return {
         "rounds": int(n),
         "wall_ms_mean": 1e3 * seconds / n,
+        "streams_per_round_mean": None if streams is None else streams / n,
         "busy_fraction": seconds / level_wall_s if level_wall_s > 0 else None,
         "source": "server /metrics",
     }
@@ -250,13 +253,15 @@ def parse_metrics(text: str) -> dict[str, float]:
     return series
 
 
-def server_rounds(metrics: dict[str, float] | None) -> tuple[float, float] | None:
-    """A server's engine rounds so far and their summed seconds, from its /metrics samples."""
+def server_rounds(metrics: dict[str, float] | None) -> tuple[float, float, float | None] | None:
+    """A server's engine rounds so far, their summed seconds and the streams they stepped (None
+    from a server that does not publish it), from its /metrics samples."""
     if metrics is None:
         return None
     rounds = metrics.get("qwen_tts_engine_rounds_total")
     seconds = metrics.get("qwen_tts_engine_round_seconds_total")
-    return None if rounds is None or seconds is None else (rounds, seconds)
+    streams = metrics.get("qwen_tts_engine_round_streams_total")
+    return None if rounds is None or seconds is None else (rounds, seconds, streams)
 
 
 LOOP_LAG_METRIC = "qwen_tts_event_loop_lag_seconds"

@@ -399,6 +399,7 @@ class EngineService:
         # an interval is the quotient of the two deltas.
         self.rounds = 0
         self.round_seconds = 0.0
+        self.round_streams = 0  # sessions stepped, summed over those rounds (streams a round: the quotient)
         # Streams handed in and not yet ended: counted here rather than from the lists, which a
         # stream leaves while the engine thread opens it.
         self._admitted = 0
@@ -721,6 +722,7 @@ class EngineService:
                 self.round_ms = smoothed_round_ms(self.round_ms, ms, self.max_round_ms)
                 self.rounds += 1
                 self.round_seconds += ms / 1e3
+                self.round_streams += len(ready)
                 if timer is not None:
                     timer.end(len(ready))
             elif self._waiting and not self._active:

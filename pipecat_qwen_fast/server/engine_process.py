@@ -313,6 +313,10 @@ class EngineProcess:
         return self._state.get("round_seconds", 0.0)
 
     @property
+    def round_streams(self) -> int:
+        return self._state.get("round_streams", 0)
+
+    @property
     def round_ms(self) -> float:
         return self._state.get("round_ms", 0.0)
 
@@ -625,6 +629,7 @@ class EngineHost:
             pauses, self.gc_pauses = self.gc_pauses, []
             self.send(("state", {**state, "alive": service.alive, "rounds": service.rounds,
                                  "round_seconds": service.round_seconds,
+                                 "round_streams": service.round_streams,
                                  "round_ms": service.round_ms,
                                  "admitted": service.admitted_streams,
                                  "fully_warm": bool(getattr(engine, "fully_warm", True)),

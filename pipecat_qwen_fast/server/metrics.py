@@ -130,6 +130,10 @@ class EngineRounds:
                                       "Wall time of the engine rounds that ran frames.")
         seconds.add_metric([], float(service.round_seconds))
         yield seconds
+        streams = CounterMetricFamily("qwen_tts_engine_round_streams",
+                                      "Streams stepped a frame, summed over the engine rounds.")
+        streams.add_metric([], float(service.round_streams))
+        yield streams
         yield GaugeMetricFamily("qwen_tts_engine_round_ms", "The smoothed round wall time that "
                                 "admission compares with max_round_ms.",
                                 value=float(service.round_ms))

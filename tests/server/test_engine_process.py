@@ -90,6 +90,7 @@ async def test_engine_runs_in_a_child_process_and_speaks_as_in_process(proc_serv
                    for s in f.samples}
     assert samples["qwen_tts_engine_rounds_total"] > 0
     assert samples["qwen_tts_engine_round_seconds_total"] > 0
+    assert samples["qwen_tts_engine_round_streams_total"] >= samples["qwen_tts_engine_rounds_total"]
 
 
 async def test_streamed_text_turn_and_its_word_times_equal_in_process(proc_server, server):

@@ -131,6 +131,7 @@ async def test_metrics_count_streams_audio_first_audio_refusals_and_errors(endle
                 assert fresh[("qwen_tts_audio_seconds_total", e)] == 0
             rounds_before = fresh[("qwen_tts_engine_rounds_total", ())]
             seconds_before = fresh[("qwen_tts_engine_round_seconds_total", ())]
+            streams_before = fresh[("qwen_tts_engine_round_streams_total", ())]
             ok = await http.post("/v1/audio/speech", json={
                 "input": "Count me.", "voice": VOICE, "response_format": "pcm",
                 "max_new_tokens": 12})
@@ -166,6 +167,8 @@ async def test_metrics_count_streams_audio_first_audio_refusals_and_errors(endle
         # The engine's rounds: two streams of 12 frames took at least 12 rounds, and time.
         assert m[("qwen_tts_engine_rounds_total", ())] - rounds_before >= 12
         assert m[("qwen_tts_engine_round_seconds_total", ())] > seconds_before
+        # Each of those rounds stepped one or both streams: 24 frames in all.
+        assert m[("qwen_tts_engine_round_streams_total", ())] - streams_before == 24
         assert m[("qwen_tts_engine_round_ms", ())] > 0
         # The event loop's lag, sampled every 10 ms while the server ran (seconds, here).
         lag_count = m[("qwen_tts_event_loop_lag_seconds_count", ())]
