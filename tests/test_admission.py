@@ -12,6 +12,7 @@ from helpers_service import open_together
 
 from pipecat_qwen_fast import EngineOverloadedError, QwenTTSEngine, SynthesisRequest
 from pipecat_qwen_fast.engine.service import EngineService, smoothed_round_ms
+from pipecat_qwen_fast.engine.slack import SLACK_HOLD_S, PlaybackClock, SlackWatch, describe_slack
 
 CPU = {"device": "cpu", "dtype": "float32", "backend": "torch"}
 TIMEOUT = 120
@@ -120,6 +121,109 @@ async def test_one_stalled_round_does_not_refuse_the_next_call(engine):
         pcm = await asyncio.wait_for(service.synthesize(SynthesisRequest("Next.", seed=3, max_frames=3)), TIMEOUT)
         assert len(pcm) == 3 * 1920
         await live.aclose()
+
+
+def test_a_chunks_slack_is_its_playback_time_less_its_arrival():
+    clock = PlaybackClock()
+    assert clock.arrive(10.0, 0.08) is None  # the first chunk starts playback: no slack
+    assert clock.arrive(10.05, 0.16) == pytest.approx(0.03)  # due at 10.08
+    assert clock.arrive(10.30, 0.32) == pytest.approx(-0.06)  # due at 10.24: 60 ms late
+    # The listener resumed at the late chunk, so the next is due at 10.30 + 0.32, not 10.56.
+    assert clock.arrive(10.50, 0.08) == pytest.approx(0.12)
+    clock.restart()
+    assert clock.arrive(20.0, 0.08) is None
+
+
+def test_a_chunk_under_the_margin_holds_admission_for_a_while():
+    watch = SlackWatch(0.02)
+    watch.note(0.05, 100.0)
+    assert watch.low_chunks == 0 and not watch.holding(100.0)
+    watch.note(0.01, 100.1)
+    assert watch.low_chunks == 1 and watch.last_low_s == 0.01
+    assert watch.holding(100.1 + SLACK_HOLD_S - 0.01) and not watch.holding(100.1 + SLACK_HOLD_S)
+    watch.note(-0.03, 100.4)  # a later one renews the hold
+    assert watch.low_chunks == 2 and watch.holding(100.4 + SLACK_HOLD_S - 0.01)
+    # The lowest slack of the last one to two 1 s windows.
+    assert watch.lowest_ms(100.5) == pytest.approx(-30.0)
+    assert watch.lowest_ms(101.05) == pytest.approx(-30.0)
+    watch.note(0.2, 101.1)  # opens a window; the one before still counts for a second
+    assert watch.lowest_ms(101.2) == pytest.approx(-30.0)
+    assert watch.lowest_ms(102.2) == pytest.approx(200.0)
+    assert watch.lowest_ms(103.2) is None
+    off = SlackWatch(None)  # no margin: watched, never low, never holding
+    off.note(-1.0, 5.0)
+    assert off.low_chunks == 0 and not off.holding(5.0) and off.lowest_ms(5.0) == pytest.approx(-1000.0)
+    assert describe_slack(-0.012) == "12.0 ms after its playback time"
+    assert describe_slack(0.0155) == "15.5 ms before its playback time"
+
+
+async def test_a_chunk_near_its_playback_refuses_new_streams_while_streams_are_live(engine):
+    # A margin no chunk meets: every chunk after a stream's first counts as low. With a stream
+    # live, the next is refused, naming min_slack_ms; once nothing is live, one is admitted.
+    async with EngineService.for_engine(engine, max_round_ms=None, min_slack_ms=1e7) as service:
+        await service.wait_ready()
+        live = service.open_stream(SynthesisRequest("Live.", seed=1, max_frames=200))
+        for _ in range(3):
+            await asyncio.wait_for(live.__anext__(), TIMEOUT)
+        assert service.low_slack_chunks >= 2  # counted before a reader sees the chunk
+        with pytest.raises(EngineOverloadedError, match="min_slack_ms") as err:
+            service.open_stream(SynthesisRequest("Refused.", seed=2, max_frames=3))
+        assert "playback time" in str(err.value) and err.value.retry_after_s > 0
+        await live.aclose()
+        pcm = await asyncio.wait_for(service.synthesize(SynthesisRequest("Next.", seed=3, max_frames=3)), TIMEOUT)
+        assert len(pcm) == 3 * 1920
+    # Off: the same sequence is admitted; slack is still watched.
+    async with EngineService.for_engine(engine, max_round_ms=None, min_slack_ms=None) as service:
+        await service.wait_ready()
+        live = service.open_stream(SynthesisRequest("Live.", seed=1, max_frames=200))
+        for _ in range(3):
+            await asyncio.wait_for(live.__anext__(), TIMEOUT)
+        admitted = service.open_stream(SynthesisRequest("Admitted.", seed=2, max_frames=3))
+        assert sum([c.num_frames async for c in admitted]) == 3
+        assert service.low_slack_chunks == 0 and service.lowest_slack_ms is not None
+        await live.aclose()
+    # "auto" is off away from a GPU, and the margin is checked.
+    async with EngineService.for_engine(engine) as service:
+        await service.wait_ready()
+        assert service.min_slack_ms is None
+    for bad in ("fast", float("nan"), True):
+        with pytest.raises(ValueError, match="min_slack_ms"):
+            EngineService.for_engine(engine, min_slack_ms=bad)
+
+
+async def test_a_reader_that_falls_behind_does_not_count_as_low_slack(engine):
+    # One chunk buffered at most: each chunk waits for the slow reader, so the engine holds the
+    # stream back and the next chunk starts its playback afresh rather than counting as late.
+    async with EngineService.for_engine(engine, max_round_ms=None, min_slack_ms=1e7,
+                                        max_buffered_chunks=1) as service:
+        await service.wait_ready()
+        stream = service.open_stream(SynthesisRequest("Slow reader.", seed=1, max_frames=12))
+        frames = 0
+        while True:
+            await asyncio.sleep(0.2)  # the engine sees a full buffer before each read
+            try:
+                frames += (await asyncio.wait_for(stream.__anext__(), TIMEOUT)).num_frames
+            except StopAsyncIteration:
+                break
+        assert frames == 12
+        assert service.low_slack_chunks == 0
+
+
+async def test_streamed_text_turns_are_not_measured(engine):
+    # Their chunks wait for their text, which says nothing about the engine.
+    async with EngineService.for_engine(engine, max_round_ms=None, min_slack_ms=1e7) as service:
+        await service.wait_ready()
+        turn = service.open_text_stream(SynthesisRequest("", seed=1, max_frames=12))
+        turn.append("Some words arrive ")
+        turn.append("while it speaks.")
+        turn.end()
+        chunks = await asyncio.wait_for(collect(turn), TIMEOUT)
+        assert len(chunks) > 2
+        assert service.low_slack_chunks == 0
+
+
+async def collect(stream) -> list:
+    return [c async for c in stream]
 
 
 async def test_streams_ahead_of_playback_sit_out_rounds_under_contention(engine):

@@ -82,7 +82,7 @@ def test_vocoder_side_resolves_in_order_and_drops_on_failure():
     told = []
     chunks = [DeferredChunk(0, 1, np.zeros((1, 16), np.int64)), DeferredChunk(4, 2, np.zeros((2, 16), np.int64))]
     for c in chunks:
-        c.on_resolved = lambda c=c: told.append(c)
+        c.on_resolved = told.append
     pcm = torch.arange(2 * 2 * 1920, dtype=torch.int16).view(2, 2 * 1920)  # a call of 2 rows x 2 frames
     side.add(pcm, None, 2, [(0, chunks[0]), (1, chunks[1])], keep=())
     later = DeferredChunk(6, 2, np.zeros((2, 16), np.int64))
@@ -108,3 +108,31 @@ async def test_a_reader_skips_a_dropped_chunk(engine):
         assert not reader.done(), "a reader waits for a chunk whose audio is still being made"
         pending.drop()
         assert await asyncio.wait_for(reader, TIMEOUT) is real
+
+
+async def test_deferred_chunks_count_their_slack_once_each(engine):
+    # A margin no chunk meets: every chunk after a stream's first is low, deferred ones included.
+    async with EngineService.for_engine(engine, overlap_vocoder=True, max_lead_s=None, max_round_ms=None,
+                                        min_slack_ms=1e7) as service:
+        await service.wait_ready()
+        resolved = engine.vocoder_side.resolved_calls
+        got = await collect_all(open_together(service, REQUESTS), TIMEOUT)
+        assert engine.vocoder_side.resolved_calls > resolved  # some chunks were deferred
+        assert service.low_slack_chunks == sum(len(chunks) - 1 for chunks in got)
+
+
+async def test_a_deferred_chunks_slack_is_taken_when_its_audio_comes(engine):
+    async with EngineService.for_engine(engine, min_slack_ms=1e7) as service:
+        await service.wait_ready()
+        stream = SynthesisStream(service, SynthesisRequest("Unused."), 0)  # not handed to the engine
+        stream._audio_arrived(1)  # its first chunk: playback starts, no slack
+        pending = DeferredChunk(1, 2, np.zeros((2, 16), np.int64))
+        lost = DeferredChunk(3, 1, np.zeros((1, 16), np.int64))
+        for chunk in (pending, lost):
+            chunk.on_resolved = stream._deferred_resolved
+            stream._post(chunk)
+        assert service.low_slack_chunks == 0, "no audio yet, no slack"
+        pending.resolve(torch.zeros(1, 2 * 1920, dtype=torch.int16), 0, 2)
+        assert service.low_slack_chunks == 1
+        lost.drop()  # no audio: nothing to measure
+        assert service.low_slack_chunks == 1

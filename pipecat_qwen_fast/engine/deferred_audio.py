@@ -43,7 +43,7 @@ def row_chunk(pcm: Tensor, row: int, call_frames: int, frame_index: int, num_fra
 @dataclass(eq=False)
 class DeferredChunk:
     """A chunk whose audio is still being made: `chunk` is None until the engine resolves it,
-    then calls `on_resolved` (set by whoever posted the placeholder) on the engine's thread. A
+    then calls `on_resolved(self)` (set by whoever posted the placeholder) on the engine's thread. A
     chunk whose call can no longer complete (a device fault) is `dropped` instead: a reader skips
     it rather than wait for it."""
 
@@ -52,7 +52,7 @@ class DeferredChunk:
     codes: np.ndarray
     chunk: AudioChunk | None = None
     dropped: bool = False
-    on_resolved: Callable[[], None] | None = None
+    on_resolved: Callable[[DeferredChunk], None] | None = None
 
     @property
     def settled(self) -> bool:
@@ -69,7 +69,7 @@ class DeferredChunk:
 
     def _notify(self) -> None:
         if self.on_resolved is not None:
-            self.on_resolved()
+            self.on_resolved(self)
 
 
 @dataclass(eq=False)

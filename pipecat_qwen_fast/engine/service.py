@@ -27,6 +27,7 @@ import collections
 import concurrent.futures
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -40,6 +41,7 @@ import numpy as np
 from pipecat_qwen_fast.engine.deferred_audio import DeferredChunk
 from pipecat_qwen_fast.engine.heap import freeze_heap, release_heap
 from pipecat_qwen_fast.engine.request import SynthesisRequest, chunk_target, round_budget_ms
+from pipecat_qwen_fast.engine.slack import MIN_SLACK_MS, PlaybackClock, SlackWatch, describe_slack
 from pipecat_qwen_fast.engine.text_session import DEFAULT_IDLE_TIMEOUT_S
 from pipecat_qwen_fast.errors import EngineClosedError, EngineOverloadedError, NoFreeSlotError
 
@@ -188,6 +190,7 @@ class SynthesisStream:
         self.session: Any = None
         self._first_post_at: float | None = None  # engine thread: when its first chunk was posted
         self._audio_posted_s = 0.0
+        self._playback = PlaybackClock()  # engine thread: for the slack of its chunks (slack.py)
 
     def lead(self, now: float) -> float:
         """Seconds of audio posted ahead of its playback, which starts at the first chunk and
@@ -317,10 +320,28 @@ class SynthesisStream:
     def _buffered(self) -> int:
         return len(self._items)
 
-    def _deferred_resolved(self) -> None:
-        """Engine thread: a DeferredChunk posted earlier has its audio now."""
+    def _audio_arrived(self, frames: int) -> None:
+        """Engine thread: a chunk's audio reached the stream (at its post, or at its resolve when
+        deferred), before a reader can see it."""
+        now = time.monotonic()
         if self.record.first_chunk_at is None:
-            self.record.first_chunk_at = time.monotonic()
+            self.record.first_chunk_at = now
+        # A streamed-text turn's chunks wait for their text: their slack would measure the text's
+        # arrival, not the engine, and refuse calls for it.
+        if self.streams_text:
+            return
+        slack = self._playback.arrive(now, frames * FRAME_S)
+        if slack is not None:
+            self._service._slack.note(slack, now)
+
+    def _held_back(self) -> None:
+        """Engine thread: the stream skips a round because its reader has not taken its chunks."""
+        self._playback.restart()
+
+    def _deferred_resolved(self, chunk: DeferredChunk) -> None:
+        """Engine thread: a DeferredChunk posted earlier has its audio now (or was dropped)."""
+        if chunk.chunk is not None:
+            self._audio_arrived(chunk.num_frames)
         try:
             self._loop.call_soon_threadsafe(self._ready.set)
         except RuntimeError:
@@ -345,6 +366,11 @@ class EngineService:
             playback. A round counts at most twice the limit, so one stall does not refuse the
             calls that queued behind it. "auto": MAX_ROUND_MS on a GPU, no limit elsewhere; None:
             no limit.
+        min_slack_ms: a new stream is refused (EngineOverloadedError) for SLACK_HOLD_S after a
+            chunk's audio reached its stream less than this before its playback time (the first
+            chunk's arrival plus the audio before it; engine/slack.py), while streams are live:
+            the engine is about to make underruns. Streamed-text turns are not measured (their
+            chunks wait for their text). "auto": MIN_SLACK_MS on a GPU, off elsewhere; None: off.
         max_lead_s: under contention (more than CONTENTION_ROWS ready streams), streams this far
             ahead of their playback sit a round out (and far enough to finish their chunk in
             time, LEAD_SAFETY); None: every ready stream runs every round.
@@ -371,6 +397,7 @@ class EngineService:
         owns_engine: bool = True,
         max_streams: int | None = None,
         max_round_ms: float | str | None = "auto",
+        min_slack_ms: float | str | None = "auto",
         max_lead_s: float | None = MAX_LEAD_S,
         max_opens_per_round: int | None = MAX_OPENS_PER_ROUND,
         overlap_vocoder: bool | None = None,
@@ -386,6 +413,10 @@ class EngineService:
         if not (max_round_ms is None or max_round_ms == "auto" or (isinstance(max_round_ms, (int, float)) and max_round_ms > 0)):
             raise ValueError(f"max_round_ms must be > 0, 'auto' or None, got {max_round_ms!r}")
         self._max_round_ms = max_round_ms
+        if not (min_slack_ms is None or min_slack_ms == "auto" or _is_finite_number(min_slack_ms)):
+            raise ValueError(f"min_slack_ms must be a number, 'auto' or None, got {min_slack_ms!r}")
+        self._min_slack_ms = min_slack_ms
+        self._slack = SlackWatch()  # its limit is set once the engine is loaded ("auto")
         self.max_lead_s = max_lead_s
         self.contention_rows = CONTENTION_ROWS
         self.max_opens_per_round = max_opens_per_round
@@ -558,13 +589,34 @@ class EngineService:
         return MAX_ROUND_MS if device is not None and getattr(device, "type", None) == "cuda" else None
 
     @property
+    def min_slack_ms(self) -> float | None:
+        """The slack under which a chunk refuses new streams for a while (None: none; "auto"
+        resolves once the engine is loaded: MIN_SLACK_MS on a GPU)."""
+        if self._min_slack_ms != "auto":
+            return self._min_slack_ms
+        device = getattr(self._engine, "device", None)
+        return MIN_SLACK_MS if getattr(device, "type", None) == "cuda" else None
+
+    @property
+    def low_slack_chunks(self) -> int:
+        """Chunks whose audio reached their stream less than `min_slack_ms` before its playback."""
+        return self._slack.low_chunks
+
+    @property
+    def lowest_slack_ms(self) -> float | None:
+        """The lowest slack of the chunks of the last 1-2 s (engine/slack.py; negative: late);
+        None when no chunk was measured then."""
+        return self._slack.lowest_ms(time.monotonic())
+
+    @property
     def admitted_streams(self) -> int:
         """Streams queued, being opened, waiting for a slot, or live."""
         return self._admitted
 
     def _admit(self, stream: SynthesisStream) -> SynthesisStream:
-        """Hand a new stream to the engine thread, or refuse it: the service is closed, or it
-        already serves `max_streams`."""
+        """Hand a new stream to the engine thread, or refuse it: the service is closed, it
+        already serves `max_streams`, its rounds are too slow, or a chunk came too close to its
+        playback a moment ago."""
         with self._lock:
             if not self.alive:
                 raise self._closed_error()
@@ -579,6 +631,12 @@ class EngineService:
                     f"the TTS engine is at capacity: its rounds take {self.round_ms:.1f} ms, over the "
                     f"{limit:g} ms that keeps every stream ahead of its playback (max_round_ms); "
                     f"retry shortly"
+                )
+            if self._active and self._slack.holding(time.monotonic()):
+                raise EngineOverloadedError(
+                    f"the TTS engine is at capacity: a stream's audio came "
+                    f"{describe_slack(self._slack.last_low_s)}, less than the {self.min_slack_ms:g} ms "
+                    f"ahead that keeps streams from running out (min_slack_ms); retry shortly"
                 )
             self._inbox.append(stream)
             self._admitted += 1
@@ -629,6 +687,8 @@ class EngineService:
             self._finish_thread(None)
             return
         self._engine = engine
+        slack_ms = self.min_slack_ms
+        self._slack.limit_s = None if slack_ms is None else slack_ms / 1e3
         # The first batched prefill in a new thread cost ~45 ms more (docs/journal/NOTES.md; likely GPU
         # library state made per thread, such as cuBLAS handles): pay it here, not in a burst's TTFC.
         prepare = getattr(engine, "prepare_thread", None)
@@ -698,7 +758,9 @@ class EngineService:
                     # A closed loop: no consumer will read or close this stream again.
                     stream.cancel_requested = True
                     self._finish(stream, None, reason="cancelled")
-                elif stream._buffered() < self._max_buffered and stream.can_step():
+                elif stream._buffered() >= self._max_buffered:
+                    stream._held_back()
+                elif stream.can_step():
                     ready.append(stream)
             if len(ready) > self.contention_rows and self.max_lead_s is not None:
                 now = time.monotonic()
@@ -837,8 +899,8 @@ class EngineService:
         for chunk in chunks:
             if isinstance(chunk, DeferredChunk) and chunk.chunk is None:
                 chunk.on_resolved = stream._deferred_resolved  # its audio comes in a later round
-            elif record.first_chunk_at is None:
-                record.first_chunk_at = time.monotonic()
+            else:
+                stream._audio_arrived(chunk.num_frames)
             stream._post(chunk)
         if session.done:
             self._finish(stream, None, reason=session.stop_reason)
@@ -907,6 +969,10 @@ class EngineService:
         release_heap(id(self))
         if self._on_exit is not None:
             self._on_exit(self)
+
+
+def _is_finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _is_fatal(exc: BaseException) -> bool:
