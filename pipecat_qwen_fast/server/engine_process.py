@@ -321,6 +321,14 @@ class EngineProcess:
         return self._state.get("round_ms", 0.0)
 
     @property
+    def low_slack_chunks(self) -> int:
+        return self._state.get("low_slack_chunks", 0)
+
+    @property
+    def lowest_slack_ms(self) -> float | None:
+        return self._state.get("lowest_slack_ms")
+
+    @property
     def admitted_streams(self) -> int:
         """The engine process's count, as of its last report (every STATE_INTERVAL_S)."""
         return self._state.get("admitted", 0)
@@ -631,6 +639,8 @@ class EngineHost:
                                  "round_seconds": service.round_seconds,
                                  "round_streams": service.round_streams,
                                  "round_ms": service.round_ms,
+                                 "low_slack_chunks": service.low_slack_chunks,
+                                 "lowest_slack_ms": service.lowest_slack_ms,
                                  "admitted": service.admitted_streams,
                                  "fully_warm": bool(getattr(engine, "fully_warm", True)),
                                  "gc": pauses}))

@@ -7,6 +7,7 @@ its proxy) never clash over metric names.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -112,8 +113,9 @@ async def watch_loop_lag(observe: Callable[[float], None],
 
 
 class EngineRounds:
-    """The engine thread's rounds, read from the service when scraped: the admission signal (the
-    smoothed round, refused over `max_round_ms`) and the count and summed wall time, whose deltas
+    """The engine thread's rounds, read from the service when scraped: the admission signals (the
+    smoothed round, refused over `max_round_ms`; the chunks that came within `min_slack_ms` of
+    their playback, and the lowest recent slack) and the count and summed wall time, whose deltas
     give the mean round over any interval (`bench fleet` through a server reads them per level)."""
 
     def __init__(self, service: Callable[[], Any]) -> None:
@@ -137,6 +139,15 @@ class EngineRounds:
         yield GaugeMetricFamily("qwen_tts_engine_round_ms", "The smoothed round wall time that "
                                 "admission compares with max_round_ms.",
                                 value=float(service.round_ms))
+        low = CounterMetricFamily("qwen_tts_engine_low_slack_chunks", "Chunks whose audio reached "
+                                  "their stream less than min_slack_ms before their playback time.")
+        low.add_metric([], float(service.low_slack_chunks))
+        yield low
+        lowest = service.lowest_slack_ms
+        # NaN while no chunk was measured recently: a scrape can tell "none" from a missing metric.
+        yield GaugeMetricFamily("qwen_tts_engine_lowest_slack_ms", "The lowest slack (playback time "
+                                "less arrival) of the engine's chunks of the last 1-2 s; negative: late.",
+                                value=math.nan if lowest is None else float(lowest))
 
 
 class PlayoutClock:

@@ -170,6 +170,8 @@ async def test_metrics_count_streams_audio_first_audio_refusals_and_errors(endle
         # Each of those rounds stepped one or both streams: 24 frames in all.
         assert m[("qwen_tts_engine_round_streams_total", ())] - streams_before == 24
         assert m[("qwen_tts_engine_round_ms", ())] > 0
+        assert m[("qwen_tts_engine_low_slack_chunks_total", ())] == 0  # off on a CPU
+        assert ("qwen_tts_engine_lowest_slack_ms", ()) in m
         # The event loop's lag, sampled every 10 ms while the server ran (seconds, here).
         lag_count = m[("qwen_tts_event_loop_lag_seconds_count", ())]
         assert lag_count > 0
