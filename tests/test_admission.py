@@ -209,17 +209,23 @@ async def test_a_reader_that_falls_behind_does_not_count_as_low_slack(engine):
         assert service.low_slack_chunks == 0
 
 
-async def test_streamed_text_turns_are_not_measured(engine):
-    # Their chunks wait for their text, which says nothing about the engine.
+async def test_streamed_text_turns_are_measured_once_their_text_has_ended(engine):
+    # While text may still come, a turn's chunks wait for it, which says nothing about the engine.
     async with EngineService.for_engine(engine, max_round_ms=None, min_slack_ms=1e7) as service:
         await service.wait_ready()
-        turn = service.open_text_stream(SynthesisRequest("", seed=1, max_frames=12))
-        turn.append("Some words arrive ")
-        turn.append("while it speaks.")
-        turn.end()
-        chunks = await asyncio.wait_for(collect(turn), TIMEOUT)
-        assert len(chunks) > 2
+        turn = service.open_text_stream(SynthesisRequest("", seed=1, max_frames=40))
+        turn.append("Some words arrive while it speaks.")
+        first = await asyncio.wait_for(turn.__anext__(), TIMEOUT)
+        second = await asyncio.wait_for(turn.__anext__(), TIMEOUT)
+        assert first.num_frames and second.num_frames
         assert service.low_slack_chunks == 0
+        # Its text complete (a server's turn given it whole): from the next chunk on, the engine's.
+        turn.end()
+        rest = await asyncio.wait_for(collect(turn), TIMEOUT)
+        assert len(rest) >= 3
+        # The first chunk after the end starts the listener's clock afresh, the rest are measured
+        # (one made before the end, if the engine ran that far ahead of the text, is not).
+        assert 1 <= service.low_slack_chunks <= len(rest) - 1
 
 
 async def collect(stream) -> list:

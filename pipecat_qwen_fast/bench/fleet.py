@@ -259,6 +259,7 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 # This process's collections and compiles (in process: the engine thread's rounds
                 # and the callers' loop stall on both, the GIL held).
                 compiled_before = frames_compiled()
+                low_before = low_slack_chunks(run.endpoint, served_before)
                 with GcPauses() as gc_pauses:
                     utts, wall, caller_lag = await run_callers(run, replies, LevelPlan(
                         closed=closed, value=value, duration=args.duration, stagger=args.stagger,
@@ -276,6 +277,11 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                          "gc_pauses": gc_pauses.summary(),
                          "server_gc_pauses": served_gc(served_before, served_after),
                          "frames_compiled": frames_compiled() - compiled_before}
+                low_after = low_slack_chunks(run.endpoint, served_after)
+                # Chunks that came within the engine's min_slack_ms of their playback, each
+                # refusing new calls for a moment: which of the refusals the slack made.
+                level["low_slack_chunks"] = (None if low_before is None or low_after is None
+                                             else int(low_after - low_before))
                 level["misses"] = verdict(level, bar_ms, underruns_count=closed)
                 level["meets_bar"] = not level["misses"]
                 section["levels"].append(level)
@@ -306,6 +312,15 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
         close = getattr(run.endpoint, "aclose", None)
         if close is not None:  # the server endpoint's client, on this loop
             await close()
+
+
+def low_slack_chunks(endpoint, metrics: dict[str, float] | None) -> float | None:
+    """The engine's chunks under its min_slack_ms so far: its service's count in process, its
+    /metrics counter through a server; None where neither is there."""
+    service = getattr(endpoint, "service", None)
+    if service is not None and hasattr(service, "low_slack_chunks"):
+        return service.low_slack_chunks
+    return None if metrics is None else metrics.get("qwen_tts_engine_low_slack_chunks_total")
 
 
 def workload(args: argparse.Namespace, replies: list) -> dict:

@@ -70,6 +70,11 @@ def _checkpoint(ck: dict) -> str:
     return f"{ck.get('path')}"
 
 
+def _low_slack(lv: dict) -> str:
+    low = lv.get("low_slack_chunks")
+    return f" ({low} low-slack chunks)" if low else ""
+
+
 def level_table(levels: list[dict], key: str, title: str) -> str:
     lines = [
         (f"| {title} | utterances | first audio p50 / p95 / p99 (ms) | utterances with an underrun | worst lateness "
@@ -86,7 +91,7 @@ def level_table(levels: list[dict], key: str, title: str) -> str:
         lines.append(
             f"| {lv[key]:g} | {lv['utterances']} | {_fmt(fa['p50'])} / {_fmt(fa['p95'])} / {_fmt(fa['p99'])} | "
             f"{lv['underrun_utterances']} | {_fmt(lv['worst_lateness_ms'])} | {_fmt(lv['frames_per_s'])} | "
-            f"{lv['refused']} | {lv['errors']} / {lv['no_audio']} / {lv['cut_by_level_end']} | {_rounds_cell(lv)} | "
+            f"{lv['refused']}{_low_slack(lv)} | {lv['errors']} / {lv['no_audio']} / {lv['cut_by_level_end']} | {_rounds_cell(lv)} | "
             f"{lag_text(lv.get('loop_lag'))} | {gc_text(lv.get('gc_pauses'))} | {bar} |"
         )
     return "\n".join(lines)

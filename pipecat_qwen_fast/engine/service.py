@@ -326,9 +326,12 @@ class SynthesisStream:
         now = time.monotonic()
         if self.record.first_chunk_at is None:
             self.record.first_chunk_at = now
-        # A streamed-text turn's chunks wait for their text: their slack would measure the text's
-        # arrival, not the engine, and refuse calls for it.
-        if self.streams_text:
+        # A streamed-text turn's chunks wait for their text while it comes: their slack would
+        # measure the text's arrival, not the engine, and refuse calls for it. Once the text has
+        # ended (a server's WebSocket turn given its whole text at once, or the end of an LLM's
+        # reply) only the engine stands between the turn and its listener: measured from then.
+        if self.streams_text and self.ended_by != "end":
+            self._playback.restart()
             return
         slack = self._playback.arrive(now, frames * FRAME_S)
         if slack is not None:
@@ -369,8 +372,8 @@ class EngineService:
         min_slack_ms: a new stream is refused (EngineOverloadedError) for SLACK_HOLD_S after a
             chunk's audio reached its stream less than this before its playback time (the first
             chunk's arrival plus the audio before it; engine/slack.py), while streams are live:
-            the engine is about to make underruns. Streamed-text turns are not measured (their
-            chunks wait for their text). "auto": MIN_SLACK_MS on a GPU, off elsewhere; None: off.
+            the engine is about to make underruns. Streamed-text turns are measured once their
+            text has ended (before, their chunks wait for it). "auto": MIN_SLACK_MS on a GPU, off elsewhere; None: off.
         max_lead_s: under contention (more than CONTENTION_ROWS ready streams), streams this far
             ahead of their playback sit a round out (and far enough to finish their chunk in
             time, LEAD_SAFETY); None: every ready stream runs every round.
