@@ -560,7 +560,10 @@ class SpeechSocket:
         error = exc if isinstance(exc, ApiError) else from_engine_error(
             exc, self.ctx.settings.retry_after_s)
         self.ctx.count_failure(error)
-        logger.warning("stream socket: %s failed: %s", what, error.message)
+        # A refusal under overload is the admission working, counted on /metrics: at 2x capacity
+        # it came thousands of times a minute, a warning each (session 32's server log: 4,507).
+        level = logging.DEBUG if error.code == "overloaded" else logging.WARNING
+        logger.log(level, "stream socket: %s failed: %s", what, error.message)
         await self.send_error(error.message, error.code or error.kind)
 
     # -- sending --------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import aiohttp
@@ -315,7 +316,8 @@ async def test_idle_socket_is_closed_after_the_idle_timeout(endless_service, end
                 assert items[-1] == ("closed", 1000)
 
 
-async def test_clients_gone_as_their_refused_turns_end_leave_no_slot(endless_service, endless_path):
+async def test_clients_gone_as_their_refused_turns_end_leave_no_slot(endless_service, endless_path,
+                                                                      caplog):
     """Turns the engine refuses (admission by round time), each client hanging up on the refusal:
     the server sends session.done into a closing socket, and the turns' slots still
     come back (an H200 fleet run ended with 129 slots held by such turns)."""
@@ -339,6 +341,9 @@ async def test_clients_gone_as_their_refused_turns_end_leave_no_slot(endless_ser
                         msg = await ws.receive(timeout=TIMEOUT)
                         assert json.loads(msg.data)["code"] == "overloaded"
             await eventually(lambda: srv.ctx.gate.in_use == 0, what="the refused turns' slots")
+        # Refusals are counted on /metrics, not warned of one by one: at twice an H200's capacity
+        # they come by thousands a minute.
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "failed" in r.getMessage()]
     finally:
         endless_service._max_round_ms = saved
         await held.aclose()
