@@ -191,6 +191,34 @@ async def test_a_chunk_near_its_playback_refuses_new_streams_while_streams_are_l
             EngineService.for_engine(engine, min_slack_ms=bad)
 
 
+async def test_calls_waiting_to_start_are_bounded_while_streams_are_live(engine):
+    # The three opens run back to back on this loop, microseconds apart; opening one takes the
+    # engine thread milliseconds, so the first two still wait when the third comes.
+    async with EngineService.for_engine(engine, max_round_ms=None, min_slack_ms=None,
+                                        max_queued_streams=2) as service:
+        await service.wait_ready()
+        live = service.open_stream(SynthesisRequest("Live.", seed=1, max_frames=200))
+        await asyncio.wait_for(live.__anext__(), TIMEOUT)
+        waiting = [service.open_stream(SynthesisRequest(f"Wait {i}.", seed=2 + i, max_frames=3)) for i in range(2)]
+        with pytest.raises(EngineOverloadedError, match="max_queued_streams") as err:
+            service.open_stream(SynthesisRequest("Refused.", seed=9, max_frames=3))
+        assert "wait to start" in str(err.value) and err.value.retry_after_s > 0
+        for stream in waiting:  # the admitted ones are served
+            assert sum([c.num_frames async for c in stream]) == 3
+        assert service.queued_streams == 0
+        await live.aclose()
+        # A burst on an idle engine opens together, whatever its size.
+        burst = [service.open_stream(SynthesisRequest(f"Burst {i}.", seed=i, max_frames=2)) for i in range(4)]
+        for stream in burst:
+            assert sum([c.num_frames async for c in stream]) == 2
+    async with EngineService.for_engine(engine) as service:
+        await service.wait_ready()
+        assert service.max_queued_streams is None  # "auto": no limit away from a GPU
+    for bad in (0, "many", True, 2.5):
+        with pytest.raises(ValueError, match="max_queued_streams"):
+            EngineService.for_engine(engine, max_queued_streams=bad)
+
+
 async def test_a_reader_that_falls_behind_does_not_count_as_low_slack(engine):
     # One chunk buffered at most: each chunk waits for the slow reader, so the engine holds the
     # stream back and the next chunk starts its playback afresh rather than counting as late.

@@ -77,6 +77,12 @@ LEAD_SAFETY = 1.5
 # prefill), and most late utterances were first late at their second chunk, due 80 ms after the
 # first: one long round makes every new call's second chunk late. An open costs ~2.8 ms.
 MAX_OPENS_PER_ROUND = 4
+# Admission on a GPU: while streams are live, at most this many admitted calls wait to open (four
+# rounds of opens, ~80 ms). At 768 fleet callers on the H200 (twice the capacity) the refused
+# callers' retries came back together whenever admission reopened, the waiting calls grew to
+# first audio of 262-303 ms p50, and opening them 4 a round made most of the late second chunks.
+# At the capacity's ~1.5 arrivals a round, 16 waiting takes a burst rarer than 1 in 2,500 four-round spans.
+MAX_QUEUED_STREAMS = 4 * MAX_OPENS_PER_ROUND
 # Admission on a GPU: a call is refused while the smoothed round takes longer than this share of
 # the default schedule's round budget (request.round_budget_ms: 40 ms, in which a new call's second
 # chunk, 2 frames at one a round, must follow its first, 80 ms of audio). The margin is for rounds
@@ -379,6 +385,10 @@ class EngineService:
             time, LEAD_SAFETY); None: every ready stream runs every round.
         max_opens_per_round: while streams are live, new calls opened in one round at most (the
             rest in the next rounds); None: every call that arrived.
+        max_queued_streams: while streams are live, a new stream is refused (EngineOverloadedError)
+            when this many admitted streams already wait to be opened (a burst on an idle engine
+            opens together, whatever its size). "auto": MAX_QUEUED_STREAMS on a GPU, no limit
+            elsewhere; None: no limit.
         overlap_vocoder: a batched round's vocoder calls run on a CUDA stream of their own beside
             the next round's frame, their chunks handed over once that frame is launched
             (engine/deferred_audio.py). None: QWEN_FAST_OVERLAP_VOCODER=0|1 where set, else on for
@@ -403,6 +413,7 @@ class EngineService:
         min_slack_ms: float | str | None = "auto",
         max_lead_s: float | None = MAX_LEAD_S,
         max_opens_per_round: int | None = MAX_OPENS_PER_ROUND,
+        max_queued_streams: int | str | None = "auto",
         overlap_vocoder: bool | None = None,
         freeze_heap: bool | None = None,
     ) -> None:
@@ -423,6 +434,11 @@ class EngineService:
         self.max_lead_s = max_lead_s
         self.contention_rows = CONTENTION_ROWS
         self.max_opens_per_round = max_opens_per_round
+        if not (max_queued_streams is None or max_queued_streams == "auto"
+                or (isinstance(max_queued_streams, int) and not isinstance(max_queued_streams, bool)
+                    and max_queued_streams >= 1)):
+            raise ValueError(f"max_queued_streams must be an int >= 1, 'auto' or None, got {max_queued_streams!r}")
+        self._max_queued_streams = max_queued_streams
         if overlap_vocoder is None and os.environ.get("QWEN_FAST_OVERLAP_VOCODER") in ("0", "1"):
             overlap_vocoder = os.environ["QWEN_FAST_OVERLAP_VOCODER"] == "1"
         self.overlap_vocoder = overlap_vocoder  # None until the engine loads: on for a GPU engine
@@ -592,6 +608,20 @@ class EngineService:
         return MAX_ROUND_MS if device is not None and getattr(device, "type", None) == "cuda" else None
 
     @property
+    def max_queued_streams(self) -> int | None:
+        """Admitted streams that may wait to be opened while streams are live (None: no limit;
+        "auto" resolves once the engine is loaded: MAX_QUEUED_STREAMS on a GPU)."""
+        if self._max_queued_streams != "auto":
+            return self._max_queued_streams
+        device = getattr(self._engine, "device", None)
+        return MAX_QUEUED_STREAMS if getattr(device, "type", None) == "cuda" else None
+
+    @property
+    def queued_streams(self) -> int:
+        """Admitted streams not yet live: waiting to open, being opened, or waiting for a slot."""
+        return max(0, self._admitted - len(self._active))
+
+    @property
     def min_slack_ms(self) -> float | None:
         """The slack under which a chunk refuses new streams for a while (None: none; "auto"
         resolves once the engine is loaded: MIN_SLACK_MS on a GPU)."""
@@ -618,8 +648,8 @@ class EngineService:
 
     def _admit(self, stream: SynthesisStream) -> SynthesisStream:
         """Hand a new stream to the engine thread, or refuse it: the service is closed, it
-        already serves `max_streams`, its rounds are too slow, or a chunk came too close to its
-        playback a moment ago."""
+        already serves `max_streams`, its rounds are too slow, too many calls wait to start, or
+        a chunk came too close to its playback a moment ago."""
         with self._lock:
             if not self.alive:
                 raise self._closed_error()
@@ -634,6 +664,12 @@ class EngineService:
                     f"the TTS engine is at capacity: its rounds take {self.round_ms:.1f} ms, over the "
                     f"{limit:g} ms that keeps every stream ahead of its playback (max_round_ms); "
                     f"retry shortly"
+                )
+            most = self.max_queued_streams
+            if most is not None and self._active and self.queued_streams >= most:
+                raise EngineOverloadedError(
+                    f"the TTS engine is at capacity: {self.queued_streams} calls already wait to "
+                    f"start, its limit of {most} (max_queued_streams); retry shortly"
                 )
             if self._active and self._slack.holding(time.monotonic()):
                 raise EngineOverloadedError(
