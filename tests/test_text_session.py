@@ -225,6 +225,31 @@ def test_voice_clone_turns(tiny_checkpoint):
             assert np.array_equal(codes, whole_codes(e, text, **kw)), (vc.icl, text)
 
 
+def test_a_voices_probe_is_made_once_and_again_for_new_weights(eager):
+    """open_text_session sizes a turn from a probe prompt, kept per voice: a second turn of the
+    voice reuses it, another instruct gets its own, and an in-place weight edit remakes it."""
+    from pipecat_qwen_fast.engine import text_session
+
+    def opened(**kw):
+        s = eager.open_text_session(SynthesisRequest("", voice="serena", **kw))
+        facts = text_session.probe_facts(eager, s)
+        with torch.no_grad():
+            fresh = text_session._prompt(eager, s, "a")
+        assert facts[0] == fresh.embeds.shape[0] == s.feed.prompt_len
+        assert torch.equal(facts[1], fresh.eos_vec) and torch.equal(facts[2], fresh.pad_vec)
+        eager.close_session(s)
+        return facts
+
+    first = opened()
+    assert opened() is first  # kept
+    other = opened(instruct="Speak slowly and calmly.")
+    assert other is not first and other[0] > first[0]  # the instruct's rows
+    with torch.no_grad():
+        eager.model.talker.text_projection.parameters().__next__().add_(0)  # a new version, same values
+    remade = opened()
+    assert remade is not first and remade[0] == first[0]
+
+
 def test_word_timing_and_spoken_text(eager):
     kw = {"voice": "ryan", "greedy": True, "max_frames": 30, "vocode": False}
     s = eager.open_text_session(SynthesisRequest("", **kw))

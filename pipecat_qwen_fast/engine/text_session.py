@@ -57,7 +57,14 @@ from pipecat_qwen_fast.engine import text_first_frame as first_frame
 from pipecat_qwen_fast.engine.request import SAMPLE_RATE, AudioChunk, SynthesisRequest
 from pipecat_qwen_fast.engine.text_stream import TextEndedError, TurnText
 from pipecat_qwen_fast.errors import InvalidInputError
-from pipecat_qwen_fast.model.prompt import DUAL_TRACK, _ref_body, build_prompt, text_rows
+from pipecat_qwen_fast.model.prompt import (
+    DUAL_TRACK,
+    _ref_body,
+    _weights_key,
+    build_prompt,
+    prompt_dtype,
+    text_rows,
+)
 
 FRAME_S = 1920 / SAMPLE_RATE
 # A turn whose text neither grows nor ends for this long is ended (its text so far is spoken, then
@@ -69,6 +76,10 @@ LOW_WATER_S = 0.2
 # Any text: the prompt of a dual-track turn has the same length whatever its text (spec §4.5, §4.6),
 # so the session's state can be sized before the first word.
 _PROBE_TEXT = "a"
+# Voices (speaker, language, instruct, voice clone) whose probe facts an engine keeps: a server's
+# fleet of streamed turns opened ~1 a round at 256-320 callers, each paying a probe prompt (a
+# tokenization and a few small launches) beside its own segment's prompt and prefill.
+PROBE_CACHE_SIZE = 64
 
 
 @dataclass
@@ -261,26 +272,46 @@ def open_text_session(
     feed.session = s
     try:
         vc = s.request.voice_clone
-        with torch.no_grad():
-            probe = _prompt(engine, s, _PROBE_TEXT)
         if vc is not None and vc.icl:
             feed.ref = _ref_body(engine.tokenizer, engine.config, vc.ref_text)
             feed.k = vc.ref_codes.shape[0] + 1
             feed.need = max(1, feed.k - len(feed.ref))
-        feed.prompt_len = probe.embeds.shape[0]
-        feed.eos_vec, feed.pad_vec = probe.eos_vec, probe.pad_vec
+        feed.prompt_len, feed.eos_vec, feed.pad_vec = probe_facts(engine, s)
         s.state = engine.backend.new_state(
             max_positions=feed.prompt_len + _budget(engine, s, _cap(engine, s, None)) + 1,
             params=s.params,
             seed=s.seed,
-            trailing=probe.pad_vec[None][:0],
-            pad_vec=probe.pad_vec,
+            trailing=feed.pad_vec[None][:0],
+            pad_vec=feed.pad_vec,
         )
         engine._start_vocoder(s)
     except BaseException:
         engine.close_session(s)
         raise
     return s
+
+
+def probe_facts(engine, s) -> tuple[int, Tensor, Tensor]:
+    """A turn's prompt length and its tts_eos and tts_pad vectors, from a prompt of any text (its
+    length does not depend on the text): made once per voice and kept for the weights as they
+    are (`_weights_key`, as the prompt's shared vectors are). The voice clone is matched by
+    identity and held by the entry, so its id is not reused while the entry lives."""
+    req = s.request
+    vc = req.voice_clone
+    talker = engine.model.talker
+    weights = (prompt_dtype(talker), _weights_key((talker.model.text_embedding, talker.text_projection)))
+    key = (s.speaker, s.language, req.instruct, id(vc))
+    cache = engine.__dict__.setdefault("_probe_facts", {})
+    hit = cache.get(key)
+    if hit is not None and hit[0] is vc and hit[1] == weights:
+        return hit[2]
+    with torch.no_grad():
+        probe = _prompt(engine, s, _PROBE_TEXT)
+    facts = (probe.embeds.shape[0], probe.eos_vec, probe.pad_vec)
+    if key not in cache and len(cache) >= PROBE_CACHE_SIZE:
+        cache.pop(next(iter(cache)))  # the oldest voice
+    cache[key] = (vc, weights, facts)
+    return facts
 
 
 def _prompt(engine, s, text: str, body: list[int] | None = None):
