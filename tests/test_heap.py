@@ -81,10 +81,12 @@ def test_the_heap_stays_frozen_while_any_holder_needs_it(thawed):
     freeze_heap(collect=False, holder=2)
     frozen = gc.get_freeze_count()
     assert frozen > 0
+    # Still frozen after each release but the last; the count itself may drop by a few frozen
+    # objects that other threads free meanwhile (the full suite saw 854,875 -> 854,873).
     release_heap(1)
-    assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() > frozen // 2
     release_heap(3)  # never held: nothing changes
-    assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() > frozen // 2
     release_heap(2)
     assert gc.get_freeze_count() == 0
 
