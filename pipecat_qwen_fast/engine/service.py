@@ -597,24 +597,25 @@ class EngineService:
         self._opened = stream_id = next(self._ids)
         return self._admit(SynthesisStream(self, request, stream_id))
 
+    def _on_gpu(self, setting: Any, gpu_value: Any) -> Any:
+        """A setting as given, or for "auto" `gpu_value` on an engine on a GPU and None elsewhere
+        (and before the engine is loaded)."""
+        if setting != "auto":
+            return setting
+        device = getattr(self._engine, "device", None)
+        return gpu_value if getattr(device, "type", None) == "cuda" else None
+
     @property
     def max_round_ms(self) -> float | None:
-        """The round time over which new streams are refused (None: none; "auto" resolves once the
-        engine is loaded: MAX_ROUND_MS on a GPU)."""
-        if self._max_round_ms != "auto":
-            return self._max_round_ms
-        engine = self._engine
-        device = getattr(engine, "device", None)
-        return MAX_ROUND_MS if device is not None and getattr(device, "type", None) == "cuda" else None
+        """The round time over which new streams are refused (None: none; "auto": MAX_ROUND_MS
+        on a GPU)."""
+        return self._on_gpu(self._max_round_ms, MAX_ROUND_MS)
 
     @property
     def max_queued_streams(self) -> int | None:
         """Admitted streams that may wait to be opened while streams are live (None: no limit;
-        "auto" resolves once the engine is loaded: MAX_QUEUED_STREAMS on a GPU)."""
-        if self._max_queued_streams != "auto":
-            return self._max_queued_streams
-        device = getattr(self._engine, "device", None)
-        return MAX_QUEUED_STREAMS if getattr(device, "type", None) == "cuda" else None
+        "auto": MAX_QUEUED_STREAMS on a GPU)."""
+        return self._on_gpu(self._max_queued_streams, MAX_QUEUED_STREAMS)
 
     @property
     def queued_streams(self) -> int:
@@ -623,12 +624,9 @@ class EngineService:
 
     @property
     def min_slack_ms(self) -> float | None:
-        """The slack under which a chunk refuses new streams for a while (None: none; "auto"
-        resolves once the engine is loaded: MIN_SLACK_MS on a GPU)."""
-        if self._min_slack_ms != "auto":
-            return self._min_slack_ms
-        device = getattr(self._engine, "device", None)
-        return MIN_SLACK_MS if getattr(device, "type", None) == "cuda" else None
+        """The slack under which a chunk refuses new streams for a while (None: none; "auto":
+        MIN_SLACK_MS on a GPU)."""
+        return self._on_gpu(self._min_slack_ms, MIN_SLACK_MS)
 
     @property
     def low_slack_chunks(self) -> int:
