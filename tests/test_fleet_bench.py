@@ -194,6 +194,35 @@ def test_in_process_streamed_turns_take_the_servers_engine_path(endless):
 
 
 @pytest.mark.timeout(180)
+def test_in_process_callers_keep_no_finished_stream(endless):
+    """A finished engine stream holds ~20 objects for the garbage collector: the in-process
+    endpoint keeps a stream for settle() only while the engine has yet to close it."""
+    from pipecat_qwen_fast.engine.engine import QwenTTSEngine
+
+    engine = QwenTTSEngine.from_pretrained(endless, device="cpu", dtype="float32", backend="torch", progress=False)
+    service = EngineService.for_engine(engine)
+    reply = fleet_replies()[0]
+
+    async def speak() -> None:
+        endpoint = fleet_callers.InProcessEndpoint(service, engine.default_voice)
+        for seed in range(3):  # heard to the end: closed before the last chunk is read
+            assert sum([n async for n in endpoint.speak(fleet_callers.Reply(reply.text, 4), seed=seed)]) == 4 * FRAME
+        assert endpoint._streams == []
+        cut = endpoint.speak(fleet_callers.Reply(reply.text, 40), seed=9)
+        await cut.__anext__()
+        await cut.aclose()  # cut after its first chunk: kept until the engine closes it
+        assert len(endpoint._streams) == 1
+        await endpoint.settle()
+        assert endpoint._streams == [] and service.admitted_streams == 0
+
+    try:
+        asyncio.run(speak())
+    finally:
+        service.close()
+        engine.close()
+
+
+@pytest.mark.timeout(180)
 def test_round_timing_splits_each_round_and_leaves_the_engine_as_it_was(endless):
     from pipecat_qwen_fast.engine.engine import QwenTTSEngine
 
