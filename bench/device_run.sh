@@ -39,7 +39,8 @@
 #               114 MB as gzip, over what comes back, so not yet used
 #   pack        every result folder under $OUT into $OUT/results.tgz (only 8 files come back)
 # DEVICE_SECONDS (default 570) bounds the whole call from its start; STARTUP_RUNS picks the starts
-# (default cold,warm); SERVE_ARGS adds arguments to `serve` (e.g. --engine-process); FLEET_BUDGET caps the fleet step's seconds (to leave fleet2 its share); FLEET_ARGS adds arguments to the fleet runs; STREAMING_ARGS to the
+# (default cold,warm); SERVE_ARGS adds arguments to `serve` (e.g. --no-engine-process); INPROC_ARGS to
+# fleet-server-proc's in-process half (e.g. --in-process-turns streamed); FLEET_BUDGET caps the fleet step's seconds (to leave fleet2 its share); FLEET_ARGS adds arguments to the fleet runs; STREAMING_ARGS to the
 # streaming-text run (default --runs 8). Everything lands in $OUT.
 # An engine switch's A/B in one call: FLEET2_ENV="QWEN_FAST_OVERLAP_VOCODER=1" with steps fleet fleet2.
 # To measure main's HEAD while others have uncommitted edits in the tree: here,
@@ -143,7 +144,8 @@ PY
                               --out "$out/fleet-server-proc" --budget "${SERVER_BUDGET:-$half}" ${FLEET_ARGS:-}
                           kill -TERM $spid; wait $spid
                           python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --text-mode dual_track \
-                              --out "$out/fleet-engine-proc" --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
+                              --out "$out/fleet-engine-proc" --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} \
+                              ${INPROC_ARGS:-} ;;  # e.g. --in-process-turns streamed: the server's engine path
             fleet-server-procs) # issue 37: as fleet-server-proc's first half, the callers split over
                           # CALLER_PROCS processes (a fleet is many agent processes, not one loop)
                           python3 -m pipecat_qwen_fast.cli serve --model "$ck" --port 8177 --max-streams 100000 ${SERVE_ARGS:-} \
