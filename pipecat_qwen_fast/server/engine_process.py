@@ -51,6 +51,17 @@ STOP_TIMEOUT_S = 30.0
 CALL_TIMEOUT_S = 120.0
 
 
+# The EngineService figures each state report carries (by attribute name), with what the server
+# answers before the first report.
+REPORTED: dict[str, Any] = {"rounds": 0, "round_seconds": 0.0, "round_streams": 0, "round_ms": 0.0,
+                            "low_slack_chunks": 0, "lowest_slack_ms": None, "admitted_streams": 0}
+
+
+def _reported(name: str) -> property:
+    """EngineProcess's answer for the EngineService attribute `name`: its last reported value."""
+    return property(lambda self: self._state.get(name, REPORTED[name]))
+
+
 # Where an "end" and a "reply" carry their exception.
 ERROR_AT = {"end": 2, "reply": 3}
 
@@ -304,34 +315,15 @@ class EngineProcess:
     def sample_rate(self) -> int:
         return self._info("sample_rate")
 
-    @property
-    def rounds(self) -> int:
-        return self._state.get("rounds", 0)
-
-    @property
-    def round_seconds(self) -> float:
-        return self._state.get("round_seconds", 0.0)
-
-    @property
-    def round_streams(self) -> int:
-        return self._state.get("round_streams", 0)
-
-    @property
-    def round_ms(self) -> float:
-        return self._state.get("round_ms", 0.0)
-
-    @property
-    def low_slack_chunks(self) -> int:
-        return self._state.get("low_slack_chunks", 0)
-
-    @property
-    def lowest_slack_ms(self) -> float | None:
-        return self._state.get("lowest_slack_ms")
-
-    @property
-    def admitted_streams(self) -> int:
-        """The engine process's count, as of its last report (every STATE_INTERVAL_S)."""
-        return self._state.get("admitted", 0)
+    # The engine's figures as of its last report (every STATE_INTERVAL_S), named as on an
+    # EngineService (REPORTED).
+    rounds = _reported("rounds")
+    round_seconds = _reported("round_seconds")
+    round_streams = _reported("round_streams")
+    round_ms = _reported("round_ms")
+    low_slack_chunks = _reported("low_slack_chunks")
+    lowest_slack_ms = _reported("lowest_slack_ms")
+    admitted_streams = _reported("admitted_streams")
 
     def open_stream(self, request: Any) -> RemoteStream:
         return self._open(request, False, None)
@@ -635,13 +627,8 @@ class EngineHost:
                  "library": library.names() if library is not None else []}
         while True:
             pauses, self.gc_pauses = self.gc_pauses, []
-            self.send(("state", {**state, "alive": service.alive, "rounds": service.rounds,
-                                 "round_seconds": service.round_seconds,
-                                 "round_streams": service.round_streams,
-                                 "round_ms": service.round_ms,
-                                 "low_slack_chunks": service.low_slack_chunks,
-                                 "lowest_slack_ms": service.lowest_slack_ms,
-                                 "admitted": service.admitted_streams,
+            self.send(("state", {**state, "alive": service.alive,
+                                 **{name: getattr(service, name) for name in REPORTED},
                                  "fully_warm": bool(getattr(engine, "fully_warm", True)),
                                  "gc": pauses}))
             state = {}
