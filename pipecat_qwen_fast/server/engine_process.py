@@ -357,22 +357,20 @@ class EngineProcess:
         """Close the engine (streams still open are cancelled) and wait for the process."""
         if self._stopping:
             return
-        self._stopping = True
-        if self._alive:
-            try:
-                self._send(("stop",))
-            except OSError:
-                pass
+        self._ask_to_stop()
         await asyncio.to_thread(self._join)
 
     def close(self) -> None:
+        self._ask_to_stop()
+        self._join()
+
+    def _ask_to_stop(self) -> None:
         self._stopping = True
         if self._alive:
             try:
                 self._send(("stop",))
-            except OSError:
+            except EngineClosedError:  # gone already: _join reaps it
                 pass
-        self._join()
 
     # -- plumbing ------------------------------------------------------------------------------
 
