@@ -16,7 +16,6 @@ idle timeout passes, or audio decoded for a waiting turn is due.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from pipecat_qwen_fast.engine.request import SynthesisRequest
@@ -74,8 +73,7 @@ class TextStream(SynthesisStream):
         if sent is None:
             return True
         for chunk in sent:
-            if self.record.first_chunk_at is None:
-                self.record.first_chunk_at = time.monotonic()
+            self._audio_arrived(chunk.num_frames)
             self._post(chunk)
         if session.done:
             self.record.frames_decoded = int(session.frames_decoded)
