@@ -15,6 +15,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pipecat_qwen_fast.engine import heap
+
 from .conftest import SERVER_MAX_FRAMES, VOICE, eventually, running, settings_for, settled
 from .test_voices import upload, wav_bytes
 from .test_ws import (
@@ -66,8 +68,10 @@ async def test_engine_runs_in_a_child_process_and_speaks_as_in_process(proc_serv
     await ready(proc_server)
     service = proc_server.ctx.service
     assert service.pid not in (None, os.getpid())
-    # The server's own heap is frozen too, once the engine is ready (no long full collections).
+    # The server's own heap is frozen too, once the engine is ready (no long full collections),
+    # and held so by the engine process (another test's freeze would also make the count > 0).
     assert gc.get_freeze_count() > 0
+    assert id(service) in heap._holders
     async with aiohttp.ClientSession() as http, http.ws_connect(proc_server.ws_url) as ws:
         await ws.send_json({**CONFIG, "seed": 3})
         await send_turn(ws, "One sentence here. Ano", "ther one follows.")
