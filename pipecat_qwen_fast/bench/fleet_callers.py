@@ -61,10 +61,6 @@ def is_overload(exc: BaseException) -> bool:
     return overloaded is not None and isinstance(exc, overloaded)
 
 
-# Streams kept for settle() are pruned of the closed ones past this many.
-PRUNE_AT = 256
-
-
 class InProcessEndpoint:
     """The engine in this process, through its EngineService (as the Pipecat and LiveKit adapters use it).
     `streamed`: each reply is a streamed-text turn given its whole text and ended at once, the
@@ -78,7 +74,6 @@ class InProcessEndpoint:
         self.text_mode = text_mode
         self.streamed = streamed
         self._streams: list[Any] = []
-        self._prune_at = PRUNE_AT
 
     def open(self, request: SynthesisRequest) -> Any:
         if not self.streamed:
@@ -100,11 +95,9 @@ class InProcessEndpoint:
             # stream holds ~20 objects for the collector (CPU count), and in process the level's
             # thousands of them fed the full collections that held the engine thread (one of
             # 77.7 ms at 768 H200 callers, whose worst late chunk was 81.5 ms).
+            # Only the streams cut at the level's end are still open here.
             if not getattr(stream, "done", False):
                 self._streams.append(stream)
-                if len(self._streams) > self._prune_at:
-                    self._streams = [s for s in self._streams if not getattr(s, "done", False)]
-                    self._prune_at = max(PRUNE_AT, 2 * len(self._streams))  # no pruning on every append
 
     async def settle(self) -> None:
         streams, self._streams = self._streams, []
