@@ -207,6 +207,44 @@ def test_batched_rounds_on_the_graph_backend(graph):
     assert np.array_equal(codes, whole_codes(graph, TEXTS[0], **kw))
 
 
+@pytest.mark.parametrize("shared_fails", [False, True], ids=["batched", "shared-prefill-fails"])
+def test_turns_begin_together_in_one_prefill(graph, shared_fails, monkeypatch):
+    """begin_text_sessions: the turns whose first words are final begin with one prefill of them
+    all (GraphBackend's batched pass, eagerly on CPU), a turn with no text yet is left waiting,
+    and the codes are each whole text's. If the shared prefill fails, each turn is prefilled
+    alone from a fresh state, with the same codes."""
+    monkeypatch.setattr(graph.backend, "batched_prefill_min", 2)
+    calls = count_prefills(graph, monkeypatch)
+    if shared_fails:
+        alone = graph._prefill
+
+        def failing(sessions, embeds):
+            if len(sessions) > 1:
+                raise RuntimeError("shared prefill failed")
+            return alone(sessions, embeds)
+
+        monkeypatch.setattr(graph, "_prefill", failing)
+    texts = [TEXTS[0], "Short one.", "A third turn, with its own words.", TEXTS[1]]
+    kws = [{"voice": v, "seed": 40 + i, "max_frames": 12, "vocode": False}
+           for i, v in enumerate(["ryan", "serena", "aiden", "ryan"])]
+    wholes = [whole_codes(graph, t, **kw) for t, kw in zip(texts, kws)]
+    calls.clear()
+    sessions = [graph.open_text_session(SynthesisRequest("", **kw)) for kw in kws]
+    for s, t in zip(sessions[:3], texts):
+        graph.append_text(s, t)
+        graph.end_text(s)
+    assert graph.begin_text_sessions(sessions) == [None] * 4
+    assert [s.feed.begun for s in sessions] == [True, True, True, False]
+    assert calls == ([3] if not shared_fails else [1, 1, 1])
+    graph.append_text(sessions[3], texts[3])
+    graph.end_text(sessions[3])
+    while not all(s.done for s in sessions):
+        results = graph.step_many(sessions)
+        assert not any(isinstance(r, Exception) for r in results), results
+    for s, whole in zip(sessions, wholes):
+        assert np.array_equal(np.stack(s.codes), whole)
+
+
 def test_voice_clone_turns(tiny_checkpoint):
     """Base model: in-context cloning needs the reference's length of text before its prefill
     (spec §4.6), x-vector-only cloning one token; both equal their whole texts."""

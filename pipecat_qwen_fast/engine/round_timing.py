@@ -26,6 +26,8 @@ from typing import Any
 # the outer one only (the vocoder graphs fall back on the vocoder; a segment's prefill runs in a step).
 _TIMED = (
     ("engine", "open_sessions", "prefill"),
+    ("engine", "open_text_session", "prefill"),
+    ("engine", "begin_text_sessions", "prefill"),
     ("engine", "_prefill", "prefill"),
     ("backend", "decode_frame", "decode"),
     ("backend", "decode_frames", "decode"),
@@ -35,6 +37,9 @@ _TIMED = (
     ("vocoder", "decode_stream", "vocoder"),
     ("vocoder", "decode_streams", "vocoder"),
 )
+# Calls opened, per timed call: whole-text requests given together, a streamed turn alone (its
+# prefill runs when it begins, in begin_text_sessions or its first poll).
+_COUNTS = {"open_sessions": len, "open_text_session": lambda request, *_: 1}
 _MISSING = object()
 
 
@@ -42,7 +47,8 @@ _MISSING = object()
 class RoundTiming:
     """One round of the engine thread, in seconds.
 
-    ``prefill_s`` is the time opening sessions (prompts and prefills), ``decode_s`` the frames'
+    ``prefill_s`` is the time opening sessions (prompts and prefills; for a streamed-text turn its
+    open and the begin of its first segment in `begin_text_sessions`), ``decode_s`` the frames'
     decode calls, ``vocoder_s`` the vocoder calls; ``host_s`` is the rest of the round's wall time
     (scheduling, EOS checks, chunk bookkeeping, copies, posting chunks to callers).
     """
@@ -52,7 +58,7 @@ class RoundTiming:
     prefill_s: float
     decode_s: float
     vocoder_s: float
-    opened: int  # requests given to open_sessions
+    opened: int  # calls opened: requests given to open_sessions, streamed turns to open_text_session
     stepped: int  # sessions stepped one frame
 
     @property
@@ -94,16 +100,16 @@ class RoundTimer:
             if owner is None or getattr(owner, attr, None) is None:
                 continue
             previous = owner.__dict__.get(attr, _MISSING)
-            setattr(owner, attr, self._timed(getattr(owner, attr), kind, counts_requests=attr == "open_sessions"))
+            setattr(owner, attr, self._timed(getattr(owner, attr), kind, counts=_COUNTS.get(attr)))
             self._patched.append((owner, attr, previous))
 
-    def _timed(self, fn: Callable[..., Any], kind: str, counts_requests: bool) -> Callable[..., Any]:
+    def _timed(self, fn: Callable[..., Any], kind: str, counts: Callable[..., int] | None) -> Callable[..., Any]:
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
             if self._inside:
                 return fn(*args, **kwargs)
-            if counts_requests and args:
-                self._opened += len(args[0])
+            if counts is not None and args:
+                self._opened += counts(*args)
             self._inside = True
             try:
                 if self._sync is not None:

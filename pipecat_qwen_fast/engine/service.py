@@ -789,6 +789,7 @@ class EngineService:
                 self._resolve_audio(finished_only=True)
                 self._open(opens)
                 self._resolve_audio(finished_only=True)
+            self._begin_text_turns()
             ready = []
             for stream in list(self._active):
                 if stream.cancel_requested or stream._loop.is_closed():
@@ -838,6 +839,21 @@ class EngineService:
                         self._warm_frozen = True
                         self._freeze("fully warm", collect=False)
                     self._wake.wait(self._idle_timeout())
+
+    def _begin_text_turns(self) -> None:
+        """Streamed-text turns whose first words are final begin together, one batched prefill
+        (a server's turns are all streamed; opened one by one, each would otherwise prefill alone
+        when first polled)."""
+        turns = [st for st in self._active
+                 if st.streams_text and not st.cancel_requested and not st.feed.begun]
+        begin = getattr(self._engine, "begin_text_sessions", None)
+        if len(turns) < 2 or begin is None:
+            return
+        for stream, error in zip(turns, begin([st.session for st in turns])):
+            if error is not None:
+                if _is_fatal(error):
+                    raise error
+                self._finish(stream, error)
 
     def _freeze(self, when: str, *, collect: bool) -> None:
         frozen = freeze_heap(collect=collect, holder=id(self))

@@ -233,6 +233,11 @@ class TextSessions:
         """No more text for this session (any thread; idempotent): it speaks what it has."""
         _feed_of(s).end()
 
+    def begin_text_sessions(self, sessions: list) -> list[Exception | None]:
+        """Begin the sessions whose first words are final, their prefills batched (the service
+        calls it once a round, before polling them one by one); see `begin_many`."""
+        return begin_many(self, sessions)
+
     def poll_text(self, s) -> list[AudioChunk] | None:
         """None when `s` can decode a frame now; else the chunks it sent while it waits (its text
         is not there yet). Done by `step` itself; the service calls it to skip waiting sessions."""
@@ -353,12 +358,7 @@ def poll(engine, s) -> list[AudioChunk] | None:
     feed = s.feed
     if s.done:
         return []
-    if (
-        feed.ended_by is None
-        and feed.idle_timeout_s is not None
-        and (time.monotonic() - feed.last_text_at >= feed.idle_timeout_s)
-    ):
-        feed.end("idle_timeout")
+    _check_idle(feed)
     if feed.first_audio_at is None and s.chunk_start > 0:
         feed.first_audio_at = time.monotonic()
     if not feed.begun and not _begin(engine, s):
@@ -394,19 +394,94 @@ def _wait(engine, s) -> list[AudioChunk]:
     return chunks
 
 
+def _check_idle(feed: TextFeed) -> None:
+    if (
+        feed.ended_by is None
+        and feed.idle_timeout_s is not None
+        and (time.monotonic() - feed.last_text_at >= feed.idle_timeout_s)
+    ):
+        feed.end("idle_timeout")
+
+
+@dataclass
+class _Begin:
+    """A segment begin planned up to its prefill (`_plan_begin`); `prompt` None: no prefill (the
+    guess at its first token was right and its prefill is kept)."""
+
+    prompt: object | None
+    tokens: int
+    closed: bool
+
+
 def _begin(engine, s) -> bool:
     """Start the session's current segment if its text allows: the prompt from its first tokens,
     a fresh state (the first segment's was reserved at open), the prefill. False: not yet. A
     prefill made with a right guess at the first token (text_first_frame) is kept."""
+    plan = _plan_begin(engine, s)
+    if plan is None:
+        return False
+    if plan.prompt is not None:
+        engine._prefill([s], [plan.prompt.embeds])
+    _end_begin(engine, s, plan)
+    return True
+
+
+def begin_many(engine, sessions: list) -> list[Exception | None]:
+    """`_begin` for each open-ended session not yet begun whose text allows, their prefills in one
+    batched pass: a round's streamed turns that start together pay one prefill (the backend's
+    `prefill_many`: row prefill on the GPU), as whole-text opens do. Per session: None, or the
+    exception that ended it (closed). Sessions that cannot begin yet are left to `poll`."""
+    out: list[Exception | None] = [None] * len(sessions)
+    plans = []
+    for i, s in enumerate(sessions):
+        feed = getattr(s, "feed", None)
+        if feed is None or s.done or feed.begun:
+            continue
+        try:
+            _check_idle(feed)
+            plan = _plan_begin(engine, s)
+        except Exception as e:  # noqa: BLE001 - reported to that session's caller
+            out[i] = _failed(engine, s, e)
+            continue
+        if plan is not None:
+            plans.append((i, s, plan))
+    fills = [(i, s, p) for i, s, p in plans if p.prompt is not None]
+    try:
+        if fills:
+            engine._prefill([s for _, s, _ in fills], [p.prompt.embeds for _, _, p in fills])
+    except Exception as e:  # noqa: BLE001 - the shared prefill failed: each alone, from a fresh state
+        if len(fills) == 1:
+            out[fills[0][0]] = _failed(engine, fills[0][1], e)
+        else:
+            for i, s, p in fills:
+                try:
+                    _fresh_state(engine, s)
+                    engine._prefill([s], [p.prompt.embeds])
+                except Exception as e1:  # noqa: BLE001
+                    out[i] = _failed(engine, s, e1)
+    for i, s, plan in plans:
+        if out[i] is None:
+            _end_begin(engine, s, plan)
+    return out
+
+
+def _failed(engine, s, e: Exception) -> Exception:
+    s.stop_reason = "error"
+    engine.close_session(s)
+    return e
+
+
+def _plan_begin(engine, s) -> _Begin | None:
+    """`_begin` up to its prefill; None: the text does not allow the segment to begin yet."""
     feed = s.feed
     turn = feed.turn
     with turn.lock:
         if feed.segment >= len(turn.segments):
-            return False
+            return None
         seg = turn.segments[feed.segment]
         text, tokens, closed = seg.text, list(seg.tokens), seg.closed
     if not closed and len(tokens) < feed.need:
-        return False
+        return None
     # The prompt holds the first token only (no guess for in-context voices): the same prompt.
     guessed = feed.guess is not None and tokens[:1] == [feed.guess]
     prompt = None
@@ -427,20 +502,24 @@ def _begin(engine, s) -> bool:
         s.early = None  # frame 0's audio made for another guess (text_first_frame.speculate)
     s.frame_cap = cap
     s.segment_frames = 0
-    if prompt is not None:
-        engine._prefill([s], [prompt.embeds])
+    return _Begin(prompt, len(tokens), closed)
+
+
+def _end_begin(engine, s, plan: _Begin) -> None:
+    """`_begin` after its prefill."""
+    feed = s.feed
+    prompt = plan.prompt
     feed.guess = None
     feed.previewed = False
     feed.begun = True
     feed.seq = list(feed.ref)
     feed.rows, feed.trailing, feed.closed = None, 0, False
-    if prompt is not None and feed.ref and closed and len(feed.ref) + len(tokens) + 1 <= feed.k:
+    if prompt is not None and feed.ref and plan.closed and len(feed.ref) + plan.tokens + 1 <= feed.k:
         # The whole text went into the prefill (spec §4.6); every frame adds tts_pad.
         engine.backend.set_trailing(s.state, prompt.trailing)
         feed.closed = True
-    with turn.lock:
+    with feed.turn.lock:
         feed.spans.append([s.frames_decoded, None])
-    return True
 
 
 def _fresh_state(engine, s) -> None:
