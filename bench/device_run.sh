@@ -42,7 +42,8 @@
 # (default cold,warm); SERVE_ARGS adds arguments to `serve` (e.g. --no-engine-process); INPROC_ARGS to
 # fleet-server-proc's in-process half (e.g. --in-process-turns streamed); FLEET_BUDGET caps the fleet step's seconds (to leave fleet2 its share); FLEET_ARGS adds arguments to the fleet runs; STREAMING_ARGS to the
 # streaming-text run (default --runs 8). Everything lands in $OUT.
-# An engine switch's A/B in one call: FLEET2_ENV="QWEN_FAST_OVERLAP_VOCODER=1" with steps fleet fleet2.
+# An engine switch's A/B in one call: FLEET2_ENV="QWEN_FAST_OVERLAP_VOCODER=1" (or FLEET2_ARGS="--min-slack-ms 10")
+# with steps fleet fleet2.
 # To measure main's HEAD while others have uncommitted edits in the tree: here,
 # `mkdir -p .devpatch && git diff HEAD > .devpatch/wt.patch`, and carry ".devpatch" (and ".whl",
 # from scripts/device_wheels.sh): the edits are taken back out of the device's copy first.
@@ -104,9 +105,10 @@ PY
             fleet) fb=$(( $(left) - 10 )); [ "${FLEET_BUDGET:-$fb}" -lt "$fb" ] && fb=$FLEET_BUDGET
                    python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet" \
                        --budget "$fb" ${FLEET_ARGS:-} ;;
-            fleet2) # the same sweep again on a fresh engine, with FLEET2_ENV (VAR=value ...) set: an A/B in one call
+            fleet2) # the same sweep again on a fresh engine, with FLEET2_ENV (VAR=value ...) set and
+                    # FLEET2_ARGS added (e.g. --min-slack-ms 10): an A/B in one call
                     env ${FLEET2_ENV:-} python3 -m pipecat_qwen_fast.cli bench fleet --model "$ck" --out "$out/fleet2" \
-                        --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ;;
+                        --budget "$(( $(left) - 10 ))" ${FLEET_ARGS:-} ${FLEET2_ARGS:-} ;;
             fleet-server) # issue 37's comparison: one engine, each level in process then through the
                           # server, dual-track (a server turn is then one engine stream); every level
                           # run on both sides; FLEET_ARGS (e.g. --levels) overrides

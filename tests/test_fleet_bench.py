@@ -193,6 +193,15 @@ def test_in_process_streamed_turns_take_the_servers_engine_path(endless):
         engine.close()
 
 
+def test_min_slack_setting_for_an_ab():
+    base = ["--model", "m", "--out", "x"]
+    assert fleet.parse_args(base).min_slack_ms == "auto"
+    assert fleet.parse_args(base + ["--min-slack-ms", "off"]).min_slack_ms is None
+    assert fleet.parse_args(base + ["--min-slack-ms", "12.5"]).min_slack_ms == 12.5
+    with pytest.raises(SystemExit):
+        fleet.parse_args(base + ["--min-slack-ms", "soon"])
+
+
 @pytest.mark.timeout(180)
 def test_in_process_callers_keep_no_finished_stream(endless):
     """A finished engine stream holds ~20 objects for the garbage collector: the in-process
@@ -278,6 +287,7 @@ def test_short_sweep_writes_json_and_markdown(endless, tmp_path):
     assert rc == 0
     result = json.loads((out / "fleet.json").read_text())
     assert result["commit"] == "test" and result["round_timing"] is True
+    assert result["engine_switches"]["min_slack_ms"] is None  # auto: no slack limit on a CPU
     assert result["device_info"]["torch"] and result["date_utc"] and result["args"]["levels"] == [2, 3]
     assert result["backend_name"] and result["load_s"] > 0
     assert result["workload"]["frames_range"] == [25, 75]

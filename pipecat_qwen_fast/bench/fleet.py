@@ -87,6 +87,15 @@ def _floats(value: str, flag: str, cast=float) -> list:
     return items
 
 
+def _slack_setting(value: str) -> float | str | None:
+    if value in ("auto", "off"):
+        return None if value == "off" else value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--min-slack-ms takes auto, off or a number of ms, not {value!r}") from None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="qwen-fast-tts bench fleet", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -134,6 +143,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep-going", action="store_true", help="run every level, past the first that misses its bar")
     p.add_argument("--no-round-timing", action="store_true",
                    help="leave the engine's round timing off (it synchronizes the device around each timed call)")
+    p.add_argument("--min-slack-ms", type=_slack_setting, default="auto",
+                   help="in process: the EngineService's admission by slack (auto: 20 ms on a GPU; a number "
+                        "of ms; off: none), for an A/B of the margin")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget", type=float, default=540.0, help="seconds for everything, checkpoint build included")
     p.add_argument("--commit", default=os.environ.get("BENCH_COMMIT"),
@@ -415,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         return engine
 
     t0 = time.monotonic()
-    service = EngineService(load, name="fleet")
+    service = EngineService(load, name="fleet", min_slack_ms=args.min_slack_ms)
     server = None
     try:
         service.wait_ready_blocking(timeout=max(1.0, deadline - time.monotonic()))
@@ -428,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         put("backend_name", engine.backend.name)
         put("device_info", describe_device(engine.device))
         # The engine switches an A/B turns (device_run.sh fleet2, FLEET2_ENV): which side this is.
-        put("engine_switches", {"overlap_vocoder": service.overlap_vocoder,
+        put("engine_switches", {"overlap_vocoder": service.overlap_vocoder, "min_slack_ms": service.min_slack_ms,
                                 "merge_vocoder_sizes": getattr(engine, "merge_vocoder_sizes", None)})
         if not args.no_round_timing:
             service.time_rounds()
