@@ -245,6 +245,35 @@ def test_turns_begin_together_in_one_prefill(graph, shared_fails, monkeypatch):
         assert np.array_equal(np.stack(s.codes), whole)
 
 
+def test_a_closed_turn_is_freed_without_the_collector(eager):
+    """A turn's session and its text feed refer to each other until the session closes: then the
+    feed lets go, so the turn is freed by reference counting (no cycle left for the collector's
+    passes, which stop every thread), and its words stay as they were, a cancelled segment's
+    included."""
+    import gc
+    import weakref
+
+    for cancel in (False, True):
+        s = eager.open_text_session(SynthesisRequest("", voice="ryan", greedy=True, max_frames=12, vocode=False))
+        eager.append_text(s, TEXTS[0])
+        eager.end_text(s)
+        for _ in range(4 if cancel else 10_000):
+            if s.done:
+                break
+            eager.step(s)
+        words = s.feed.words()
+        assert words
+        eager.close_session(s)
+        assert s.feed.words() == words
+        feed, session = weakref.ref(s.feed), weakref.ref(s)
+        gc.disable()
+        try:
+            del s
+            assert feed() is None and session() is None
+        finally:
+            gc.enable()
+
+
 def test_voice_clone_turns(tiny_checkpoint):
     """Base model: in-context cloning needs the reference's length of text before its prefill
     (spec §4.6), x-vector-only cloning one token; both equal their whole texts."""

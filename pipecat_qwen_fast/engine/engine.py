@@ -739,6 +739,8 @@ class QwenTTSEngine(text_session.TextSessions):
             s.state = None
         s.vocoder_state = None
         s.pending = []
+        if s.feed is not None:
+            text_session.detach(s)
 
     # ------------------------------------------------------------------ conveniences
 
