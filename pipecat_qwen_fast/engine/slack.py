@@ -23,7 +23,9 @@ import math
 # 27 ms rounds of 512 callers (375 late calls, made late by the slower rounds that open calls).
 # Under 20 ms two rounds averaged over 30 ms: one more slow round (an open of 4 calls, a stall)
 # makes an underrun, and the caller's event loop and socket still stand between the stream and
-# its listener. Not yet measured on the GPU.
+# its listener. On the H200 (docs/PERFORMANCE.md, sessions 32-33): no admitted call late up to 512
+# callers, but refusals from 256 callers on (22 low-slack chunks refused 273 calls at 256
+# streamed-text callers); `bench fleet --min-slack-ms` is the A/B of this margin.
 MIN_SLACK_MS = 20.0
 # New streams are refused this long after the latest chunk under the margin. While the engine stays
 # overloaded its chunks renew the hold round after round; after the last one, the calls already
