@@ -384,6 +384,37 @@ def test_sweep_in_process_and_through_the_server_side_by_side(endless, tmp_path)
         assert f"{100 * caps[1] / caps[0]:.0f} % of in-process" in md
 
 
+@pytest.mark.timeout(300)
+def test_whole_and_streamed_turns_side_by_side_place_their_low_slack_chunks(endless, tmp_path):
+    """--in-process-turns both: one engine, each level with whole texts then streamed turns, each
+    in its folder; with a margin no chunk after the first can meet (a first chunk is 80 ms of
+    audio), every later chunk is low, and each level says which chunks they were."""
+    out = tmp_path / "fleet-turns"
+    rc = fleet.main([
+        "--model", str(endless), "--device", "cpu", "--dtype", "float32", "--backend", "torch", "--out", str(out),
+        "--text-mode", "dual_track", "--in-process-turns", "both", "--min-slack-ms", "500", "--levels", "2",
+        "--duration", "2", "--stagger", "0.2", "--drain", "6", "--warmup", "0", "--bar-ms", "1e9",
+        "--budget", "240", "--commit", "test",
+    ])
+    assert rc == 0
+    results = {name: json.loads((out / name / "fleet.json").read_text()) for name in ("engine", "engine-streamed")}
+    assert not results["engine"]["endpoint"].endswith("engine path)")
+    assert results["engine-streamed"]["endpoint"].endswith("streamed-text turns (the server's engine path)")
+    assert not (out / fleet_report.COMPARISON).exists()  # a comparison is of in process and the server
+    for name, result in results.items():
+        assert result["engine_switches"]["min_slack_ms"] == 500
+        lv = result["closed"]["levels"][0]
+        low = lv["low_slack"]
+        assert low["chunks"] == lv["low_slack_chunks"] >= 1
+        assert low["streamed"] == (low["chunks"] if name == "engine-streamed" else 0)
+        assert "chunk 1" not in low["by_chunk"] and sum(low["by_chunk"].values()) == low["chunks"]
+        assert low["slack_ms_min"] < 500 and len(low["lowest"]) == min(5, low["chunks"])
+        assert "Low-slack chunks:" in (out / name / "fleet.md").read_text()
+    with pytest.raises(SystemExit, match="--through engine"):
+        fleet.parse_args(["--model", "m", "--out", "x", "--text-mode", "dual_track", "--in-process-turns", "both",
+                          "--through", "both"])
+
+
 def test_comparison_lists_levels_one_side_skipped():
     level = {"callers": 16, "utterances": 10, "first_audio_ms": {"p50": 5.0, "p95": 9.0, "p99": 9.5},
              "underrun_utterances": 0, "frames_per_s": 100.0, "meets_bar": True, "misses": []}

@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from pipecat_qwen_fast.bench.fleet_workload import COMPLETE, CUT, Utterance, summarize_level, summarize_rounds
+from pipecat_qwen_fast.bench.fleet_workload import (
+    COMPLETE,
+    CUT,
+    Utterance,
+    place_low_slack,
+    summarize_level,
+    summarize_rounds,
+)
 from pipecat_qwen_fast.engine.round_timing import RoundTiming
+from pipecat_qwen_fast.engine.slack import SlackWatch
 
 FRAME = 1920
 
@@ -41,3 +49,31 @@ def test_slowest_rounds_keep_their_split_and_time():
     assert slowest[0]["wall_ms"] == pytest.approx(1500) and slowest[0]["host_ms"] == pytest.approx(1487)
     assert slowest[0]["started_s"] == pytest.approx(0.4) and slowest[0]["opened"] == 2
     assert slowest[1]["wall_ms"] == pytest.approx(15)
+
+
+def test_low_slack_chunks_are_placed_against_the_rounds_they_came_after():
+    rounds = [RoundTiming(started=10.0 + i * 0.02, wall_s=0.015, prefill_s=0.001, decode_s=0.008, vocoder_s=0.004,
+                          opened=0, stepped=30) for i in range(50)]
+    rounds[19] = RoundTiming(started=10.38, wall_s=0.035, prefill_s=0.012, decode_s=0.008, vocoder_s=0.004,
+                             opened=4, stepped=30)
+    # The engine's record: the chunks under the margin only, each with its place in its stream.
+    watch = SlackWatch(0.02)
+    watch.note(0.05, 10.205, chunk=1, streamed=True)  # over the margin: not kept
+    watch.note(0.012, 10.415, chunk=1, streamed=True)  # in round 20, after the slow round 19
+    watch.note(0.018, 10.605, chunk=3, streamed=False)  # in round 30
+    watch.note(0.015, 10.905, chunk=6, streamed=False)  # in round 45
+    assert [e[2] for e in watch.low_events_since(10.4)] == [1, 3, 6]
+    assert watch.low_events_since(10.5)[0][0] == pytest.approx(10.605)
+    placed = place_low_slack(watch.low_events_since(0.0), rounds)
+    assert placed["chunks"] == 3 and placed["streamed"] == 1
+    assert placed["by_chunk"] == {"chunk 2": 1, "chunk 4": 1, "5th or later": 1}
+    assert placed["slack_ms_min"] == pytest.approx(12.0)
+    lowest = placed["lowest"][0]
+    assert lowest["chunk"] == 2 and lowest["streamed"]
+    # Rounds 18, 19 and 20: the slow one with its four opens in the middle.
+    assert [r["wall_ms"] for r in lowest["rounds"]] == pytest.approx([15.0, 35.0, 15.0])
+    assert lowest["rounds"][1]["opened"] == 4 and lowest["rounds"][1]["prefill_ms"] == pytest.approx(12.0)
+    assert placed["last_3_rounds_mean"]["wall_ms"] == pytest.approx((65 + 45 + 45) / 3)
+    assert placed["any_3_rounds_mean"]["wall_ms"] == pytest.approx(3 * (49 * 15 + 35) / 50)
+    assert place_low_slack([], rounds) is None
+    assert place_low_slack([(9.0, 0.01, 1, False)], rounds) is None  # before the level's first round

@@ -59,6 +59,7 @@ from pipecat_qwen_fast.bench.fleet_workload import (
     capacity,
     fleet_replies,
     histogram_lag,
+    place_low_slack,
     served_gc,
     served_rounds,
     server_rounds,
@@ -124,10 +125,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--text-mode", default=None, choices=["prefill", "dual_track"],
                    help="the requests' text mode (default: the variant's); dual_track makes a "
                         "server turn one engine stream, as in-process")
-    p.add_argument("--in-process-turns", default="whole", choices=["whole", "streamed"],
+    p.add_argument("--in-process-turns", default="whole", choices=["whole", "streamed", "both"],
                    help="in process: whole (each reply opened with its text, open_stream) or streamed "
                         "(a streamed-text turn given the whole reply and ended at once, the engine "
-                        "path of a server's dual-track WebSocket turn; needs --text-mode dual_track)")
+                        "path of a server's dual-track WebSocket turn; needs --text-mode dual_track); "
+                        "both: each level whole, then streamed, one engine loaded once (OUT/engine, "
+                        "OUT/engine-streamed)")
     p.add_argument("--levels", default="16,32,64,128,256,512,768", help="closed loop: callers per level")
     p.add_argument("--rates", default="5,10,15,20,30,40,60,80,120,160", help="open loop: requests/s per level")
     p.add_argument("--duration", type=float, default=30.0, help="seconds a level submits requests")
@@ -157,8 +160,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if len(listen) != 2 or listen[0] > listen[1]:
         raise SystemExit(f"--listen: expected min,max seconds, got {args.listen!r}")
     args.listen = tuple(listen)
-    if args.in_process_turns == "streamed" and args.text_mode != "dual_track":
-        raise SystemExit("--in-process-turns streamed needs --text-mode dual_track")
+    if args.in_process_turns != "whole" and args.text_mode != "dual_track":
+        raise SystemExit(f"--in-process-turns {args.in_process_turns} needs --text-mode dual_track")
+    if args.in_process_turns == "both" and args.through != "engine":
+        raise SystemExit("--in-process-turns both needs --through engine (it is the A/B of the in-process turns)")
     if args.duration <= 0 or args.stagger < 0 or args.drain < 0 or args.warmup < 0:
         raise SystemExit("--duration must be > 0; --stagger, --drain and --warmup >= 0")
     if args.caller_processes < 1:
@@ -272,6 +277,7 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 # and the callers' loop stall on both, the GIL held).
                 compiled_before = frames_compiled()
                 low_before = low_slack_chunks(run.endpoint, served_before)
+                level_t0 = time.monotonic()
                 with GcPauses() as gc_pauses:
                     utts, wall, caller_lag = await run_callers(run, replies, LevelPlan(
                         closed=closed, value=value, duration=args.duration, stagger=args.stagger,
@@ -294,6 +300,10 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 # refusing new calls for a moment: which of the refusals the slack made.
                 level["low_slack_chunks"] = (None if low_before is None or low_after is None
                                              else int(low_after - low_before))
+                # Where in their streams those chunks came, and the rounds before them (in process).
+                events = getattr(run.endpoint.service, "low_slack_events", None)
+                if events is not None and rounds:
+                    level["low_slack"] = place_low_slack(events(level_t0), rounds)
                 level["misses"] = verdict(level, bar_ms, underruns_count=closed)
                 level["meets_bar"] = not level["misses"]
                 section["levels"].append(level)
@@ -397,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.server_url:
         return sweep_server(args, deadline, *_report(args, args.out), started)
     # --through both: each endpoint's report in its own folder, and the two side by side.
-    names = ["engine", "server"] if args.through == "both" else [args.through]
+    # --in-process-turns both: the two kinds of turn level by level, each in its own folder.
+    names = (["engine", "server"] if args.through == "both"
+             else ["engine", "engine-streamed"] if args.in_process_turns == "both" else [args.through])
     outs = {name: args.out / name if len(names) > 1 else args.out for name in names}
     reports = {name: _report(args, outs[name]) for name in names}
 
@@ -406,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             report.put(key, value)
 
     def compare() -> None:
-        if len(names) > 1:
+        if "server" in names and len(names) > 1:
             fleet_report.write_comparison({n: r.data for n, (r, _) in reports.items()}, args.out)
 
     if args.build_size:
@@ -457,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
                                           service)
                 report.put("endpoint", "the server on loopback (WebSocket) over one EngineService")
             else:
-                streamed = args.in_process_turns == "streamed"
+                streamed = args.in_process_turns == "streamed" or name == "engine-streamed"
                 endpoint = InProcessEndpoint(service, engine.default_voice, args.text_mode, streamed)
                 report.put("endpoint", "in process: one EngineService" + (
                     ", streamed-text turns (the server's engine path)" if streamed else ""))
@@ -486,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         out = outs[name]
         log(f"wrote {out / RESULT}, {out / fleet_report.MARKDOWN}; plot: {reports[name][0].data['plot']}")
         print((out / fleet_report.MARKDOWN).read_text())
-    if len(names) > 1:
+    if "server" in names and len(names) > 1:
         print((args.out / fleet_report.COMPARISON).read_text())
     return 0
 

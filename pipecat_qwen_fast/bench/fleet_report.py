@@ -97,6 +97,30 @@ def level_table(levels: list[dict], key: str, title: str) -> str:
     return "\n".join(lines)
 
 
+def low_slack_table(levels: list[dict], key: str, title: str) -> str:
+    """Where the low-slack chunks came (bench/fleet_workload.place_low_slack), level by level."""
+    lines = [
+        ("Low-slack chunks: which chunk of its stream each was, and the three rounds up to its arrival "
+         "(ms: wall: decode / vocoder / prefill / host, calls opened), beside any three rounds of the level."),
+        "",
+        (f"| {title} | chunks | of streamed turns | by chunk | slack p50 / min (ms) | their 3 rounds | "
+         "any 3 rounds |"),
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def rounds(r: dict) -> str:
+        return (f"{_fmt(r['wall_ms'])}: {_fmt(r['decode_ms'])} / {_fmt(r['vocoder_ms'])} / {_fmt(r['prefill_ms'])} / "
+                f"{_fmt(r['host_ms'])}, {_fmt(r['opened'])} opened")
+
+    for lv in levels:
+        low = lv["low_slack"]
+        by_chunk = ", ".join(f"{k}: {v}" for k, v in low["by_chunk"].items())
+        mine, anyr = (next(v for k, v in low.items() if k.startswith(p)) for p in ("last_", "any_"))
+        lines.append(f"| {lv[key]:g} | {low['chunks']} | {low['streamed']} | {by_chunk} | "
+                     f"{_fmt(low['slack_ms_p50'])} / {_fmt(low['slack_ms_min'])} | {rounds(mine)} | {rounds(anyr)} |")
+    return "\n".join(lines)
+
+
 def render(result: dict) -> str:
     args = result.get("args", {})
     dev = result.get("device_info", {})
@@ -141,6 +165,9 @@ def render(result: dict) -> str:
             "",
             level_table(section.get("levels", []), key, title),
         ]
+        placed = [lv for lv in section.get("levels", []) if lv.get("low_slack")]
+        if placed:
+            out += ["", low_slack_table(placed, key, title)]
         if section.get("stopped"):
             out += ["", f"Sweep stopped: {section['stopped']}."]
     out += ["", f"Plot: {result.get('plot')}.", ""]

@@ -10,6 +10,7 @@ clock: lateness accumulates, as a listener hears it).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
 import random
@@ -206,6 +207,56 @@ def summarize_rounds(rounds: list, level_wall_s: float) -> dict | None:
                      "prefill_ms": 1e3 * r.prefill_s, "host_ms": 1e3 * r.host_s,
                      "opened": r.opened, "stepped": r.stepped}
                     for r in sorted(rounds, key=lambda r: r.wall_s, reverse=True)[:3]],
+    }
+
+
+# Rounds before a low-slack chunk that are placed with it: a stream's second chunk (the most
+# often low) is made over the two rounds after the one that sent its first.
+ROUNDS_BEFORE_LOW = 3
+
+
+def place_low_slack(events: list[tuple[float, float, int, bool]], rounds: list) -> dict | None:
+    """The chunks that came under the engine's slack margin (`EngineService.low_slack_events`:
+    arrival, slack, chunks its stream had before it, streamed turn or not) placed against the
+    level's round timings: which chunk of their stream they were, and what the round each arrived
+    in and the ROUNDS_BEFORE_LOW - 1 before it were made of, beside the level's mean round."""
+    if not events or not rounds:
+        return None
+    starts = [r.started for r in rounds]
+    placed = []
+    for at, slack_s, chunk, streamed in events:
+        i = bisect.bisect_right(starts, at) - 1  # the round the chunk was posted in
+        if i < 0:
+            continue
+        placed.append((at, slack_s, chunk, streamed, rounds[max(0, i - ROUNDS_BEFORE_LOW + 1): i + 1]))
+    if not placed:
+        return None
+    by_chunk = collections.Counter(min(chunk, 4) for _, _, chunk, _, _ in placed)
+
+    def split(window: list) -> dict:
+        return {"wall_ms": 1e3 * sum(r.wall_s for r in window),
+                "decode_ms": 1e3 * sum(r.decode_s for r in window),
+                "vocoder_ms": 1e3 * sum(r.vocoder_s for r in window),
+                "prefill_ms": 1e3 * sum(r.prefill_s for r in window),
+                "host_ms": 1e3 * sum(r.host_s for r in window),
+                "opened": sum(r.opened for r in window), "stepped": sum(r.stepped for r in window)}
+
+    windows = [split(w) for *_, w in placed]
+    n = len(windows)
+    mean_round = split(rounds)
+    return {
+        "chunks": n,
+        "by_chunk": {("5th or later" if k == 4 else f"chunk {k + 1}"): by_chunk[k] for k in sorted(by_chunk)},
+        "streamed": sum(1 for _, _, _, streamed, _ in placed if streamed),
+        "slack_ms_p50": 1e3 * percentile([p[1] for p in placed], 50),
+        "slack_ms_min": 1e3 * min(p[1] for p in placed),
+        # Their rounds (the one each arrived in and the two before) against any three rounds.
+        f"last_{ROUNDS_BEFORE_LOW}_rounds_mean": {k: sum(w[k] for w in windows) / n for k in windows[0]},
+        f"any_{ROUNDS_BEFORE_LOW}_rounds_mean": {k: ROUNDS_BEFORE_LOW * v / len(rounds)
+                                                 for k, v in mean_round.items()},
+        "lowest": [{"slack_ms": 1e3 * slack_s, "chunk": chunk + 1, "streamed": streamed,
+                    "rounds": [split([r]) for r in window]}
+                   for _, slack_s, chunk, streamed, window in sorted(placed, key=lambda p: p[1])[:5]],
     }
 
 

@@ -197,6 +197,7 @@ class SynthesisStream:
         self._first_post_at: float | None = None  # engine thread: when its first chunk was posted
         self._audio_posted_s = 0.0
         self._playback = PlaybackClock()  # engine thread: for the slack of its chunks (slack.py)
+        self._arrived = 0  # engine thread: chunks whose audio reached the stream
 
     def lead(self, now: float) -> float:
         """Seconds of audio posted ahead of its playback, which starts at the first chunk and
@@ -332,6 +333,8 @@ class SynthesisStream:
         now = time.monotonic()
         if self.record.first_chunk_at is None:
             self.record.first_chunk_at = now
+        chunk = self._arrived
+        self._arrived = chunk + 1
         # A streamed-text turn's chunks wait for their text while it comes: their slack would
         # measure the text's arrival, not the engine, and refuse calls for it. Once the text has
         # ended (a server's WebSocket turn given its whole text at once, or the end of an LLM's
@@ -341,7 +344,7 @@ class SynthesisStream:
             return
         slack = self._playback.arrive(now, frames * FRAME_S)
         if slack is not None:
-            self._service._slack.note(slack, now)
+            self._service._slack.note(slack, now, chunk, self.streams_text)
 
     def _held_back(self) -> None:
         """Engine thread: the stream skips a round because its reader has not taken its chunks."""
@@ -632,6 +635,11 @@ class EngineService:
     def low_slack_chunks(self) -> int:
         """Chunks whose audio reached their stream less than `min_slack_ms` before its playback."""
         return self._slack.low_chunks
+
+    def low_slack_events(self, since: float = float("-inf")) -> list[tuple[float, float, int, bool]]:
+        """The latest chunks under `min_slack_ms` that arrived from `since` (time.monotonic()) on:
+        (arrival, slack in seconds, chunks its stream had before it, whether a streamed-text turn)."""
+        return self._slack.low_events_since(since)
 
     @property
     def lowest_slack_ms(self) -> float | None:

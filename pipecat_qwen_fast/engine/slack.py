@@ -15,6 +15,7 @@ floats that the engine thread replaces whole, so a reader sees an old value or a
 
 from __future__ import annotations
 
+import collections
 import math
 
 # The default margin on a GPU. A new call's second chunk (2 frames, due 80 ms after the first)
@@ -36,6 +37,9 @@ SLACK_HOLD_S = 0.5
 # `lowest_ms` covers the chunks of the last one to two windows: long enough for a scrape every
 # second or so to see a dip, short enough to forget it soon after.
 SLACK_WINDOW_S = 1.0
+# The latest chunks under the margin kept for a benchmark to place against its round timings
+# (which chunk of its stream each was, which kind of stream): a few levels' worth at overload.
+LOW_EVENTS_KEPT = 4096
 
 
 class PlaybackClock:
@@ -80,9 +84,14 @@ class SlackWatch:
         self._window_at = -math.inf
         self._low = math.inf  # lowest slack in the window begun at _window_at
         self._low_before = math.inf  # in the window before it
+        # (now, slack_s, chunk, streamed) of each chunk under the margin, the latest LOW_EVENTS_KEPT:
+        # `chunk` counts the chunks its stream had before it (1: the second chunk).
+        self.low_events: collections.deque[tuple[float, float, int, bool]] = collections.deque(
+            maxlen=LOW_EVENTS_KEPT)
 
-    def note(self, slack_s: float, now: float) -> None:
-        """A chunk arrived at `now` with `slack_s` of slack."""
+    def note(self, slack_s: float, now: float, chunk: int = 0, streamed: bool = False) -> None:
+        """A chunk arrived at `now` with `slack_s` of slack; `chunk` and `streamed` only describe
+        it in `low_events`."""
         if now - self._window_at >= SLACK_WINDOW_S:
             adjacent = now - self._window_at < 2 * SLACK_WINDOW_S
             self._low_before = self._low if adjacent else math.inf
@@ -94,6 +103,17 @@ class SlackWatch:
             self.low_chunks += 1
             self.last_low_s = slack_s
             self.hold_until = now + SLACK_HOLD_S
+            self.low_events.append((now, slack_s, chunk, streamed))
+
+    def low_events_since(self, since: float) -> list[tuple[float, float, int, bool]]:
+        """`low_events` from `since` (time.monotonic()) on; from any thread."""
+        while True:
+            try:
+                events = list(self.low_events)
+                break
+            except RuntimeError:  # the engine thread appended while it was copied
+                continue
+        return [e for e in events if e[0] >= since]
 
     def holding(self, now: float) -> bool:
         """Whether new streams are refused at `now`."""
