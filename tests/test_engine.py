@@ -70,6 +70,20 @@ def test_stream_chunks_and_equals_whole(endless):
     assert np.abs(streamed).max() > 0
 
 
+def test_chunks_of_at_most_the_frames_sent_carry_the_same_audio(endless):
+    # chunk_growth=1 with chunk_frames=1: the second chunk one round after the first (the fleet's
+    # late second chunks, request.py), the same codes and audio as the default schedule's.
+    kw = {"voice": "ryan", "language": "english", "seed": 7, "max_frames": 30}
+    chunks = list(endless.stream("Hello there, how are you?", chunk_frames=1, chunk_growth=1, **kw))
+    assert [c.num_frames for c in chunks] == [1, 1, 2, 4, 8, 14]
+    assert [c.frame_index for c in chunks] == [0, 1, 2, 4, 8, 16]
+    default = list(endless.stream("Hello there, how are you?", **kw))
+    np.testing.assert_array_equal(np.concatenate([c.codes for c in chunks]),
+                                  np.concatenate([c.codes for c in default]))
+    pcm = [np.concatenate([c.pcm for c in cs]).astype(np.int32) for cs in (chunks, default)]
+    assert np.abs(pcm[0] - pcm[1]).max() <= 1
+
+
 def test_fixed_chunks_without_growth(endless):
     kw = dict(voice="ryan", seed=7, max_frames=11, first_chunk_frames=1, chunk_frames=4, max_chunk_frames=None)
     assert [c.num_frames for c in endless.stream("Hello there.", **kw)] == [1, 4, 4, 2]
@@ -87,10 +101,29 @@ def test_fixed_chunks_without_growth(endless):
         (1, 4, 20, [1, 4, 8, 20, 20]),  # 20, off the ladder, once growth allows it (13 sent)
         (1, 4, None, [1, 4, 4, 4, 4]),
         (1, 8, 4, [1, 8, 8, 8, 8]),  # a cap below chunk_frames never shrinks a chunk
+        (1, 1, 32, [1, 1, 4, 8, 16, 32]),  # growth 2 from one sent: the third chunk jumps to 4
     ],
 )
 def test_chunk_schedule(first, chunk, most, sizes):
     req = SynthesisRequest("x", first_chunk_frames=first, chunk_frames=chunk, max_chunk_frames=most)
+    sent, got = 0, []
+    for _ in sizes:
+        got.append(chunk_target(req, sent))
+        sent += got[-1]
+    assert got == sizes
+    assert schedule_sizes(req) == tuple(sorted(set(sizes)))
+
+
+@pytest.mark.parametrize(
+    "chunk, growth, sizes",
+    [
+        (1, 1, [1, 1, 2, 4, 8, 16, 32, 32]),  # each chunk at most the frames sent: the default's sizes
+        (2, 1, [1, 2, 2, 4, 8, 16, 32, 32]),
+        (1, 3, [1, 1, 4, 16, 32, 32]),  # the ladder's most within 3x sent: 4 of 6, 16 of 18
+    ],
+)
+def test_chunk_growth(chunk, growth, sizes):
+    req = SynthesisRequest("x", chunk_frames=chunk, chunk_growth=growth)
     sent, got = 0, []
     for _ in sizes:
         got.append(chunk_target(req, sent))
@@ -110,8 +143,14 @@ def test_round_budget():
     assert round_budget_ms(SynthesisRequest("x")) == pytest.approx(40.0)
     assert round_budget_ms(SynthesisRequest("x", chunk_frames=3)) == pytest.approx(80 / 3)
     assert round_budget_ms(SynthesisRequest("x", chunk_frames=1, max_chunk_frames=None)) == pytest.approx(80.0)
-    # A later chunk can be the tightest: 1, 1, then 4 frames after 2 sent.
-    assert round_budget_ms(SynthesisRequest("x", chunk_frames=1)) == pytest.approx(40.0)
+    # A later chunk can be the tightest: 1, 1, then 4 frames after 2 sent, made 5 rounds after the
+    # first chunk while its 160 ms play (the second chunk's round counts too).
+    assert round_budget_ms(SynthesisRequest("x", chunk_frames=1)) == pytest.approx(32.0)
+    # 1, 1, 2, 4, ...: 80 ms for the second chunk, 53.3 for the third; 32 frames after 32 sent, the
+    # tightest, made 63 rounds after the first chunk while 2.56 s play.
+    assert round_budget_ms(SynthesisRequest("x", chunk_frames=1, chunk_growth=1)) == pytest.approx(80 * 32 / 63)
+    # The first chunk's frames come before the player starts: 2, then 4 in 4 rounds within 160 ms.
+    assert round_budget_ms(SynthesisRequest("x", first_chunk_frames=2, chunk_frames=4)) == pytest.approx(40.0)
 
 
 def test_bad_max_chunk_frames(engine):

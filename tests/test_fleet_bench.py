@@ -393,6 +393,7 @@ def test_whole_and_streamed_turns_side_by_side_place_their_low_slack_chunks(endl
     rc = fleet.main([
         "--model", str(endless), "--device", "cpu", "--dtype", "float32", "--backend", "torch", "--out", str(out),
         "--text-mode", "dual_track", "--in-process-turns", "both", "--min-slack-ms", "500", "--levels", "2",
+        "--chunk-frames", "1", "--chunk-growth", "1",
         "--duration", "2", "--stagger", "0.2", "--drain", "6", "--warmup", "0", "--bar-ms", "1e9",
         "--budget", "240", "--commit", "test",
     ])
@@ -403,6 +404,7 @@ def test_whole_and_streamed_turns_side_by_side_place_their_low_slack_chunks(endl
     assert not (out / fleet_report.COMPARISON).exists()  # a comparison is of in process and the server
     for name, result in results.items():
         assert result["engine_switches"]["min_slack_ms"] == 500
+        assert result["engine_switches"]["request_schedule"] == {"chunk_frames": 1, "chunk_growth": 1}
         lv = result["closed"]["levels"][0]
         low = lv["low_slack"]
         assert low["chunks"] == lv["low_slack_chunks"] >= 1
@@ -413,6 +415,28 @@ def test_whole_and_streamed_turns_side_by_side_place_their_low_slack_chunks(endl
     with pytest.raises(SystemExit, match="--through engine"):
         fleet.parse_args(["--model", "m", "--out", "x", "--text-mode", "dual_track", "--in-process-turns", "both",
                           "--through", "both"])
+
+
+def test_chunk_schedule_for_an_ab_sets_the_in_process_requests():
+    base = ["--model", "m", "--out", "x"]
+    assert fleet.request_schedule(fleet.parse_args(base)) == {}
+    args = fleet.parse_args(base + ["--chunk-frames", "1", "--chunk-growth", "1"])
+    assert fleet.request_schedule(args) == {"chunk_frames": 1, "chunk_growth": 1}
+    endpoint = fleet_callers.InProcessEndpoint(None, "ryan", schedule=fleet.request_schedule(args))
+    opened = []
+
+    def open_(request):
+        opened.append(request)
+        raise LookupError("recorded")
+
+    endpoint.open = open_
+    with pytest.raises(LookupError):
+        asyncio.run(anext(endpoint.speak(fleet_callers.Reply("Hi.", 4), seed=1)))
+    assert (opened[0].chunk_frames, opened[0].chunk_growth, opened[0].max_frames) == (1, 1, 4)
+    with pytest.raises(SystemExit, match="expected an integer >= 1"):
+        fleet.parse_args(base + ["--chunk-growth", "0"])
+    with pytest.raises(SystemExit, match="need --through engine"):
+        fleet.parse_args(["--server-url", "http://127.0.0.1:1", "--out", "x", "--chunk-frames", "1"])
 
 
 def test_comparison_lists_levels_one_side_skipped():

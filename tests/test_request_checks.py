@@ -44,6 +44,7 @@ def codes_of(engine, text: str, **kw) -> np.ndarray:
         ("first_chunk_frames", 0, "first_chunk_frames"),
         ("first_chunk_frames", 1.0, "first_chunk_frames"),
         ("chunk_frames", "3", "chunk_frames"),
+        ("chunk_growth", 0, "chunk_growth"),
         ("max_chunk_frames", 0, "max_chunk_frames"),
         ("max_chunk_frames", 2.5, "max_chunk_frames"),
         ("max_frames", 2.5, "max_frames"),

@@ -151,7 +151,7 @@ def test_cudnn_benchmark_scope_restores_the_setting():
 
 
 def test_engine_warmup_compiles_the_default_schedule_on_cuda(tiny_checkpoint):
-    """Warm-up compiles every size a default stream sends (1, 3, 6, 12, 32) and every tail, so no
+    """Warm-up compiles every size a default stream sends (1, 2, 4, 8, 16, 32) and every tail, so no
     stream meets a compile or a capture once it is done (the part after `ready` runs in the
     background under EngineService; finish_warmup() runs it here)."""
     if not torch.cuda.is_available():
@@ -163,7 +163,7 @@ def test_engine_warmup_compiles_the_default_schedule_on_cuda(tiny_checkpoint):
                                            backend="torch")  # EOS row zeroed: the stream runs to max_frames
     engine.finish_warmup()
     graphs = engine.vocoder_graphs
-    assert schedule_sizes(SynthesisRequest("x")) == (1, 3, 6, 12, 32)
+    assert schedule_sizes(SynthesisRequest("x")) == (1, 2, 4, 8, 16, 32)
     assert graphs.compiled_sizes == set(graphs.entries) and set(range(1, 33)) <= graphs.compiled_sizes
     captured = set(graphs.entries)
     # The batched backend's warm-up also captured the batched calls of the default schedule.

@@ -149,6 +149,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-slack-ms", type=_slack_setting, default="auto",
                    help="in process: the EngineService's admission by slack (auto: 20 ms on a GPU; a number "
                         "of ms; off: none), for an A/B of the margin")
+    p.add_argument("--chunk-frames", type=int, default=None,
+                   help="in process: the requests' chunk_frames (frames in the second chunk; default the "
+                        "request's), for an A/B of the chunk schedule")
+    p.add_argument("--chunk-growth", type=int, default=None,
+                   help="in process: the requests' chunk_growth (a chunk after the second holds at most this "
+                        "many times the frames sent; default the request's). --chunk-frames 1 --chunk-growth 1: "
+                        "1, 1, 2, 4, ... 32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget", type=float, default=540.0, help="seconds for everything, checkpoint build included")
     p.add_argument("--commit", default=os.environ.get("BENCH_COMMIT"),
@@ -166,12 +173,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise SystemExit("--in-process-turns both needs --through engine (it is the A/B of the in-process turns)")
     if args.duration <= 0 or args.stagger < 0 or args.drain < 0 or args.warmup < 0:
         raise SystemExit("--duration must be > 0; --stagger, --drain and --warmup >= 0")
+    if (args.chunk_frames is not None or args.chunk_growth is not None) and (args.server_url or args.through != "engine"):
+        raise SystemExit("--chunk-frames and --chunk-growth set the in-process requests: they need --through engine "
+                         "and no --server-url")
+    for name in ("chunk_frames", "chunk_growth"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
     if args.caller_processes < 1:
         raise SystemExit(f"--caller-processes: expected 1 or more, got {args.caller_processes}")
     if args.caller_processes > 1 and not args.server_url:
         raise SystemExit("--caller-processes needs --server-url: with --model or --build-size the engine and "
                          "its callers stay in one process")
     return args
+
+
+def request_schedule(args: argparse.Namespace) -> dict:
+    """The chunk schedule fields the in-process requests set (none: the request's defaults)."""
+    return {name: getattr(args, name) for name in ("chunk_frames", "chunk_growth") if getattr(args, name) is not None}
 
 
 def _modes(args: argparse.Namespace) -> list[str]:
@@ -453,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         put("device_info", describe_device(engine.device))
         # The engine switches an A/B turns (device_run.sh fleet2, FLEET2_ENV): which side this is.
         put("engine_switches", {"overlap_vocoder": service.overlap_vocoder, "min_slack_ms": service.min_slack_ms,
-                                "merge_vocoder_sizes": getattr(engine, "merge_vocoder_sizes", None)})
+                                "merge_vocoder_sizes": getattr(engine, "merge_vocoder_sizes", None),
+                                "request_schedule": request_schedule(args) or "defaults"})
         if not args.no_round_timing:
             service.time_rounds()
         runs = []
@@ -470,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
                 report.put("endpoint", "the server on loopback (WebSocket) over one EngineService")
             else:
                 streamed = args.in_process_turns == "streamed" or name == "engine-streamed"
-                endpoint = InProcessEndpoint(service, engine.default_voice, args.text_mode, streamed)
+                endpoint = InProcessEndpoint(service, engine.default_voice, args.text_mode, streamed,
+                                             schedule=request_schedule(args))
                 report.put("endpoint", "in process: one EngineService" + (
                     ", streamed-text turns (the server's engine path)" if streamed else ""))
             runs.append(Run(name, endpoint, report, save))

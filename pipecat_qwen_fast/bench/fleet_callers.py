@@ -65,14 +65,16 @@ class InProcessEndpoint:
     """The engine in this process, through its EngineService (as the Pipecat and LiveKit adapters use it).
     `streamed`: each reply is a streamed-text turn given its whole text and ended at once, the
     engine path of a server's dual-track WebSocket turn, so that a comparison with the server
-    can tell the server's own cost from that path's."""
+    can tell the server's own cost from that path's. `schedule`: the requests' chunk schedule
+    fields (chunk_frames, chunk_growth) where not the defaults, for an A/B of the schedule."""
 
     def __init__(self, service: Any, voice: str | None, text_mode: str | None = None,
-                 streamed: bool = False) -> None:
+                 streamed: bool = False, schedule: dict | None = None) -> None:
         self.service = service
         self.voice = voice
         self.text_mode = text_mode
         self.streamed = streamed
+        self.schedule = schedule or {}
         self._streams: list[Any] = []
 
     def open(self, request: SynthesisRequest) -> Any:
@@ -85,7 +87,7 @@ class InProcessEndpoint:
 
     async def speak(self, reply: Reply, seed: int) -> AsyncIterator[int]:
         stream = self.open(SynthesisRequest(reply.text, voice=self.voice, seed=seed, max_frames=reply.frames,
-                                            text_mode=self.text_mode))
+                                            text_mode=self.text_mode, **self.schedule))
         try:
             async for chunk in stream:
                 yield len(chunk.pcm)

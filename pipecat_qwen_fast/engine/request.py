@@ -13,12 +13,12 @@ from pipecat_qwen_fast.model.sampling import SamplingParams
 SAMPLE_RATE = 24000
 
 
-# From the third chunk on, a chunk holds at most this many times the frames already sent. A chunk
-# of n frames after S sent reaches the player in time while the decoder runs at >= ~(n / S + 1)x
-# real time: 3x for the default second chunk (2 after 1), at most 3x for the later ones, so growth
-# never asks more than the second chunk already does. With 4x growth (1, 4, 16) the third chunk
-# asked 4.2x and 16 concurrent torch-backend streams (4.5x each) ran out of audio by 1 ms where
-# 1, 4, 4 did not (H200 full run at c332932).
+# The default of SynthesisRequest.chunk_growth: from the third chunk on, a chunk holds at most
+# this many times the frames already sent. A chunk of n frames after S sent reaches the player in
+# time while the decoder runs at >= ~(n / S + 1)x real time: 3x for the default second chunk (2
+# after 1), at most 3x for the later ones, so growth never asks more than the second chunk already
+# does. With 4x growth (1, 4, 16) the third chunk asked 4.2x and 16 concurrent torch-backend
+# streams (4.5x each) ran out of audio by 1 ms where 1, 4, 4 did not (H200 full run at c332932).
 CHUNK_GROWTH = 2
 
 def chunk_target(request: SynthesisRequest, frames_sent: int) -> int:
@@ -35,7 +35,7 @@ def chunk_target(request: SynthesisRequest, frames_sent: int) -> int:
     n = request.chunk_frames
     most = request.max_chunk_frames
     if most is not None and frames_sent > request.first_chunk_frames:
-        limit = min(most, CHUNK_GROWTH * frames_sent)
+        limit = min(most, request.chunk_growth * frames_sent)
         while 2 * n <= limit:
             n *= 2
         if most <= limit:  # the cap itself, where doubling does not land on it
@@ -45,29 +45,34 @@ def chunk_target(request: SynthesisRequest, frames_sent: int) -> int:
 
 def round_budget_ms(request: SynthesisRequest, frame_ms: float = 80.0) -> float:
     """The longest engine round (one frame per stream per round) with which every chunk of
-    `request`'s schedule still reaches its player in time: a chunk of n frames after S sent takes
-    n rounds, during which the S frames already sent play for S x 80 ms. The tightest chunk is
-    the second (40 ms for the default 1, 2, 4, ...; 26.7 ms for 1, 3, 6, ...)."""
+    `request`'s schedule still reaches its player in time. The player starts at the first chunk,
+    made in the round of the stream's frame `first_chunk_frames - 1`; the chunk that ends with
+    frame T - 1 (T sent after it) comes T - first_chunk_frames rounds later, and must not come
+    after the S frames sent before it have played: rounds <= S x 80 ms / (T - first). For the
+    default 1, 2, 4, ... every chunk binds at 40 ms; 1, 3, 6, ... 26.7 ms (its second chunk);
+    1, 1, 2, 4, ... (chunk_frames=1, chunk_growth=1) 80 ms for the second chunk, 53.3 for the third,
+    and towards 40 ms for the later ones, as any schedule that doubles must."""
     budget, sent = float("inf"), 0
+    first = request.first_chunk_frames
     while True:
         n = chunk_target(request, sent)
         if sent:
-            budget = min(budget, frame_ms * sent / n)
-        if sent >= 4 * (request.max_chunk_frames or request.chunk_frames) + request.first_chunk_frames:
+            budget = min(budget, frame_ms * sent / (sent + n - first))
+        if sent >= 4 * (request.max_chunk_frames or request.chunk_frames) + first:
             return budget  # the steady chunk asks less and less from here on
         sent += n
 
 
 def schedule_sizes(request: SynthesisRequest) -> tuple[int, ...]:
     """The chunk sizes a long stream of `request` sends (its last chunk may be any smaller size)."""
-    sizes, sent = [], 0
-    while True:
+    sizes, sent = set(), 0
+    # Past the first chunk and four of the largest, every chunk is the steady size (as in
+    # round_budget_ms); a size may repeat before (1, 2, 2, 4 with chunk_growth=1).
+    while sent < 4 * (request.max_chunk_frames or request.chunk_frames) + request.first_chunk_frames:
         n = chunk_target(request, sent)
-        # Until capped, each chunk from the third on at least doubles: a repeat is the steady size.
-        if len(sizes) >= 2 and n == sizes[-1]:
-            return tuple(sorted(set(sizes)))
-        sizes.append(n)
+        sizes.add(n)
         sent += n
+    return tuple(sorted(sizes | {chunk_target(request, sent)}))
 
 
 @dataclass
@@ -89,9 +94,14 @@ class SynthesisRequest:
     # (1, 2, 4, 8, 16, 32) every chunk asks at most 3x, so a busy engine's rounds may take 40 ms
     # instead of 27 before a new call's audio breaks up (round_budget_ms): the fleet's headroom.
     chunk_frames: int = 2
-    # From the third chunk on, chunks double up to this, each at most CHUNK_GROWTH x the frames
+    # From the third chunk on, chunks double up to this, each at most chunk_growth x the frames
     # already sent (chunk_target); None (or <= chunk_frames): every later chunk is chunk_frames.
     max_chunk_frames: int | None = 32
+    # With chunk_frames=1 and chunk_growth=1 the schedule is 1, 1, 2, 4, ... 32: a new call's
+    # second chunk follows its first by one round, not two, and every later chunk has more slack
+    # than in 1, 2, 4, ... (80 ms less a round for the second, against 80 less two), at one more
+    # chunk an utterance (docs/PERFORMANCE.md, session 34: the fleet's late second chunks).
+    chunk_growth: int = CHUNK_GROWTH
     max_frames: int | None = None
     sampling: SamplingParams | None = None  # overrides generation_config.json
     vocode: bool = True

@@ -26,7 +26,8 @@ from pipecat_qwen_fast.model.sampling import SamplingParams
 # 1_000_003 per segment, so below 2**63 leaves room for any number of segments.
 MAX_SEED = 2**63 - 1
 
-_INT_FIELDS = {"first_chunk_frames": "an integer >= 1", "chunk_frames": "an integer >= 1"}
+_INT_FIELDS = {"first_chunk_frames": "an integer >= 1", "chunk_frames": "an integer >= 1",
+               "chunk_growth": "an integer >= 1"}
 _OPTIONAL_INT_FIELDS = {
     "max_chunk_frames": ">= 1, or None for fixed chunks (an integer)",
     "max_frames": "an integer >= 1, or None for the model's limit",
