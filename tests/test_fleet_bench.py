@@ -399,12 +399,12 @@ def test_whole_and_streamed_turns_side_by_side_place_their_low_slack_chunks(endl
     ])
     assert rc == 0
     results = {name: json.loads((out / name / "fleet.json").read_text()) for name in ("engine", "engine-streamed")}
-    assert not results["engine"]["endpoint"].endswith("engine path)")
-    assert results["engine-streamed"]["endpoint"].endswith("streamed-text turns (the server's engine path)")
+    assert "streamed-text" not in results["engine"]["endpoint"]
+    assert "streamed-text turns (the server's engine path)" in results["engine-streamed"]["endpoint"]
     assert not (out / fleet_report.COMPARISON).exists()  # a comparison is of in process and the server
     for name, result in results.items():
         assert result["engine_switches"]["min_slack_ms"] == 500
-        assert result["engine_switches"]["request_schedule"] == {"chunk_frames": 1, "chunk_growth": 1}
+        assert result["request_schedule"] == {"chunk_frames": 1, "chunk_growth": 1}
         lv = result["closed"]["levels"][0]
         low = lv["low_slack"]
         assert low["chunks"] == lv["low_slack_chunks"] >= 1
@@ -415,6 +415,25 @@ def test_whole_and_streamed_turns_side_by_side_place_their_low_slack_chunks(endl
     with pytest.raises(SystemExit, match="--through engine"):
         fleet.parse_args(["--model", "m", "--out", "x", "--text-mode", "dual_track", "--in-process-turns", "both",
                           "--through", "both"])
+
+
+@pytest.mark.timeout(300)
+def test_schedule_ab_runs_the_default_and_the_given_schedule_on_one_engine(endless, tmp_path):
+    out = tmp_path / "fleet-schedule"
+    rc = fleet.main([
+        "--model", str(endless), "--device", "cpu", "--dtype", "float32", "--backend", "torch", "--out", str(out),
+        "--chunk-frames", "1", "--chunk-growth", "1", "--schedule-ab", "--levels", "2", "--duration", "1.5",
+        "--stagger", "0.2", "--drain", "6", "--warmup", "0", "--bar-ms", "1e9", "--budget", "240",
+        "--commit", "test",
+    ])
+    assert rc == 0
+    results = {name: json.loads((out / name / "fleet.json").read_text()) for name in ("engine", "engine-schedule")}
+    assert results["engine"]["request_schedule"] == "defaults"
+    assert results["engine-schedule"]["request_schedule"] == {"chunk_frames": 1, "chunk_growth": 1}
+    assert results["engine-schedule"]["endpoint"].endswith("requests with {'chunk_frames': 1, 'chunk_growth': 1}")
+    for result in results.values():
+        lv = result["closed"]["levels"][0]
+        assert lv["utterances"] >= 2 and lv["errors"] == 0 and lv["frames_per_s"] > 0
 
 
 def test_chunk_schedule_for_an_ab_sets_the_in_process_requests():
@@ -435,6 +454,8 @@ def test_chunk_schedule_for_an_ab_sets_the_in_process_requests():
     assert (opened[0].chunk_frames, opened[0].chunk_growth, opened[0].max_frames) == (1, 1, 4)
     with pytest.raises(SystemExit, match="expected an integer >= 1"):
         fleet.parse_args(base + ["--chunk-growth", "0"])
+    with pytest.raises(SystemExit, match="--schedule-ab needs"):
+        fleet.parse_args(base + ["--schedule-ab"])
     with pytest.raises(SystemExit, match="need --through engine"):
         fleet.parse_args(["--server-url", "http://127.0.0.1:1", "--out", "x", "--chunk-frames", "1"])
 

@@ -156,6 +156,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="in process: the requests' chunk_growth (a chunk after the second holds at most this "
                         "many times the frames sent; default the request's). --chunk-frames 1 --chunk-growth 1: "
                         "1, 1, 2, 4, ... 32")
+    p.add_argument("--schedule-ab", action="store_true",
+                   help="with --chunk-frames/--chunk-growth: each level with the requests' default schedule, "
+                        "then with the one given, one engine loaded once (OUT/engine, OUT/engine-schedule)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget", type=float, default=540.0, help="seconds for everything, checkpoint build included")
     p.add_argument("--commit", default=os.environ.get("BENCH_COMMIT"),
@@ -176,6 +179,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if (args.chunk_frames is not None or args.chunk_growth is not None) and (args.server_url or args.through != "engine"):
         raise SystemExit("--chunk-frames and --chunk-growth set the in-process requests: they need --through engine "
                          "and no --server-url")
+    if args.schedule_ab and (args.in_process_turns == "both" or not request_schedule(args)):
+        raise SystemExit("--schedule-ab needs --chunk-frames or --chunk-growth, and one kind of in-process turn")
     for name in ("chunk_frames", "chunk_growth"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
@@ -427,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     # --through both: each endpoint's report in its own folder, and the two side by side.
     # --in-process-turns both: the two kinds of turn level by level, each in its own folder.
     names = (["engine", "server"] if args.through == "both"
-             else ["engine", "engine-streamed"] if args.in_process_turns == "both" else [args.through])
+             else ["engine", "engine-streamed"] if args.in_process_turns == "both"
+             else ["engine", "engine-schedule"] if args.schedule_ab else [args.through])
     outs = {name: args.out / name if len(names) > 1 else args.out for name in names}
     reports = {name: _report(args, outs[name]) for name in names}
 
@@ -471,8 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         put("device_info", describe_device(engine.device))
         # The engine switches an A/B turns (device_run.sh fleet2, FLEET2_ENV): which side this is.
         put("engine_switches", {"overlap_vocoder": service.overlap_vocoder, "min_slack_ms": service.min_slack_ms,
-                                "merge_vocoder_sizes": getattr(engine, "merge_vocoder_sizes", None),
-                                "request_schedule": request_schedule(args) or "defaults"})
+                                "merge_vocoder_sizes": getattr(engine, "merge_vocoder_sizes", None)})
         if not args.no_round_timing:
             service.time_rounds()
         runs = []
@@ -490,9 +495,12 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 streamed = args.in_process_turns == "streamed" or name == "engine-streamed"
                 endpoint = InProcessEndpoint(service, engine.default_voice, args.text_mode, streamed,
-                                             schedule=request_schedule(args))
+                                             schedule=request_schedule(args)
+                                             if name != "engine" or not args.schedule_ab else None)
                 report.put("endpoint", "in process: one EngineService" + (
-                    ", streamed-text turns (the server's engine path)" if streamed else ""))
+                    ", streamed-text turns (the server's engine path)" if streamed else "") + (
+                    f", requests with {endpoint.schedule}" if endpoint.schedule else ""))
+                report.put("request_schedule", endpoint.schedule or "defaults")
             runs.append(Run(name, endpoint, report, save))
         put("workload", workload(args, fleet_replies()))
         log(f"engine loaded in {time.monotonic() - t0:.1f} s ({engine.backend.name} on {engine.device}); "
