@@ -90,40 +90,26 @@ def test_fixed_chunks_without_growth(endless):
 
 
 @pytest.mark.parametrize(
-    "first, chunk, most, sizes",
+    "first, chunk, most, growth, sizes",
     [
-        (1, 2, 32, [1, 2, 4, 8, 16, 32, 32]),  # the default
-        (1, 3, 32, [1, 3, 6, 12, 32, 32]),  # 32 once it is within twice the 22 sent
-        (1, 4, 32, [1, 4, 8, 16, 32, 32]),
-        (1, 4, 16, [1, 4, 8, 16, 16]),
-        (1, 2, 16, [1, 2, 4, 8, 16]),  # 4: the most of the ladder 2, 4, 8, ... within twice the 3 sent
-        (2, 4, 32, [2, 4, 8, 16, 32]),
-        (1, 4, 20, [1, 4, 8, 20, 20]),  # 20, off the ladder, once growth allows it (13 sent)
-        (1, 4, None, [1, 4, 4, 4, 4]),
-        (1, 8, 4, [1, 8, 8, 8, 8]),  # a cap below chunk_frames never shrinks a chunk
-        (1, 1, 32, [1, 1, 4, 8, 16, 32]),  # growth 2 from one sent: the third chunk jumps to 4
+        (1, 2, 32, 2, [1, 2, 4, 8, 16, 32, 32]),  # the default
+        (1, 3, 32, 2, [1, 3, 6, 12, 32, 32]),  # 32 once it is within twice the 22 sent
+        (1, 4, 32, 2, [1, 4, 8, 16, 32, 32]),
+        (1, 4, 16, 2, [1, 4, 8, 16, 16]),
+        (1, 2, 16, 2, [1, 2, 4, 8, 16]),  # 4: the most of the ladder 2, 4, 8, ... within twice the 3 sent
+        (2, 4, 32, 2, [2, 4, 8, 16, 32]),
+        (1, 4, 20, 2, [1, 4, 8, 20, 20]),  # 20, off the ladder, once growth allows it (13 sent)
+        (1, 4, None, 2, [1, 4, 4, 4, 4]),
+        (1, 8, 4, 2, [1, 8, 8, 8, 8]),  # a cap below chunk_frames never shrinks a chunk
+        (1, 1, 32, 2, [1, 1, 4, 8, 16, 32]),  # growth 2 from one sent: the third chunk jumps to 4
+        (1, 1, 32, 1, [1, 1, 2, 4, 8, 16, 32, 32]),  # each chunk at most the frames sent: the default's sizes
+        (1, 2, 32, 1, [1, 2, 2, 4, 8, 16, 32, 32]),
+        (1, 1, 32, 3, [1, 1, 4, 16, 32, 32]),  # the ladder's most within 3x sent: 4 of 6, 16 of 18
     ],
 )
-def test_chunk_schedule(first, chunk, most, sizes):
-    req = SynthesisRequest("x", first_chunk_frames=first, chunk_frames=chunk, max_chunk_frames=most)
-    sent, got = 0, []
-    for _ in sizes:
-        got.append(chunk_target(req, sent))
-        sent += got[-1]
-    assert got == sizes
-    assert schedule_sizes(req) == tuple(sorted(set(sizes)))
-
-
-@pytest.mark.parametrize(
-    "chunk, growth, sizes",
-    [
-        (1, 1, [1, 1, 2, 4, 8, 16, 32, 32]),  # each chunk at most the frames sent: the default's sizes
-        (2, 1, [1, 2, 2, 4, 8, 16, 32, 32]),
-        (1, 3, [1, 1, 4, 16, 32, 32]),  # the ladder's most within 3x sent: 4 of 6, 16 of 18
-    ],
-)
-def test_chunk_growth(chunk, growth, sizes):
-    req = SynthesisRequest("x", chunk_frames=chunk, chunk_growth=growth)
+def test_chunk_schedule(first, chunk, most, growth, sizes):
+    req = SynthesisRequest("x", first_chunk_frames=first, chunk_frames=chunk, max_chunk_frames=most,
+                           chunk_growth=growth)
     sent, got = 0, []
     for _ in sizes:
         got.append(chunk_target(req, sent))
