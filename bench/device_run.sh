@@ -43,7 +43,9 @@
 # fleet-server-proc's in-process half (e.g. --in-process-turns streamed); FLEET_BUDGET caps the fleet step's seconds (to leave fleet2 its share); FLEET_ARGS adds arguments to the fleet runs; STREAMING_ARGS to the
 # streaming-text run (default --runs 8). Everything lands in $OUT.
 # An engine switch's A/B in one call: FLEET2_ENV="QWEN_FAST_OVERLAP_VOCODER=1" (or FLEET2_ARGS="--min-slack-ms 10")
-# with steps fleet fleet2.
+# with steps fleet fleet2. A/Bs on one engine, loaded once, level by level (step fleet alone):
+# FLEET_ARGS="... --chunk-frames 1 --chunk-growth 1 --schedule-ab" (the chunk schedule) or
+# FLEET_ARGS="... --text-mode dual_track --in-process-turns both" (whole texts against streamed turns).
 # To measure main's HEAD while others have uncommitted edits in the tree: here,
 # `mkdir -p .devpatch && git diff HEAD > .devpatch/wt.patch`, and carry ".devpatch" (and ".whl",
 # from scripts/device_wheels.sh): the edits are taken back out of the device's copy first.
