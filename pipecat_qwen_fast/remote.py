@@ -338,6 +338,9 @@ class RemoteTTSClient:
             for task in chores:
                 task.cancel()
             await asyncio.gather(*chores, return_exceptions=True)
+            # The cancelled sweeper keeps its CancelledError, whose traceback's frame holds self:
+            # a cycle left to the collector unless the client lets go of the task.
+            self._sweeper = None
             spares, self._spares = self._spares, []
             for _, ws in spares:
                 await _close(ws)

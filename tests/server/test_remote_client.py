@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import weakref
 from collections.abc import AsyncIterator
 
 import pytest
@@ -114,6 +116,24 @@ async def test_idle_sockets_are_closed_once_utterances_stop(server, monkeypatch)
         await eventually(lambda: server.ctx.open_sockets == 0, what="its close on the server")
     finally:
         await client.aclose()
+
+
+async def test_a_closed_client_is_freed_without_the_collector(server):
+    # aclose's cancelled sweeper kept its CancelledError, whose traceback's frame held the client:
+    # 12 objects a client left to a collector pass, which stops every thread (the server's too
+    # where the fleet bench runs its callers beside it, bench/probes/turn_cycles.py).
+    client = RemoteTTSClient(server.base_url)
+    await asyncio.wait_for(speak(client, 4), TIMEOUT)
+    assert client._sweeper is not None  # the kept socket's
+    await client.aclose()
+    await eventually(lambda: server.ctx.open_sockets == 0, what="its close on the server")
+    freed = weakref.ref(client)
+    gc.disable()
+    try:
+        del client
+        assert freed() is None
+    finally:
+        gc.enable()
 
 
 async def test_no_reuse_and_no_spare_when_turned_off(server):
