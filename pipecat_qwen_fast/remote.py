@@ -17,7 +17,7 @@ speaks the turn as one dual-track session, sending each word's time (audio.times
 
 Every request option travels in session.config: vLLM-Omni's fields where it has one (voice,
 language, instructions, seed, initial_codec_chunk_frames, max_new_tokens, non_streaming_mode) and
-the server's extensions for the rest (greedy, chunk_frames, max_chunk_frames).
+the server's extensions for the rest (greedy, chunk_frames, max_chunk_frames, chunk_growth).
 
 No framework imports here: the Pipecat service and the LiveKit plugin both use this module.
 """
@@ -105,7 +105,7 @@ def session_config(request: SynthesisRequest) -> dict[str, Any]:
     if request.voice_clone is not None or not isinstance(request.voice, str | None):
         raise InvalidInputError("a server takes a voice by name: upload a cloned voice "
                                 "(POST /v1/audio/voices) and pass its name as voice")
-    for name in ("first_chunk_frames", "chunk_frames", "max_chunk_frames"):
+    for name in ("first_chunk_frames", "chunk_frames", "max_chunk_frames", "chunk_growth"):
         value = getattr(request, name)
         if value is not None and value > MAX_CHUNK_FRAMES:
             raise InvalidInputError(f"{name} must be at most {MAX_CHUNK_FRAMES} in remote mode "
@@ -132,6 +132,8 @@ def session_config(request: SynthesisRequest) -> dict[str, Any]:
     if request.max_chunk_frames != _DEFAULTS.max_chunk_frames:
         # None (fixed chunks) is the same schedule as a cap of chunk_frames (chunk_target).
         config["max_chunk_frames"] = request.max_chunk_frames or request.chunk_frames
+    if request.chunk_growth != _DEFAULTS.chunk_growth:
+        config["chunk_growth"] = request.chunk_growth
     return config
 
 

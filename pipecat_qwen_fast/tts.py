@@ -135,6 +135,7 @@ class QwenFastTTSService(TokenTurns, TTSService):
         first_chunk_frames: int = 1,
         chunk_frames: int = 2,
         max_chunk_frames: int | None = 32,
+        chunk_growth: int = 2,
         max_frames: int | None = None,
         engine_service: EngineService | None = None,
         base_url: str | None = None,
@@ -158,9 +159,12 @@ class QwenFastTTSService(TokenTurns, TTSService):
             first_chunk_frames: Codec frames (80 ms each) in the first audio chunk.
             chunk_frames: Codec frames in the second chunk.
             max_chunk_frames: From the third chunk on, chunks double up to this many frames,
-                each at most twice the audio already sent (1, 2, 4, 8, 16, 32, ... by default:
-                fewer vocoder calls per second of audio); None keeps every later chunk at
-                ``chunk_frames``.
+                each at most ``chunk_growth`` times the audio already sent (1, 2, 4, 8, 16, 32,
+                ... by default: fewer vocoder calls per second of audio); None keeps every later
+                chunk at ``chunk_frames``.
+            chunk_growth: See ``max_chunk_frames`` (2). With ``chunk_frames=1, chunk_growth=1``
+                the chunks are 1, 1, 2, 4, ... frames: a new call's second chunk follows its first
+                a frame sooner, which leaves a busy engine more time before audio runs out.
             max_frames: Cap on frames per utterance; None uses the model's limit.
             engine_service: Use this EngineService instead of the process-wide shared one.
             base_url: A ``qwen-fast-tts serve`` server ("ws://host:port") to synthesize on
@@ -207,6 +211,7 @@ class QwenFastTTSService(TokenTurns, TTSService):
             "first_chunk_frames": first_chunk_frames,
             "chunk_frames": chunk_frames,
             "max_chunk_frames": max_chunk_frames,
+            "chunk_growth": chunk_growth,
             "max_frames": max_frames,
         }
         # A wrong one is refused here rather than at every utterance.

@@ -85,14 +85,15 @@ async def test_update_options_covers_every_runtime_option_and_checks_them(endles
     tts = await make_tts(endless_model, max_frames=6)
     changes = dict(voice="serena", language="fr-FR", instruct=None, seed=5, greedy=True,
                    text_mode="dual_track", first_chunk_frames=2, chunk_frames=1, max_chunk_frames=None,
-                   max_frames=3)
+                   chunk_growth=1, max_frames=3)
     tts.update_options(**changes)
     events = await asyncio.wait_for(collect(tts.synthesize("Bonjour.", conn_options=NO_RETRY)), TIMEOUT)
     service = await get_shared_service(endless_model, **CPU)
     expected = await service.synthesize(SynthesisRequest("Bonjour.", **dict(changes, language="french")))
     assert np.array_equal(pcm_of(events)[: len(expected)], expected)
 
-    for bad in ({"max_frames": 2.5}, {"language": "klingon"}, {"voice": 123}, {"chunk_frames": 0}):
+    for bad in ({"max_frames": 2.5}, {"language": "klingon"}, {"voice": 123}, {"chunk_frames": 0},
+                {"chunk_growth": 0}):
         with pytest.raises(InvalidInputError):
             tts.update_options(**bad)
     # A refused update changes nothing: the last good options still hold.

@@ -197,7 +197,7 @@ def test_cold_start_passes_the_start_frame_within_pipecats_default_timeout(endle
     assert float(lag) < 0.5, lag
 
 
-@pytest.mark.parametrize("options", [{"max_frames": 2.5}, {"seed": "1"}, {"chunk_frames": 0},
+@pytest.mark.parametrize("options", [{"max_frames": 2.5}, {"seed": "1"}, {"chunk_frames": 0}, {"chunk_growth": 0},
                                      {"text_mode": "fast"}, {"greedy": "yes"}])
 def test_bad_generation_options_are_refused_at_construction(options):
     from pipecat_qwen_fast import InvalidInputError

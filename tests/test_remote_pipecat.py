@@ -109,11 +109,15 @@ async def test_remote_server_down_is_a_clear_error_frame():
     assert not audio(down)
 
 
-async def test_remote_sends_greedy_and_the_chunk_schedule(srv, endless_model):
+@pytest.mark.parametrize("schedule, sizes", [
+    # Fixed 2-frame chunks (max_chunk_frames None is sent as a cap of chunk_frames).
+    ({"first_chunk_frames": 2, "chunk_frames": 2, "max_chunk_frames": None}, [2, 2, 2, 2, 1]),
+    ({"chunk_frames": 1, "chunk_growth": 1}, [1, 1, 2, 4, 1]),
+])
+async def test_remote_sends_greedy_and_the_chunk_schedule(srv, endless_model, schedule, sizes):
     """Options beyond vLLM-Omni's fields travel as the server's extensions: the same audio as
     in-process, chunk by chunk."""
-    options = {"greedy": True, "first_chunk_frames": 2, "chunk_frames": 2,
-               "max_chunk_frames": None, "max_frames": 9}
+    options = {"greedy": True, "max_frames": 9, **schedule}
     frames = [TTSSpeakFrame("Greedy and in fixed chunks.")]
     local = QwenFastTTSService(model=endless_model, **CPU, **options)
     down_local, _ = await run(local, frames)
@@ -122,9 +126,7 @@ async def test_remote_sends_greedy_and_the_chunk_schedule(srv, endless_model):
     assert not [f for f in up if isinstance(f, ErrorFrame)]
     assert len(audio(down_local)) == 9 * 1920 * 2
     assert audio(down_remote) == audio(down_local)
-    # Fixed 2-frame chunks (max_chunk_frames None is sent as a cap of chunk_frames).
-    sizes = [len(f.audio) // 2 // 1920 for f in down_remote if isinstance(f, TTSAudioRawFrame)]
-    assert sizes == [2, 2, 2, 2, 1]
+    assert [len(f.audio) // 2 // 1920 for f in down_remote if isinstance(f, TTSAudioRawFrame)] == sizes
 
 
 TOKENS = ["You", " said", " hel", "lo", ".", " That", " is", " interest", "ing", "!"]

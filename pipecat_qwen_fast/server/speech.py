@@ -164,10 +164,11 @@ class SpeechOptions:
     greedy: bool | None = None
     chunk_frames: int | None = None
     max_chunk_frames: int | None = None
+    chunk_growth: int | None = None
 
     def request(self, text: str) -> Any:
         extra: dict[str, Any] = {}
-        for name in ("first_chunk_frames", "greedy", "chunk_frames", "max_chunk_frames"):
+        for name in ("first_chunk_frames", "greedy", "chunk_frames", "max_chunk_frames", "chunk_growth"):
             if getattr(self, name) is not None:
                 extra[name] = getattr(self, name)
         return SynthesisRequest(text, voice=self.voice, language=self.language,

@@ -89,7 +89,7 @@ CONFIG_FIELDS = frozenset({
     "streaming_mode", "word_timestamps", "timestamp_type", "timestamp_transport_strategy",
     "ref_audio", "ref_text", "x_vector_only_mode", "speaker_embedding", "seed",
     # This server's extensions (the remote adapters send them): the engine's request options.
-    "greedy", "chunk_frames", "max_chunk_frames",
+    "greedy", "chunk_frames", "max_chunk_frames", "chunk_growth",
 })
 # Close codes (RFC 6455): 1003 a data type not accepted, 1007 data inconsistent with its type,
 # 1008 a policy violation, 1009 a message too big, 1001 going away (the server is draining).
@@ -648,5 +648,6 @@ def parse_config(msg: dict, ctx: ServerContext) -> SessionConfig:
         greedy=optional_bool(msg, "greedy"),
         chunk_frames=optional_int(msg, "chunk_frames", low=1, high=MAX_CHUNK_FRAMES),
         max_chunk_frames=optional_int(msg, "max_chunk_frames", low=1, high=MAX_CHUNK_FRAMES),
+        chunk_growth=optional_int(msg, "chunk_growth", low=1, high=MAX_CHUNK_FRAMES),
     )
     return SessionConfig(options, streamed, word_timestamps, transport == "async", clone)

@@ -224,6 +224,7 @@ BAD_CONFIGS = [
                  id="speaker-embedding"),
     pytest.param({"initial_codec_chunk_frames": 0}, "between 1 and 32", id="chunk-frames"),
     pytest.param({"chunk_frames": 33}, "between 1 and 32", id="later-chunk-frames"),
+    pytest.param({"chunk_growth": 0}, "between 1 and 32", id="chunk-growth"),
     pytest.param({"greedy": "yes"}, "'greedy' must be true or false", id="greedy"),
     pytest.param({"max_new_tokens": "ten"}, "'max_new_tokens' must be an integer", id="tokens"),
     pytest.param({"language": "klingon"}, "valid languages", id="language"),

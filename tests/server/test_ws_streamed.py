@@ -101,18 +101,22 @@ async def test_async_word_times_come_before_the_audio_that_reads_them(server):
     assert samples == FRAMES * FRAME_SAMPLES
 
 
-async def test_extension_options_reach_the_engine(server, endless_service):
+@pytest.mark.parametrize("schedule, sizes", [
+    ({"chunk_frames": 2, "max_chunk_frames": 4}, [1, 2, 4, 4, 1]),
+    ({"chunk_frames": 1, "chunk_growth": 1}, [1, 1, 2, 4, 4]),  # each chunk at most the frames sent
+])
+async def test_extension_options_reach_the_engine(server, endless_service, schedule, sizes):
     """The remote adapters' options beyond vLLM-Omni's fields: greedy and the chunk schedule."""
     text = "Greedy words, in small chunks."
     async with aiohttp.ClientSession() as http, http.ws_connect(server.ws_url) as ws:
-        await ws.send_json({**CONFIG, "greedy": True, "chunk_frames": 2, "max_chunk_frames": 4})
+        await ws.send_json({**CONFIG, "greedy": True, **schedule})
         await ws.send_json({"type": "input.text", "text": text})
         await ws.send_json({"type": "input.done"})
         items = await read_until_done(ws)
     audio = [i for i in items if isinstance(i, bytes)]
-    assert [len(a) // 2 // FRAME_SAMPLES for a in audio] == [1, 2, 4, 4, 1]
+    assert [len(a) // 2 // FRAME_SAMPLES for a in audio] == sizes
     whole = await asyncio.wait_for(endless_service.synthesize(SynthesisRequest(
-        text, voice=VOICE, greedy=True, chunk_frames=2, max_chunk_frames=4, max_frames=12)),
+        text, voice=VOICE, greedy=True, max_frames=12, **schedule)),
         TIMEOUT)
     assert b"".join(audio) == whole.astype("<i2").tobytes()
 

@@ -64,6 +64,7 @@ class TTS(tts.TTS):
         first_chunk_frames: int = 1,
         chunk_frames: int = 2,
         max_chunk_frames: int | None = 32,
+        chunk_growth: int = 2,
         max_frames: int | None = None,
         engine_service: EngineService | None = None,
         base_url: str | None = None,
@@ -91,9 +92,12 @@ class TTS(tts.TTS):
             first_chunk_frames: Codec frames (80 ms each) in the first audio chunk.
             chunk_frames: Codec frames in the second chunk.
             max_chunk_frames: From the third chunk on, chunks double up to this many frames,
-                each at most twice the audio already sent (1, 2, 4, 8, 16, 32, ... by default:
-                fewer vocoder calls per second of audio); None keeps every later chunk at
-                ``chunk_frames``.
+                each at most ``chunk_growth`` times the audio already sent (1, 2, 4, 8, 16, 32,
+                ... by default: fewer vocoder calls per second of audio); None keeps every later
+                chunk at ``chunk_frames``.
+            chunk_growth: See ``max_chunk_frames`` (2). With ``chunk_frames=1, chunk_growth=1``
+                the chunks are 1, 1, 2, 4, ... frames: a new call's second chunk follows its first
+                a frame sooner, which leaves a busy engine more time before audio runs out.
             max_frames: Cap on frames per utterance; None uses the model's limit.
             engine_service: Use this EngineService instead of the process-wide shared one.
             base_url: A ``qwen-fast-tts serve`` server ("ws://host:port") to synthesize on
@@ -134,6 +138,7 @@ class TTS(tts.TTS):
             first_chunk_frames=first_chunk_frames,
             chunk_frames=chunk_frames,
             max_chunk_frames=max_chunk_frames,
+            chunk_growth=chunk_growth,
             max_frames=max_frames,
         ))
         self._services = ServiceHandle(engine_service, device=device, dtype=dtype, backend=backend)
@@ -183,6 +188,7 @@ class TTS(tts.TTS):
         first_chunk_frames: NotGivenOr[int] = NOT_GIVEN,
         chunk_frames: NotGivenOr[int] = NOT_GIVEN,
         max_chunk_frames: NotGivenOr[int | None] = NOT_GIVEN,
+        chunk_growth: NotGivenOr[int] = NOT_GIVEN,
         max_frames: NotGivenOr[int | None] = NOT_GIVEN,
     ) -> None:
         """Change options for later requests; requests already running keep their snapshot.
@@ -194,7 +200,7 @@ class TTS(tts.TTS):
             "voice": voice, "language": language, "instruct": instruct, "seed": seed,
             "greedy": greedy, "text_mode": text_mode, "first_chunk_frames": first_chunk_frames,
             "chunk_frames": chunk_frames, "max_chunk_frames": max_chunk_frames,
-            "max_frames": max_frames,
+            "chunk_growth": chunk_growth, "max_frames": max_frames,
         }
         request = checked_request(
             replace(self._request, **{name: value for name, value in given.items() if is_given(value)})
