@@ -38,7 +38,7 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 import numpy as np
 
-from pipecat_qwen_fast.engine.request import SAMPLE_RATE, SynthesisRequest
+from pipecat_qwen_fast.engine.request import CHUNK_FIELDS, SAMPLE_RATE, SynthesisRequest
 from pipecat_qwen_fast.engine.text_stream import TextEndedError
 from pipecat_qwen_fast.errors import EngineOverloadedError, InvalidInputError, QwenTTSError
 
@@ -105,7 +105,7 @@ def session_config(request: SynthesisRequest) -> dict[str, Any]:
     if request.voice_clone is not None or not isinstance(request.voice, str | None):
         raise InvalidInputError("a server takes a voice by name: upload a cloned voice "
                                 "(POST /v1/audio/voices) and pass its name as voice")
-    for name in ("first_chunk_frames", "chunk_frames", "max_chunk_frames", "chunk_growth"):
+    for name in CHUNK_FIELDS:
         value = getattr(request, name)
         if value is not None and value > MAX_CHUNK_FRAMES:
             raise InvalidInputError(f"{name} must be at most {MAX_CHUNK_FRAMES} in remote mode "

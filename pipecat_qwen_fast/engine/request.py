@@ -20,6 +20,8 @@ SAMPLE_RATE = 24000
 # does. With 4x growth (1, 4, 16) the third chunk asked 4.2x and 16 concurrent torch-backend
 # streams (4.5x each) ran out of audio by 1 ms where 1, 4, 4 did not (H200 full run at c332932).
 CHUNK_GROWTH = 2
+# The request fields that make its chunk schedule (chunk_target), for the doors that carry them.
+CHUNK_FIELDS = ("first_chunk_frames", "chunk_frames", "max_chunk_frames", "chunk_growth")
 
 def chunk_target(request: SynthesisRequest, frames_sent: int) -> int:
     """Frames in the chunk that starts after `frames_sent` frames of audio.
@@ -58,17 +60,21 @@ def round_budget_ms(request: SynthesisRequest, frame_ms: float = 80.0) -> float:
         n = chunk_target(request, sent)
         if sent:
             budget = min(budget, frame_ms * sent / (sent + n - first))
-        if sent >= 4 * (request.max_chunk_frames or request.chunk_frames) + first:
+        if sent >= _steady_from(request):
             return budget  # the steady chunk asks less and less from here on
         sent += n
+
+
+def _steady_from(request: SynthesisRequest) -> int:
+    """Frames sent after which every chunk is the steady size: the first chunk and four of the
+    largest (a size may repeat before, as in 1, 2, 2, 4 with chunk_growth=1)."""
+    return 4 * (request.max_chunk_frames or request.chunk_frames) + request.first_chunk_frames
 
 
 def schedule_sizes(request: SynthesisRequest) -> tuple[int, ...]:
     """The chunk sizes a long stream of `request` sends (its last chunk may be any smaller size)."""
     sizes, sent = set(), 0
-    # Past the first chunk and four of the largest, every chunk is the steady size (as in
-    # round_budget_ms); a size may repeat before (1, 2, 2, 4 with chunk_growth=1).
-    while sent < 4 * (request.max_chunk_frames or request.chunk_frames) + request.first_chunk_frames:
+    while sent < _steady_from(request):
         n = chunk_target(request, sent)
         sizes.add(n)
         sent += n

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipecat_qwen_fast import SynthesisRequest
+from pipecat_qwen_fast.engine.request import CHUNK_FIELDS
 
 from .api_errors import bad_request
 
@@ -168,7 +169,7 @@ class SpeechOptions:
 
     def request(self, text: str) -> Any:
         extra: dict[str, Any] = {}
-        for name in ("first_chunk_frames", "greedy", "chunk_frames", "max_chunk_frames", "chunk_growth"):
+        for name in ("greedy", *CHUNK_FIELDS):
             if getattr(self, name) is not None:
                 extra[name] = getattr(self, name)
         return SynthesisRequest(text, voice=self.voice, language=self.language,
