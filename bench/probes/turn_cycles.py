@@ -14,14 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
-import tempfile
+
+from tiny_cpu import print_measured  # beside this file
 
 from pipecat_qwen_fast.bench import fleet_callers
 from pipecat_qwen_fast.bench.fleet_workload import fleet_replies
 from pipecat_qwen_fast.bench.server_latency import serve_in_thread
-from pipecat_qwen_fast.checkpoints.build import build_checkpoint
-from pipecat_qwen_fast.engine.engine import QwenTTSEngine
 from pipecat_qwen_fast.engine.request import SynthesisRequest
 from pipecat_qwen_fast.engine.service import EngineService
 
@@ -101,12 +99,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--turns", type=int, default=6)
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        build_checkpoint(tmp, size="tiny", variant="custom_voice", zero_eos=True)
-        engine = QwenTTSEngine.from_pretrained(tmp, device="cpu", dtype="float32", backend="torch",
-                                               progress=False)
-        print(json.dumps(asyncio.run(measure(engine, tmp, args.turns))))
-        engine.close()
+    print_measured(lambda engine, model: measure(engine, model, args.turns))
 
 
 if __name__ == "__main__":

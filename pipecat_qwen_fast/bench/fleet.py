@@ -434,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     names = (["engine", "server"] if args.through == "both"
              else ["engine", "engine-streamed"] if args.in_process_turns == "both"
              else ["engine", "engine-schedule"] if args.schedule_ab else [args.through])
+    compared = args.through == "both"  # in process against the server: a comparison.md
     outs = {name: args.out / name if len(names) > 1 else args.out for name in names}
     reports = {name: _report(args, outs[name]) for name in names}
 
@@ -442,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             report.put(key, value)
 
     def compare() -> None:
-        if "server" in names and len(names) > 1:
+        if compared:
             fleet_report.write_comparison({n: r.data for n, (r, _) in reports.items()}, args.out)
 
     if args.build_size:
@@ -526,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         out = outs[name]
         log(f"wrote {out / RESULT}, {out / fleet_report.MARKDOWN}; plot: {reports[name][0].data['plot']}")
         print((out / fleet_report.MARKDOWN).read_text())
-    if "server" in names and len(names) > 1:
+    if compared:
         print((args.out / fleet_report.COMPARISON).read_text())
     return 0
 

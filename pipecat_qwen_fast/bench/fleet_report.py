@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from pipecat_qwen_fast.bench.fleet_workload import ROUNDS_BEFORE_LOW
 from pipecat_qwen_fast.bench.report import _fmt, _get
 
 MARKDOWN = "fleet.md"
@@ -115,7 +116,7 @@ def low_slack_table(levels: list[dict], key: str, title: str) -> str:
     for lv in levels:
         low = lv["low_slack"]
         by_chunk = ", ".join(f"{k}: {v}" for k, v in low["by_chunk"].items())
-        mine, anyr = (next(v for k, v in low.items() if k.startswith(p)) for p in ("last_", "any_"))
+        mine, anyr = (low[f"{p}_{ROUNDS_BEFORE_LOW}_rounds_mean"] for p in ("last", "any"))
         lines.append(f"| {lv[key]:g} | {low['chunks']} | {low['streamed']} | {by_chunk} | "
                      f"{_fmt(low['slack_ms_p50'])} / {_fmt(low['slack_ms_min'])} | {rounds(mine)} | {rounds(anyr)} |")
     return "\n".join(lines)
