@@ -44,7 +44,7 @@
 # streaming-text run (default --runs 8). Everything lands in $OUT.
 # An engine switch's A/B in one call: FLEET2_ENV="QWEN_FAST_OVERLAP_VOCODER=1" (or FLEET2_ARGS="--min-slack-ms 10")
 # with steps fleet fleet2. A/Bs on one engine, loaded once, level by level (step fleet alone):
-# FLEET_ARGS="... --chunk-frames 1 --chunk-growth 1 --schedule-ab" (the chunk schedule) or
+# FLEET_ARGS="... --chunk-frames 2 --chunk-growth 2 --schedule-ab" (the chunk schedule) or
 # FLEET_ARGS="... --text-mode dual_track --in-process-turns both" (whole texts against streamed turns).
 # To measure main's HEAD while others have uncommitted edits in the tree: here,
 # `mkdir -p .devpatch && git diff HEAD > .devpatch/wt.patch`, and carry ".devpatch" (and ".whl",

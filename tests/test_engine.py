@@ -55,10 +55,10 @@ def test_listings(engine):
 def test_stream_chunks_and_equals_whole(endless):
     kw = dict(voice="ryan", language="english", seed=7, max_frames=30)
     chunks = list(endless.stream("Hello there, how are you?", **kw))
-    # Default schedule: 1 frame, then 2, then doubling within twice the frames already sent (4, 8,
+    # Default schedule: 1 frame, then 1, then doubling within the frames already sent (2, 4, 8,
     # 16, then 32: the cap, ...); the last chunk holds what is left.
-    assert [c.num_frames for c in chunks] == [1, 2, 4, 8, 15]
-    assert [c.frame_index for c in chunks] == [0, 1, 3, 7, 15]
+    assert [c.num_frames for c in chunks] == [1, 1, 2, 4, 8, 14]
+    assert [c.frame_index for c in chunks] == [0, 1, 2, 4, 8, 16]
     for c in chunks:
         assert c.pcm.dtype == np.int16 and len(c.pcm) == 1920 * c.num_frames
     streamed = np.concatenate([c.pcm for c in chunks])
@@ -70,13 +70,13 @@ def test_stream_chunks_and_equals_whole(endless):
     assert np.abs(streamed).max() > 0
 
 
-def test_chunks_of_at_most_the_frames_sent_carry_the_same_audio(endless):
-    # chunk_growth=1 with chunk_frames=1: the second chunk one round after the first (the fleet's
-    # late second chunks, request.py), the same codes and audio as the default schedule's.
+def test_the_doubling_schedule_carries_the_same_audio(endless):
+    # chunk_frames=2 with chunk_growth=2 (1, 2, 4, ...: the default before session 35): one chunk
+    # fewer, the same codes and audio as the default schedule's.
     kw = {"voice": "ryan", "language": "english", "seed": 7, "max_frames": 30}
-    chunks = list(endless.stream("Hello there, how are you?", chunk_frames=1, chunk_growth=1, **kw))
-    assert [c.num_frames for c in chunks] == [1, 1, 2, 4, 8, 14]
-    assert [c.frame_index for c in chunks] == [0, 1, 2, 4, 8, 16]
+    chunks = list(endless.stream("Hello there, how are you?", chunk_frames=2, chunk_growth=2, **kw))
+    assert [c.num_frames for c in chunks] == [1, 2, 4, 8, 15]
+    assert [c.frame_index for c in chunks] == [0, 1, 3, 7, 15]
     default = list(endless.stream("Hello there, how are you?", **kw))
     np.testing.assert_array_equal(np.concatenate([c.codes for c in chunks]),
                                   np.concatenate([c.codes for c in default]))
@@ -92,7 +92,7 @@ def test_fixed_chunks_without_growth(endless):
 @pytest.mark.parametrize(
     "first, chunk, most, growth, sizes",
     [
-        (1, 2, 32, 2, [1, 2, 4, 8, 16, 32, 32]),  # the default
+        (1, 2, 32, 2, [1, 2, 4, 8, 16, 32, 32]),  # the default before session 35
         (1, 3, 32, 2, [1, 3, 6, 12, 32, 32]),  # 32 once it is within twice the 22 sent
         (1, 4, 32, 2, [1, 4, 8, 16, 32, 32]),
         (1, 4, 16, 2, [1, 4, 8, 16, 16]),
@@ -102,7 +102,7 @@ def test_fixed_chunks_without_growth(endless):
         (1, 4, None, 2, [1, 4, 4, 4, 4]),
         (1, 8, 4, 2, [1, 8, 8, 8, 8]),  # a cap below chunk_frames never shrinks a chunk
         (1, 1, 32, 2, [1, 1, 4, 8, 16, 32]),  # growth 2 from one sent: the third chunk jumps to 4
-        (1, 1, 32, 1, [1, 1, 2, 4, 8, 16, 32, 32]),  # each chunk at most the frames sent: the default's sizes
+        (1, 1, 32, 1, [1, 1, 2, 4, 8, 16, 32, 32]),  # the default: each chunk at most the frames sent
         (1, 2, 32, 1, [1, 2, 2, 4, 8, 16, 32, 32]),
         (1, 1, 32, 3, [1, 1, 4, 16, 32, 32]),  # the ladder's most within 3x sent: 4 of 6, 16 of 18
     ],
@@ -126,17 +126,17 @@ def test_default_schedule_sizes():
 def test_round_budget():
     # The longest round in which every chunk still follows the audio before it: the second chunk's
     # n rounds within the first chunk's 80 ms.
-    assert round_budget_ms(SynthesisRequest("x")) == pytest.approx(40.0)
-    assert round_budget_ms(SynthesisRequest("x", chunk_frames=3)) == pytest.approx(80 / 3)
+    assert round_budget_ms(SynthesisRequest("x", chunk_frames=2, chunk_growth=2)) == pytest.approx(40.0)
+    assert round_budget_ms(SynthesisRequest("x", chunk_frames=3, chunk_growth=2)) == pytest.approx(80 / 3)
     assert round_budget_ms(SynthesisRequest("x", chunk_frames=1, max_chunk_frames=None)) == pytest.approx(80.0)
     # A later chunk can be the tightest: 1, 1, then 4 frames after 2 sent, made 5 rounds after the
     # first chunk while its 160 ms play (the second chunk's round counts too).
-    assert round_budget_ms(SynthesisRequest("x", chunk_frames=1)) == pytest.approx(32.0)
-    # 1, 1, 2, 4, ...: 80 ms for the second chunk, 53.3 for the third; 32 frames after 32 sent, the
-    # tightest, made 63 rounds after the first chunk while 2.56 s play.
-    assert round_budget_ms(SynthesisRequest("x", chunk_frames=1, chunk_growth=1)) == pytest.approx(80 * 32 / 63)
+    assert round_budget_ms(SynthesisRequest("x", chunk_frames=1, chunk_growth=2)) == pytest.approx(32.0)
+    # The default 1, 1, 2, 4, ...: 80 ms for the second chunk, 53.3 for the third; 32 frames after
+    # 32 sent, the tightest, made 63 rounds after the first chunk while 2.56 s play.
+    assert round_budget_ms(SynthesisRequest("x")) == pytest.approx(80 * 32 / 63)
     # The first chunk's frames come before the player starts: 2, then 4 in 4 rounds within 160 ms.
-    assert round_budget_ms(SynthesisRequest("x", first_chunk_frames=2, chunk_frames=4)) == pytest.approx(40.0)
+    assert round_budget_ms(SynthesisRequest("x", first_chunk_frames=2, chunk_frames=4, chunk_growth=2)) == pytest.approx(40.0)
 
 
 def test_bad_max_chunk_frames(engine):

@@ -393,7 +393,7 @@ def test_whole_and_streamed_turns_side_by_side_place_their_low_slack_chunks(endl
     rc = fleet.main([
         "--model", str(endless), "--device", "cpu", "--dtype", "float32", "--backend", "torch", "--out", str(out),
         "--text-mode", "dual_track", "--in-process-turns", "both", "--min-slack-ms", "500", "--levels", "2",
-        "--chunk-frames", "1", "--chunk-growth", "1",
+        "--chunk-frames", "2", "--chunk-growth", "2",
         "--duration", "2", "--stagger", "0.2", "--drain", "6", "--warmup", "0", "--bar-ms", "1e9",
         "--budget", "240", "--commit", "test",
     ])
@@ -404,7 +404,7 @@ def test_whole_and_streamed_turns_side_by_side_place_their_low_slack_chunks(endl
     assert not (out / fleet_report.COMPARISON).exists()  # a comparison is of in process and the server
     for name, result in results.items():
         assert result["engine_switches"]["min_slack_ms"] == 500
-        assert result["request_schedule"] == {"chunk_frames": 1, "chunk_growth": 1}
+        assert result["request_schedule"] == {"chunk_frames": 2, "chunk_growth": 2}
         lv = result["closed"]["levels"][0]
         low = lv["low_slack"]
         assert low["chunks"] == lv["low_slack_chunks"] >= 1
@@ -422,15 +422,15 @@ def test_schedule_ab_runs_the_default_and_the_given_schedule_on_one_engine(endle
     out = tmp_path / "fleet-schedule"
     rc = fleet.main([
         "--model", str(endless), "--device", "cpu", "--dtype", "float32", "--backend", "torch", "--out", str(out),
-        "--chunk-frames", "1", "--chunk-growth", "1", "--schedule-ab", "--levels", "2", "--duration", "1.5",
+        "--chunk-frames", "2", "--chunk-growth", "2", "--schedule-ab", "--levels", "2", "--duration", "1.5",
         "--stagger", "0.2", "--drain", "6", "--warmup", "0", "--bar-ms", "1e9", "--budget", "240",
         "--commit", "test",
     ])
     assert rc == 0
     results = {name: json.loads((out / name / "fleet.json").read_text()) for name in ("engine", "engine-schedule")}
     assert results["engine"]["request_schedule"] == "defaults"
-    assert results["engine-schedule"]["request_schedule"] == {"chunk_frames": 1, "chunk_growth": 1}
-    assert results["engine-schedule"]["endpoint"].endswith("requests with {'chunk_frames': 1, 'chunk_growth': 1}")
+    assert results["engine-schedule"]["request_schedule"] == {"chunk_frames": 2, "chunk_growth": 2}
+    assert results["engine-schedule"]["endpoint"].endswith("requests with {'chunk_frames': 2, 'chunk_growth': 2}")
     for result in results.values():
         lv = result["closed"]["levels"][0]
         assert lv["utterances"] >= 2 and lv["errors"] == 0 and lv["frames_per_s"] > 0
@@ -439,8 +439,8 @@ def test_schedule_ab_runs_the_default_and_the_given_schedule_on_one_engine(endle
 def test_chunk_schedule_for_an_ab_sets_the_in_process_requests():
     base = ["--model", "m", "--out", "x"]
     assert fleet.request_schedule(fleet.parse_args(base)) == {}
-    args = fleet.parse_args(base + ["--chunk-frames", "1", "--chunk-growth", "1"])
-    assert fleet.request_schedule(args) == {"chunk_frames": 1, "chunk_growth": 1}
+    args = fleet.parse_args(base + ["--chunk-frames", "2", "--chunk-growth", "2"])
+    assert fleet.request_schedule(args) == {"chunk_frames": 2, "chunk_growth": 2}
     endpoint = fleet_callers.InProcessEndpoint(None, "ryan", schedule=fleet.request_schedule(args))
     opened = []
 
@@ -451,7 +451,7 @@ def test_chunk_schedule_for_an_ab_sets_the_in_process_requests():
     endpoint.open = open_
     with pytest.raises(LookupError):
         asyncio.run(anext(endpoint.speak(fleet_callers.Reply("Hi.", 4), seed=1)))
-    assert (opened[0].chunk_frames, opened[0].chunk_growth, opened[0].max_frames) == (1, 1, 4)
+    assert (opened[0].chunk_frames, opened[0].chunk_growth, opened[0].max_frames) == (2, 2, 4)
     with pytest.raises(SystemExit, match="expected an integer >= 1"):
         fleet.parse_args(base + ["--chunk-growth", "0"])
     with pytest.raises(SystemExit, match="--schedule-ab needs"):

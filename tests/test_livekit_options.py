@@ -84,8 +84,8 @@ def test_bad_options_are_refused_at_construction(options):
 async def test_update_options_covers_every_runtime_option_and_checks_them(endless_model):
     tts = await make_tts(endless_model, max_frames=6)
     changes = dict(voice="serena", language="fr-FR", instruct=None, seed=5, greedy=True,
-                   text_mode="dual_track", first_chunk_frames=2, chunk_frames=1, max_chunk_frames=None,
-                   chunk_growth=1, max_frames=3)
+                   text_mode="dual_track", first_chunk_frames=2, chunk_frames=2, max_chunk_frames=None,
+                   chunk_growth=2, max_frames=3)
     tts.update_options(**changes)
     events = await asyncio.wait_for(collect(tts.synthesize("Bonjour.", conn_options=NO_RETRY)), TIMEOUT)
     service = await get_shared_service(endless_model, **CPU)

@@ -112,7 +112,7 @@ async def test_remote_server_down_is_a_clear_error_frame():
 @pytest.mark.parametrize("schedule, sizes", [
     # Fixed 2-frame chunks (max_chunk_frames None is sent as a cap of chunk_frames).
     ({"first_chunk_frames": 2, "chunk_frames": 2, "max_chunk_frames": None}, [2, 2, 2, 2, 1]),
-    ({"chunk_frames": 1, "chunk_growth": 1}, [1, 1, 2, 4, 1]),
+    ({"chunk_frames": 2, "chunk_growth": 2}, [1, 2, 4, 2]),  # 1, 2, 4, ...: not the default
 ])
 async def test_remote_sends_greedy_and_the_chunk_schedule(srv, endless_model, schedule, sizes):
     """Options beyond vLLM-Omni's fields travel as the server's extensions: the same audio as

@@ -303,7 +303,7 @@ def measure_breakdown(engine: QwenTTSEngine, n: int) -> dict:
         "steady_chunk_frames": steady,
         "vocoder_ms_per_frame_steady": 1e3 * voc_steady_s,
         "vocoder_ms_per_call_chunk1": 1e3 * voc1_s,
-        # A streamed frame once the default schedule (1, 2, 4, 8, 16, 32, 32, ... frames) reaches its steady chunk.
+        # A streamed frame once the default schedule (1, 1, 2, 4, 8, 16, 32, 32, ... frames) reaches its steady chunk.
         "streaming_frame_ms_estimate": 1e3 * (step_s + voc_steady_s),
         "streaming_frame_ms_estimate_chunk4": 1e3 * (step_s + voc4_s),
     }

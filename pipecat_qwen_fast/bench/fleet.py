@@ -154,8 +154,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "request's), for an A/B of the chunk schedule")
     p.add_argument("--chunk-growth", type=int, default=None,
                    help="in process: the requests' chunk_growth (a chunk after the second holds at most this "
-                        "many times the frames sent; default the request's). --chunk-frames 1 --chunk-growth 1: "
-                        "1, 1, 2, 4, ... 32")
+                        "many times the frames sent; default the request's). --chunk-frames 2 --chunk-growth 2: "
+                        "1, 2, 4, ... 32, the default before session 35")
     p.add_argument("--schedule-ab", action="store_true",
                    help="with --chunk-frames/--chunk-growth: each level with the requests' default schedule, "
                         "then with the one given, one engine loaded once (OUT/engine, OUT/engine-schedule)")

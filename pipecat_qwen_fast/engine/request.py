@@ -15,18 +15,18 @@ SAMPLE_RATE = 24000
 
 # The default of SynthesisRequest.chunk_growth: from the third chunk on, a chunk holds at most
 # this many times the frames already sent. A chunk of n frames after S sent reaches the player in
-# time while the decoder runs at >= ~(n / S + 1)x real time: 3x for the default second chunk (2
-# after 1), at most 3x for the later ones, so growth never asks more than the second chunk already
-# does. With 4x growth (1, 4, 16) the third chunk asked 4.2x and 16 concurrent torch-backend
-# streams (4.5x each) ran out of audio by 1 ms where 1, 4, 4 did not (H200 full run at c332932).
-CHUNK_GROWTH = 2
+# time while the decoder runs at >= ~(n / S + 1)x real time. Growth 1 (1, 1, 2, 4, ...) asks at
+# most 2x of every chunk; growth 2 after a second chunk of 2 (1, 2, 4, ...) asks 3x. With 4x growth
+# (1, 4, 16) the third chunk asked 4.2x and 16 concurrent torch-backend streams (4.5x each) ran out
+# of audio by 1 ms where 1, 4, 4 did not (H200 full run at c332932).
+CHUNK_GROWTH = 1
 # The request fields that make its chunk schedule (chunk_target), for the doors that carry them.
 CHUNK_FIELDS = ("first_chunk_frames", "chunk_frames", "max_chunk_frames", "chunk_growth")
 
 def chunk_target(request: SynthesisRequest, frames_sent: int) -> int:
     """Frames in the chunk that starts after `frames_sent` frames of audio.
 
-    From the third chunk on, chunks double from `chunk_frames` (1, 2, 4, 8, 16, 32, 32, ... by
+    From the third chunk on, chunks double from `chunk_frames` (1, 1, 2, 4, 8, 16, 32, 32, ... by
     default) as far as growth and `max_chunk_frames` allow, so a default stream uses a handful of
     sizes, each a compiled vocoder graph. A vocoder call costs nearly the same for 1 to 16 frames:
     a 32-frame chunk costs 0.076 ms a frame against 0.12 for 16 and 0.38 for 4 (docs/journal/NOTES.md,
@@ -51,9 +51,9 @@ def round_budget_ms(request: SynthesisRequest, frame_ms: float = 80.0) -> float:
     made in the round of the stream's frame `first_chunk_frames - 1`; the chunk that ends with
     frame T - 1 (T sent after it) comes T - first_chunk_frames rounds later, and must not come
     after the S frames sent before it have played: rounds <= S x 80 ms / (T - first). For the
-    default 1, 2, 4, ... every chunk binds at 40 ms; 1, 3, 6, ... 26.7 ms (its second chunk);
-    1, 1, 2, 4, ... (chunk_frames=1, chunk_growth=1) 80 ms for the second chunk, 53.3 for the third,
-    and towards 40 ms for the later ones, as any schedule that doubles must."""
+    default 1, 1, 2, 4, ... 80 ms for the second chunk, 53.3 for the third, and towards 40 ms for
+    the later ones, as any schedule that doubles must; 1, 2, 4, ... binds at 40 ms at every chunk;
+    1, 3, 6, ... at 26.7 ms (its second chunk)."""
     budget, sent = float("inf"), 0
     first = request.first_chunk_frames
     while True:
@@ -96,17 +96,16 @@ class SynthesisRequest:
     first_chunk_frames: int = 1
     # A stream asks ~(n / S + 1)x real time for a chunk of n after S sent, and the second chunk
     # asks the most: 4x for 3 frames (at 16 concurrent streams on an H200 4 frames starved every
-    # stream, docs/journal/NOTES.md, "Second chunk of 3 frames"), 3x for 2. With 2 and doubling
-    # (1, 2, 4, 8, 16, 32) every chunk asks at most 3x, so a busy engine's rounds may take 40 ms
-    # instead of 27 before a new call's audio breaks up (round_budget_ms): the fleet's headroom.
-    chunk_frames: int = 2
+    # stream, docs/journal/NOTES.md, "Second chunk of 3 frames"), 3x for 2, 2x for 1. The default
+    # 1, 1, 2, 4, ... 32 (with chunk_growth=1) sends a new call's second chunk one round after its
+    # first, not two, so it keeps 80 ms less one round of slack where 1, 2, 4, ... kept 80 less
+    # two, at one more vocoder call an utterance. Every fleet refusal at 256-384 callers on an
+    # H200 came from a late second chunk; with this schedule 384 callers were refused 19 calls
+    # instead of 417 (docs/PERFORMANCE.md, sessions 34-35).
+    chunk_frames: int = 1
     # From the third chunk on, chunks double up to this, each at most chunk_growth x the frames
     # already sent (chunk_target); None (or <= chunk_frames): every later chunk is chunk_frames.
     max_chunk_frames: int | None = 32
-    # With chunk_frames=1 and chunk_growth=1 the schedule is 1, 1, 2, 4, ... 32: a new call's
-    # second chunk follows its first by one round, not two, and every later chunk has more slack
-    # than in 1, 2, 4, ... (80 ms less a round for the second, against 80 less two), at one more
-    # chunk an utterance (docs/PERFORMANCE.md, session 34: the fleet's late second chunks).
     chunk_growth: int = CHUNK_GROWTH
     max_frames: int | None = None
     sampling: SamplingParams | None = None  # overrides generation_config.json

@@ -84,9 +84,9 @@ MAX_OPENS_PER_ROUND = 4
 # At the capacity's ~1.5 arrivals a round, 16 waiting takes a burst rarer than 1 in 2,500 four-round spans.
 MAX_QUEUED_STREAMS = 4 * MAX_OPENS_PER_ROUND
 # Admission on a GPU: a call is refused while the smoothed round takes longer than this share of
-# the default schedule's round budget (request.round_budget_ms: 40 ms, in which a new call's second
-# chunk, 2 frames at one a round, must follow its first, 80 ms of audio). The margin is for rounds
-# longer than the mean (a round that opens calls or vocodes many chunks): 32 ms.
+# the default schedule's round budget (request.round_budget_ms: 40.6 ms, in which a stream's
+# 32-frame chunk after 32 sent, at one frame a round, must follow 2.56 s of audio). The margin is
+# for rounds longer than the mean (a round that opens calls or vocodes many chunks): 32.5 ms.
 ROUND_MARGIN = 0.8
 MAX_ROUND_MS = ROUND_MARGIN * round_budget_ms(SynthesisRequest(""))
 ROUND_EWMA = 0.2  # weight of the newest round in the smoothed round time

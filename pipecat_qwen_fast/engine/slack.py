@@ -18,10 +18,11 @@ from __future__ import annotations
 import collections
 import math
 
-# The default margin on a GPU. A new call's second chunk (2 frames, due 80 ms after the first)
-# arrives two rounds after it, with or without deferred audio: its slack is 80 ms less two rounds,
-# ~40 ms at the 19.4 ms rounds of the H200's 384-caller capacity (no underrun), ~26 ms at the
-# 27 ms rounds of 512 callers (375 late calls, made late by the slower rounds that open calls).
+# The default margin on a GPU. Under the schedule 1, 2, 4, ... (the default before session 35) a
+# new call's second chunk (2 frames, due 80 ms after the first) arrived two rounds after it: its
+# slack was 80 ms less two rounds, ~40 ms at the 19.4 ms rounds of the H200's 384 callers, ~26 ms
+# at the 27 ms rounds of 512 callers (375 late calls, made late by the slower rounds that open
+# calls). The default 1, 1, 2, ... sends it one round after the first: 80 ms less one round.
 # Under 20 ms two rounds averaged over 30 ms: one more slow round (an open of 4 calls, a stall)
 # makes an underrun, and the caller's event loop and socket still stand between the stream and
 # its listener. On the H200 (docs/PERFORMANCE.md, sessions 32-33): no admitted call late up to 512

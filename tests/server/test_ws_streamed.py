@@ -102,8 +102,8 @@ async def test_async_word_times_come_before_the_audio_that_reads_them(server):
 
 
 @pytest.mark.parametrize("schedule, sizes", [
-    ({"chunk_frames": 2, "max_chunk_frames": 4}, [1, 2, 4, 4, 1]),
-    ({"chunk_frames": 1, "chunk_growth": 1}, [1, 1, 2, 4, 4]),  # each chunk at most the frames sent
+    ({"chunk_frames": 2, "max_chunk_frames": 4, "chunk_growth": 2}, [1, 2, 4, 4, 1]),
+    ({"chunk_frames": 1, "chunk_growth": 3}, [1, 1, 4, 6]),  # each chunk at most 3x the frames sent
 ])
 async def test_extension_options_reach_the_engine(server, endless_service, schedule, sizes):
     """The remote adapters' options beyond vLLM-Omni's fields: greedy and the chunk schedule."""

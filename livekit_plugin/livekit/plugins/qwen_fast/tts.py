@@ -62,9 +62,9 @@ class TTS(tts.TTS):
         greedy: bool = False,
         text_mode: str | None = None,
         first_chunk_frames: int = 1,
-        chunk_frames: int = 2,
+        chunk_frames: int = 1,
         max_chunk_frames: int | None = 32,
-        chunk_growth: int = 2,
+        chunk_growth: int = 1,
         max_frames: int | None = None,
         engine_service: EngineService | None = None,
         base_url: str | None = None,
@@ -92,12 +92,13 @@ class TTS(tts.TTS):
             first_chunk_frames: Codec frames (80 ms each) in the first audio chunk.
             chunk_frames: Codec frames in the second chunk.
             max_chunk_frames: From the third chunk on, chunks double up to this many frames,
-                each at most ``chunk_growth`` times the audio already sent (1, 2, 4, 8, 16, 32,
-                ... by default: fewer vocoder calls per second of audio); None keeps every later
+                each at most ``chunk_growth`` times the audio already sent (1, 1, 2, 4, 8, 16,
+                32, ... by default: fewer vocoder calls per second of audio); None keeps every later
                 chunk at ``chunk_frames``.
-            chunk_growth: See ``max_chunk_frames`` (2). With ``chunk_frames=1, chunk_growth=1``
-                the chunks are 1, 1, 2, 4, ... frames: a new call's second chunk follows its first
-                a frame sooner, which leaves a busy engine more time before audio runs out.
+            chunk_growth: See ``max_chunk_frames`` (1). The default 1, 1, 2, 4, ... sends a new
+                call's second chunk one frame after its first, which leaves a busy engine more time
+                before audio runs out; ``chunk_frames=2, chunk_growth=2`` (1, 2, 4, ...) makes one
+                chunk fewer an utterance.
             max_frames: Cap on frames per utterance; None uses the model's limit.
             engine_service: Use this EngineService instead of the process-wide shared one.
             base_url: A ``qwen-fast-tts serve`` server ("ws://host:port") to synthesize on
