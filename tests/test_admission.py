@@ -300,7 +300,8 @@ async def test_a_stream_sits_out_only_while_its_lead_covers_the_rest_of_its_chun
 
     async with EngineService.for_engine(engine, max_buffered_chunks=1, max_round_ms=None) as service:
         await service.wait_ready()
-        stream = service.open_stream(SynthesisRequest("Ahead.", seed=1, max_frames=60, first_chunk_frames=8))
+        stream = service.open_stream(SynthesisRequest("Ahead.", seed=1, max_frames=60, first_chunk_frames=8,
+                                                         chunk_frames=2))
         await asyncio.wait_for(stream.__anext__(), TIMEOUT)
         assert stream.frames_to_chunk() == 2
         now = stream._first_post_at + 0.1
