@@ -42,9 +42,12 @@ class NoFreeSlotError(QwenTTSError, RuntimeError):
 
 
 class EngineOverloadedError(QwenTTSError, RuntimeError):
-    """The engine is serving as many streams as it may (`EngineService(max_streams=...)`); the
-    request was refused rather than served late. Retrying after `retry_after_s` can succeed."""
+    """The engine is serving as many streams as it may; the request was refused rather than served
+    late. Retrying after `retry_after_s` can succeed. `reason` names the EngineService setting that
+    refused it ("max_streams", "max_round_ms", "max_queued_streams" or "min_slack_ms"; None for
+    others)."""
 
-    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+    def __init__(self, message: str, retry_after_s: float = 1.0, reason: str | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.reason = reason

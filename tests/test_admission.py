@@ -31,9 +31,10 @@ async def test_a_full_service_refuses_at_once_and_serves_again_when_a_stream_end
         assert service.admitted_streams == 2
         with pytest.raises(EngineOverloadedError, match="limit of 2 streams") as err:
             service.open_stream(SynthesisRequest("One too many.", seed=9, max_frames=3))
-        assert err.value.retry_after_s > 0
+        assert err.value.retry_after_s > 0 and err.value.reason == "max_streams"
         with pytest.raises(EngineOverloadedError):
             service.open_text_stream(SynthesisRequest("", seed=9, max_frames=3))
+        assert service.refusals == {"max_streams": 2}  # counted by the setting that refused them
         held[0].cancel()
         await asyncio.wait_for(held[0].wait_closed(), TIMEOUT)
         pcm = await asyncio.wait_for(service.synthesize(SynthesisRequest("Next.", seed=3, max_frames=3)), TIMEOUT)
@@ -69,7 +70,8 @@ async def test_slow_rounds_refuse_new_streams_while_streams_are_live(engine):
         await asyncio.wait_for(live.__anext__(), TIMEOUT)  # rounds have run and been timed
         with pytest.raises(EngineOverloadedError, match="max_round_ms") as err:
             service.open_stream(SynthesisRequest("Refused.", seed=2, max_frames=3))
-        assert err.value.retry_after_s > 0
+        assert err.value.retry_after_s > 0 and err.value.reason == "max_round_ms"
+        assert service.refusals == {"max_round_ms": 1}
         await live.aclose()
         pcm = await asyncio.wait_for(service.synthesize(SynthesisRequest("Next.", seed=3, max_frames=3)), TIMEOUT)
         assert len(pcm) == 3 * 1920
@@ -169,6 +171,7 @@ async def test_a_chunk_near_its_playback_refuses_new_streams_while_streams_are_l
         with pytest.raises(EngineOverloadedError, match="min_slack_ms") as err:
             service.open_stream(SynthesisRequest("Refused.", seed=2, max_frames=3))
         assert "playback time" in str(err.value) and err.value.retry_after_s > 0
+        assert err.value.reason == "min_slack_ms" and service.refusals == {"min_slack_ms": 1}
         await live.aclose()
         pcm = await asyncio.wait_for(service.synthesize(SynthesisRequest("Next.", seed=3, max_frames=3)), TIMEOUT)
         assert len(pcm) == 3 * 1920
@@ -203,6 +206,7 @@ async def test_calls_waiting_to_start_are_bounded_while_streams_are_live(engine)
         with pytest.raises(EngineOverloadedError, match="max_queued_streams") as err:
             service.open_stream(SynthesisRequest("Refused.", seed=9, max_frames=3))
         assert "wait to start" in str(err.value) and err.value.retry_after_s > 0
+        assert err.value.reason == "max_queued_streams" and service.refusals == {"max_queued_streams": 1}
         for stream in waiting:  # the admitted ones are served
             assert sum([c.num_frames async for c in stream]) == 3
         assert service.queued_streams == 0

@@ -408,6 +408,9 @@ def test_whole_and_streamed_turns_side_by_side_place_their_low_slack_chunks(endl
         lv = result["closed"]["levels"][0]
         low = lv["low_slack"]
         assert low["chunks"] == lv["low_slack_chunks"] >= 1
+        # Every refusal of the level is the engine's, by the setting that made it.
+        assert sum(lv["refused_by"].values()) == lv["refused"]
+        assert set(lv["refused_by"]) <= {"min_slack_ms"}  # no other limit is on on a CPU
         assert low["streamed"] == (low["chunks"] if name == "engine-streamed" else 0)
         assert "chunk 1" not in low["by_chunk"] and sum(low["by_chunk"].values()) == low["chunks"]
         assert low["slack_ms_min"] < 500 and len(low["lowest"]) == min(5, low["chunks"])

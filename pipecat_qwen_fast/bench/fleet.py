@@ -59,6 +59,7 @@ from pipecat_qwen_fast.bench.fleet_workload import (
     capacity,
     fleet_replies,
     histogram_lag,
+    labelled,
     place_low_slack,
     served_gc,
     served_rounds,
@@ -300,6 +301,7 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 # and the callers' loop stall on both, the GIL held).
                 compiled_before = frames_compiled()
                 low_before = low_slack_chunks(run.endpoint, served_before)
+                refusals_before = engine_refusals(run.endpoint, served_before)
                 level_t0 = time.monotonic()
                 with GcPauses() as gc_pauses:
                     utts, wall, caller_lag = await run_callers(run, replies, LevelPlan(
@@ -323,6 +325,8 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 # refusing new calls for a moment: which of the refusals the slack made.
                 level["low_slack_chunks"] = (None if low_before is None or low_after is None
                                              else int(low_after - low_before))
+                # Which of the engine's admission settings refused the level's calls.
+                level["refused_by"] = count_delta(refusals_before, engine_refusals(run.endpoint, served_after))
                 # Where in their streams those chunks came, and the rounds before them (in process).
                 events = getattr(run.endpoint.service, "low_slack_events", None)
                 if events is not None and rounds:
@@ -338,7 +342,7 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 prefix = f"{run.name}: " if len(runs) > 1 else ""
                 log(f"{prefix}{mode} {key} {value}: {level['utterances']} utterances, first audio p50/p95 "
                     f"{fa['p50'] or 0:.1f}/{fa['p95'] or 0:.1f} ms, {level['underrun_utterances']} underran, "
-                    f"{level['frames_per_s']:.0f} frames/s, {level['refused']} refused, "
+                    f"{level['frames_per_s']:.0f} frames/s, {level['refused']} refused{fleet_report.refused_why(level)}, "
                     f"{fleet_report.lag_text(level['loop_lag'])}; {fleet_report.gc_text(level['gc_pauses'])}"
                     + (f" (server's: {fleet_report.gc_text(level['server_gc_pauses'])})"
                        if level["server_gc_pauses"] else "") + ", "
@@ -366,6 +370,23 @@ def low_slack_chunks(endpoint, metrics: dict[str, float] | None) -> float | None
     if service is not None and hasattr(service, "low_slack_chunks"):
         return service.low_slack_chunks
     return None if metrics is None else metrics.get("qwen_tts_engine_low_slack_chunks_total")
+
+
+def engine_refusals(endpoint, metrics: dict[str, float] | None) -> dict[str, float] | None:
+    """The engine's refusals so far by the setting that made them (EngineOverloadedError.reason):
+    its service's count in process, its /metrics counter through a server; None where neither is
+    there."""
+    service = getattr(endpoint, "service", None)
+    if service is not None and hasattr(service, "refusals"):
+        return service.refusals
+    return None if metrics is None else labelled(metrics, "qwen_tts_engine_refusals_total", "reason")
+
+
+def count_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, int] | None:
+    """What each count grew by (those that grew), or None where either side is unknown."""
+    if before is None or after is None:
+        return None
+    return {k: int(v - before.get(k, 0)) for k, v in sorted(after.items()) if v > before.get(k, 0)}
 
 
 def workload(args: argparse.Namespace, replies: list) -> dict:

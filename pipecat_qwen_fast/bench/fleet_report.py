@@ -71,9 +71,17 @@ def _checkpoint(ck: dict) -> str:
     return f"{ck.get('path')}"
 
 
-def _low_slack(lv: dict) -> str:
+# The engine's admission settings (EngineOverloadedError.reason) as the refused column names them.
+REFUSAL_WORDS = {"max_round_ms": "round", "max_queued_streams": "queue", "min_slack_ms": "slack",
+                 "max_streams": "max streams"}
+
+
+def refused_why(lv: dict) -> str:
+    """What refused the level's calls: by setting, then the chunks under the slack margin."""
+    by = ", ".join(f"{REFUSAL_WORDS.get(k, k)} {v}" for k, v in (lv.get("refused_by") or {}).items())
     low = lv.get("low_slack_chunks")
-    return f" ({low} low-slack chunks)" if low else ""
+    parts = [p for p in (f"by {by}" if by else "", f"{low} low-slack chunks" if low else "") if p]
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def level_table(levels: list[dict], key: str, title: str) -> str:
@@ -92,7 +100,7 @@ def level_table(levels: list[dict], key: str, title: str) -> str:
         lines.append(
             f"| {lv[key]:g} | {lv['utterances']} | {_fmt(fa['p50'])} / {_fmt(fa['p95'])} / {_fmt(fa['p99'])} | "
             f"{lv['underrun_utterances']} | {_fmt(lv['worst_lateness_ms'])} | {_fmt(lv['frames_per_s'])} | "
-            f"{lv['refused']}{_low_slack(lv)} | {lv['errors']} / {lv['no_audio']} / {lv['cut_by_level_end']} | {_rounds_cell(lv)} | "
+            f"{lv['refused']}{refused_why(lv)} | {lv['errors']} / {lv['no_audio']} / {lv['cut_by_level_end']} | {_rounds_cell(lv)} | "
             f"{lag_text(lv.get('loop_lag'))} | {gc_text(lv.get('gc_pauses'))} | {bar} |"
         )
     return "\n".join(lines)

@@ -304,6 +304,13 @@ def parse_metrics(text: str) -> dict[str, float]:
     return series
 
 
+def labelled(metrics: dict[str, float], name: str, label: str) -> dict[str, float]:
+    """The series of counter `name` by the value of its one `label` (name{label="value"} -> value)."""
+    prefix = f'{name}{{{label}="'
+    return {series[len(prefix):-2]: value for series, value in metrics.items()
+            if series.startswith(prefix) and series.endswith('"}')}
+
+
 def server_rounds(metrics: dict[str, float] | None) -> tuple[float, float, float | None] | None:
     """A server's engine rounds so far, their summed seconds and the streams they stepped (None
     from a server that does not publish it), from its /metrics samples."""

@@ -456,6 +456,7 @@ class EngineService:
         # Streams handed in and not yet ended: counted here rather than from the lists, which a
         # stream leaves while the engine thread opens it.
         self._admitted = 0
+        self._refusals: collections.Counter[str] = collections.Counter()
         self._loader = loader
         self._owns_engine = owns_engine
         self._max_buffered = max_buffered_chunks
@@ -659,34 +660,42 @@ class EngineService:
         with self._lock:
             if not self.alive:
                 raise self._closed_error()
-            if self.max_streams is not None and self.admitted_streams >= self.max_streams:
-                raise EngineOverloadedError(
-                    f"the TTS engine is serving its limit of {self.max_streams} streams "
-                    f"(max_streams); retry shortly"
-                )
-            limit = self.max_round_ms
-            if limit is not None and self._active and self.round_ms > limit:
-                raise EngineOverloadedError(
-                    f"the TTS engine is at capacity: its rounds take {self.round_ms:.1f} ms, over the "
-                    f"{limit:g} ms that keeps every stream ahead of its playback (max_round_ms); "
-                    f"retry shortly"
-                )
-            most = self.max_queued_streams
-            if most is not None and self._active and self.queued_streams >= most:
-                raise EngineOverloadedError(
-                    f"the TTS engine is at capacity: {self.queued_streams} calls already wait to "
-                    f"start, its limit of {most} (max_queued_streams); retry shortly"
-                )
-            if self._active and self._slack.holding(time.monotonic()):
-                raise EngineOverloadedError(
-                    f"the TTS engine is at capacity: a stream's audio came "
-                    f"{describe_slack(self._slack.last_low_s)}, less than the {self.min_slack_ms:g} ms "
-                    f"ahead that keeps streams from running out (min_slack_ms); retry shortly"
-                )
+            refusal = self._refusal()
+            if refusal is not None:
+                reason, why = refusal
+                self._refusals[reason] += 1
+                raise EngineOverloadedError(f"{why} ({reason}); retry shortly", reason=reason)
             self._inbox.append(stream)
             self._admitted += 1
         self._wake.set()
         return stream
+
+    def _refusal(self) -> tuple[str, str] | None:
+        """Under the lock: why a new stream is refused now (the setting's name, the reason in
+        words), or None."""
+        if self.max_streams is not None and self.admitted_streams >= self.max_streams:
+            return "max_streams", f"the TTS engine is serving its limit of {self.max_streams} streams"
+        if not self._active:
+            return None
+        limit = self.max_round_ms
+        if limit is not None and self.round_ms > limit:
+            return "max_round_ms", (f"the TTS engine is at capacity: its rounds take {self.round_ms:.1f} ms, "
+                                    f"over the {limit:g} ms that keeps every stream ahead of its playback")
+        most = self.max_queued_streams
+        if most is not None and self.queued_streams >= most:
+            return "max_queued_streams", (f"the TTS engine is at capacity: {self.queued_streams} calls already "
+                                          f"wait to start, its limit of {most}")
+        if self._slack.holding(time.monotonic()):
+            return "min_slack_ms", (f"the TTS engine is at capacity: a stream's audio came "
+                                    f"{describe_slack(self._slack.last_low_s)}, less than the "
+                                    f"{self.min_slack_ms:g} ms ahead that keeps streams from running out")
+        return None
+
+    @property
+    def refusals(self) -> dict[str, int]:
+        """New streams refused so far, by the setting that refused them (EngineOverloadedError.reason)."""
+        with self._lock:
+            return dict(self._refusals)
 
     async def stream(self, request: Any) -> AsyncIterator[Any]:
         """Yield the request's AudioChunks; leaving the loop early cancels the session."""

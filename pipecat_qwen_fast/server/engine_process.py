@@ -54,7 +54,8 @@ CALL_TIMEOUT_S = 120.0
 # The EngineService figures each state report carries (by attribute name), with what the server
 # answers before the first report.
 REPORTED: dict[str, Any] = {"rounds": 0, "round_seconds": 0.0, "round_streams": 0, "round_ms": 0.0,
-                            "low_slack_chunks": 0, "lowest_slack_ms": None, "admitted_streams": 0}
+                            "low_slack_chunks": 0, "lowest_slack_ms": None, "admitted_streams": 0,
+                            "refusals": {}}
 
 
 def _reported(name: str) -> property:
@@ -324,6 +325,7 @@ class EngineProcess:
     low_slack_chunks = _reported("low_slack_chunks")
     lowest_slack_ms = _reported("lowest_slack_ms")
     admitted_streams = _reported("admitted_streams")
+    refusals = _reported("refusals")
 
     def open_stream(self, request: Any) -> RemoteStream:
         return self._open(request, False, None)

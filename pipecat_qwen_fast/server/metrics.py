@@ -115,7 +115,7 @@ async def watch_loop_lag(observe: Callable[[float], None],
 class EngineRounds:
     """The engine thread's rounds, read from the service when scraped: the admission signals (the
     smoothed round, refused over `max_round_ms`; the chunks that came within `min_slack_ms` of
-    their playback, and the lowest recent slack) and the count and summed wall time, whose deltas
+    their playback, and the lowest recent slack; the refusals by setting) and the count and summed wall time, whose deltas
     give the mean round over any interval (`bench fleet` through a server reads them per level)."""
 
     def __init__(self, service: Callable[[], Any]) -> None:
@@ -143,6 +143,11 @@ class EngineRounds:
                                   "their stream less than min_slack_ms before their playback time.")
         low.add_metric([], float(service.low_slack_chunks))
         yield low
+        refused = CounterMetricFamily("qwen_tts_engine_refusals", "New streams the engine refused "
+                                      "as overloaded, by the setting that refused them.", labels=["reason"])
+        for reason, count in sorted(service.refusals.items()):
+            refused.add_metric([reason], float(count))
+        yield refused
         lowest = service.lowest_slack_ms
         # NaN while no chunk was measured recently: a scrape can tell "none" from a missing metric.
         yield GaugeMetricFamily("qwen_tts_engine_lowest_slack_ms", "The lowest slack (playback time "

@@ -14,6 +14,8 @@ import httpx
 import pytest
 
 from pipecat_qwen_fast import SynthesisRequest
+from pipecat_qwen_fast.bench.fleet import count_delta
+from pipecat_qwen_fast.bench.fleet_workload import labelled, parse_metrics
 
 from .conftest import (
     FRAME_SAMPLES,
@@ -334,6 +336,7 @@ async def test_clients_gone_as_their_refused_turns_end_leave_no_slot(endless_ser
         await eventually(lambda: held.record.opened and endless_service.round_ms > 0,
                          what="the held stream live")
         endless_service._max_round_ms = 1e-6  # any round is too long: every new stream is refused
+        before = endless_service.refusals.get("max_round_ms", 0)
         with running(settings_for(endless_path, max_frames=12), endless_service) as srv:
             async with aiohttp.ClientSession() as http:
                 for _ in range(20):
@@ -346,6 +349,12 @@ async def test_clients_gone_as_their_refused_turns_end_leave_no_slot(endless_ser
                         msg = await ws.receive(timeout=TIMEOUT)
                         assert json.loads(msg.data)["code"] == "overloaded"
             await eventually(lambda: srv.ctx.gate.in_use == 0, what="the refused turns' slots")
+            async with httpx.AsyncClient(base_url=srv.base_url, timeout=TIMEOUT) as http:
+                metrics = (await http.get("/metrics")).text
+        # Each counted by the engine setting that refused it, as bench fleet reads it per level.
+        assert f'qwen_tts_engine_refusals_total{{reason="max_round_ms"}} {before + 20.0}' in metrics
+        by_reason = labelled(parse_metrics(metrics), "qwen_tts_engine_refusals_total", "reason")
+        assert count_delta({"max_round_ms": before}, by_reason) == {"max_round_ms": 20}
         # Refusals are counted on /metrics, not warned of one by one: at twice an H200's capacity
         # they come by thousands a minute.
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "failed" in r.getMessage()]
