@@ -64,7 +64,17 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
     HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONPATH="$PWD:$PWD/livekit_plugin${PYTHONPATH:+:$PYTHONPATH}"
-export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
+# The device copy's .git can be the one of the session's first call while its files are the tree
+# sent now (session 35: calls labelled a1162cf ran 637f7a4's files). So the label says so when the
+# tracked files differ from that HEAD, and the tree that ran is hashed: compare it here with
+# `git rev-parse COMMIT^{tree}`, or pass BENCH_COMMIT=COMMIT in the command.
+if [ -z "${BENCH_COMMIT:-}" ]; then
+    BENCH_COMMIT=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
+    git diff --quiet HEAD -- 2>/dev/null || BENCH_COMMIT="$BENCH_COMMIT+edits"
+fi
+export BENCH_COMMIT
+tree=$(idx=$(mktemp) && GIT_INDEX_FILE=$idx git read-tree HEAD 2>/dev/null \
+       && GIT_INDEX_FILE=$idx git add -A . 2>/dev/null && GIT_INDEX_FILE=$idx git write-tree 2>/dev/null; rm -f "$idx")
 # The checkpoint and the engine cache live in ignored folders of the device's copy, which a warm
 # machine keeps between calls: a call that follows within its idle window loads warm (~100 s, not
 # ~300) without carrying anything.
@@ -91,7 +101,7 @@ for _ in range(480):
 PY
 }
 {
-    echo "== $(date -u '+%F %T UTC') commit $BENCH_COMMIT steps: $*"
+    echo "== $(date -u '+%F %T UTC') commit $BENCH_COMMIT (tracked files: tree ${tree:-unknown}) steps: $*"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
     # Every process's CPU share every 5 s, and the CPU topology (cpu/cpu.jsonl; bench/probes/cpu_watch.py).
     mkdir -p "$out/cpu"
