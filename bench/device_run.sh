@@ -73,6 +73,9 @@ if [ -z "${BENCH_COMMIT:-}" ]; then
     git diff --quiet HEAD -- 2>/dev/null || BENCH_COMMIT="$BENCH_COMMIT+edits"
 fi
 export BENCH_COMMIT
+# STACKS=1: every process that runs an EngineService samples its threads' stacks into $OUT/stacks/
+# (pipecat_qwen_fast/engine/stack_samples.py: where the one GIL's seconds go under load).
+if [ -n "${STACKS:-}" ]; then export QWEN_FAST_STACK_SAMPLES="$out/stacks"; fi
 tree=$(idx=$(mktemp) && GIT_INDEX_FILE=$idx git read-tree HEAD 2>/dev/null \
        && GIT_INDEX_FILE=$idx git add -A . 2>/dev/null && GIT_INDEX_FILE=$idx git write-tree 2>/dev/null; rm -f "$idx")
 # The checkpoint and the engine cache live in ignored folders of the device's copy, which a warm

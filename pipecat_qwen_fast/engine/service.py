@@ -42,6 +42,7 @@ from pipecat_qwen_fast.engine.deferred_audio import DeferredChunk
 from pipecat_qwen_fast.engine.heap import freeze_heap, release_heap
 from pipecat_qwen_fast.engine.request import SynthesisRequest, chunk_target, round_budget_ms
 from pipecat_qwen_fast.engine.slack import MIN_SLACK_MS, PlaybackClock, SlackWatch, describe_slack
+from pipecat_qwen_fast.engine.stack_samples import start_from_env as start_stack_samples
 from pipecat_qwen_fast.engine.text_session import DEFAULT_IDLE_TIMEOUT_S
 from pipecat_qwen_fast.errors import EngineClosedError, EngineOverloadedError, NoFreeSlotError
 
@@ -741,6 +742,7 @@ class EngineService:
             self._finish_thread(None)
             return
         self._engine = engine
+        start_stack_samples()  # only where QWEN_FAST_STACK_SAMPLES asks (engine/stack_samples.py)
         slack_ms = self.min_slack_ms
         self._slack.limit_s = None if slack_ms is None else slack_ms / 1e3
         # The first batched prefill in a new thread cost ~45 ms more (docs/journal/NOTES.md; likely GPU
