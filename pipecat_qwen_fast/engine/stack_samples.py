@@ -7,7 +7,10 @@ engine thread and the event loop beside it. To see which, and where the seconds 
 load, set QWEN_FAST_STACK_SAMPLES=DIR:
 each process that starts an EngineService samples all its threads' stacks every SAMPLE_S and
 writes DIR/stacks-PID.json every WRITE_S (and when stopped), per thread the functions by the
-samples in which each was the innermost frame ("self") and anywhere on the stack ("total").
+samples in which each was the innermost frame ("self") and anywhere on the stack ("total"). It
+also appends the whole counts so far, with the time, to DIR/stacks-PID.jsonl: the difference of
+two lines is a window of the run, such as one benchmark level without the warm-up before it
+(bench/probes/stack_window.py).
 
 The sampler runs only when it holds the GIL, so a thread running Python is seen at its switch
 points (every 5 ms by default) and a thread waiting in C (a device sync, a socket) where it
@@ -27,7 +30,7 @@ from pathlib import Path
 
 ENV = "QWEN_FAST_STACK_SAMPLES"
 SAMPLE_S = 0.002
-WRITE_S = 5.0
+WRITE_S = 10.0
 TOP = 60  # functions kept per thread and kind in the file
 
 
@@ -41,11 +44,13 @@ class StackSampler:
 
     def __init__(self, out_dir: str | os.PathLike[str], interval_s: float = SAMPLE_S) -> None:
         self.path = Path(out_dir) / f"stacks-{os.getpid()}.json"
+        self.history = self.path.with_suffix(".jsonl")
         self.interval_s = interval_s
         self.samples: collections.Counter[str] = collections.Counter()
         self.own: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self.total: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # the counts, between the sampler and a write from exit
         self._thread = threading.Thread(target=self._run, name="qwen-stack-sampler", daemon=True)
         self._started_at = time.monotonic()
 
@@ -71,6 +76,10 @@ class StackSampler:
     def sample(self) -> None:
         names = {t.ident: t.name for t in threading.enumerate()}
         me = threading.get_ident()
+        with self._lock:
+            self._count(names, me)
+
+    def _count(self, names: dict, me: int) -> None:
         for ident, frame in sys._current_frames().items():
             if ident == me:
                 continue
@@ -97,9 +106,18 @@ class StackSampler:
                             for name, n in self.samples.most_common()}}
 
     def write(self) -> None:
+        with self._lock:
+            self._write()
+
+    def _write(self) -> None:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.report(), indent=1))
         tmp.replace(self.path)  # a reader never sees half a file
+        snapshot = {"t": time.time(), "threads": {name: {"samples": n, "self": dict(self.own[name]),
+                                                         "total": dict(self.total[name])}
+                                                  for name, n in self.samples.items()}}
+        with self.history.open("a") as f:
+            f.write(json.dumps(snapshot) + "\n")
 
 
 _sampler: StackSampler | None = None
