@@ -136,3 +136,25 @@ async def test_a_deferred_chunks_slack_is_taken_when_its_audio_comes(engine):
         assert service.low_slack_chunks == 1
         lost.drop()  # no audio: nothing to measure
         assert service.low_slack_chunks == 1
+
+
+async def test_a_deferred_chunk_wakes_its_reader_once_when_its_audio_is_there(engine):
+    # Posting a chunk whose audio is still on the way wakes nobody (the reader could not take it);
+    # its resolve does. So a stream's reader loop is woken about once a chunk, not twice.
+    loop = asyncio.get_running_loop()
+    wakes = []
+    call_soon_threadsafe = loop.call_soon_threadsafe
+
+    def counted(callback, *args, **kwargs):
+        wakes.append(callback)
+        return call_soon_threadsafe(callback, *args, **kwargs)
+
+    loop.call_soon_threadsafe = counted
+    try:
+        deferred = await serve_all(engine, overlap=True)
+    finally:
+        del loop.call_soon_threadsafe
+    chunks = sum(len(chunks) for chunks in deferred)
+    sets = [w for w in wakes if getattr(w, "__name__", "") == "set"]  # the streams' ready events
+    assert engine.vocoder_side.resolved_calls > 0
+    assert chunks <= len(sets) <= chunks + len(REQUESTS)  # one a chunk, and one at each stream's end

@@ -319,6 +319,10 @@ class SynthesisStream:
                 self._first_post_at = time.monotonic()
             self._audio_posted_s += frames * FRAME_S
         self._items.append(item)
+        if isinstance(item, DeferredChunk) and not item.settled:
+            # Its reader could not take it yet; its resolve wakes the reader (_deferred_resolved).
+            # Waking now too cost a second loop wake-up a chunk (~15 us of the engine thread).
+            return
         try:
             self._loop.call_soon_threadsafe(self._ready.set)
         except RuntimeError:
