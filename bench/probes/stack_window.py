@@ -1,6 +1,6 @@
 """Where each thread's time went in one window of a run, from a stack sampler's history.
 
-    python3 bench/probes/stack_window.py OUT/stacks/stacks-PID.jsonl --start 15:26:18 --end 15:26:40 [--top 25]
+    python3 bench/probes/stack_window.py OUT/stacks/stacks-PID.jsonl[.gz] --start 15:26:18 --end 15:26:40 [--top 25]
 
 The history (pipecat_qwen_fast/engine/stack_samples.py, QWEN_FAST_STACK_SAMPLES) holds the counts
 so far every 10 s; the window is the difference of the last line at or before --start and the
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gzip
 import json
 from pathlib import Path
 
@@ -48,7 +49,9 @@ def main() -> None:
     ap.add_argument("--end", default="inf")
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
-    snapshots = [json.loads(line) for line in Path(args.history).read_text().splitlines() if line]
+    path = Path(args.history)
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    snapshots = [json.loads(line) for line in text.splitlines() if line]
     day = dt.datetime.fromtimestamp(snapshots[0]["t"], dt.UTC).date()
     got = window(snapshots, when(args.start, day), when(args.end, day))
     print(f"window {got['from']} .. {got['to']}")
