@@ -99,9 +99,9 @@ class SynthesisRequest:
     # stream, docs/journal/NOTES.md, "Second chunk of 3 frames"), 3x for 2, 2x for 1. The default
     # 1, 1, 2, 4, ... 32 (with chunk_growth=1) sends a new call's second chunk one round after its
     # first, not two, so it keeps 80 ms less one round of slack where 1, 2, 4, ... kept 80 less
-    # two, at one more vocoder call an utterance. Every fleet refusal at 256-384 callers on an
-    # H200 came from a late second chunk; with this schedule 384 callers were refused 19 calls
-    # instead of 417 (docs/PERFORMANCE.md, sessions 34-35).
+    # two, at one more vocoder call an utterance. Every low-slack chunk of the H200's fleet at
+    # 256-384 callers was a second chunk (session 34); with this schedule 384 callers were refused
+    # 19 calls instead of 417 (docs/PERFORMANCE.md, sessions 34-35).
     chunk_frames: int = 1
     # From the third chunk on, chunks double up to this, each at most chunk_growth x the frames
     # already sent (chunk_target); None (or <= chunk_frames): every later chunk is chunk_frames.
