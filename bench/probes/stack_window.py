@@ -3,7 +3,7 @@
     python3 bench/probes/stack_window.py OUT/stacks/stacks-PID.jsonl[.gz] --start 15:26:18 --end 15:26:40 [--top 25]
 
 The history (pipecat_qwen_fast/engine/stack_samples.py, QWEN_FAST_STACK_SAMPLES) holds the counts
-so far every 10 s; the window is the difference of the last line at or before --start and the
+so far every 5 s (10 s in session 35); the window is the difference of the last line at or before --start and the
 first at or after --end (times as epoch seconds, or HH:MM:SS UTC on the history's day, as
 bench fleet's log prints them). Prints, per thread, its samples and the functions with the most
 samples innermost ("self") and anywhere on the stack ("total"), as shares of its samples.
