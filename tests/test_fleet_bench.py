@@ -193,13 +193,16 @@ def test_in_process_streamed_turns_take_the_servers_engine_path(endless):
         engine.close()
 
 
-def test_min_slack_setting_for_an_ab():
+def test_admission_settings_for_an_ab():
     base = ["--model", "m", "--out", "x"]
-    assert fleet.parse_args(base).min_slack_ms == "auto"
+    assert fleet.parse_args(base).min_slack_ms == "auto" and fleet.parse_args(base).max_round_ms == "auto"
     assert fleet.parse_args(base + ["--min-slack-ms", "off"]).min_slack_ms is None
     assert fleet.parse_args(base + ["--min-slack-ms", "12.5"]).min_slack_ms == 12.5
-    with pytest.raises(SystemExit):
-        fleet.parse_args(base + ["--min-slack-ms", "soon"])
+    assert fleet.parse_args(base + ["--max-round-ms", "40"]).max_round_ms == 40.0
+    assert fleet.parse_args(base + ["--max-round-ms", "off"]).max_round_ms is None
+    for bad in (["--min-slack-ms", "soon"], ["--max-round-ms", "0"], ["--max-round-ms", "inf"]):
+        with pytest.raises(SystemExit):
+            fleet.parse_args(base + bad)
 
 
 @pytest.mark.timeout(180)

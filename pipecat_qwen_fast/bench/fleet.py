@@ -70,7 +70,7 @@ from pipecat_qwen_fast.bench.fleet_workload import (
 )
 from pipecat_qwen_fast.bench.main import build_checkpoint, git_commit, log
 from pipecat_qwen_fast.engine.heap import GcPauses
-from pipecat_qwen_fast.engine.service import EngineService
+from pipecat_qwen_fast.engine.service import EngineService, parse_admission
 
 RESULT = "fleet.json"
 # A level is started only with this much time left beyond its --duration: the shortest drain
@@ -89,13 +89,14 @@ def _floats(value: str, flag: str, cast=float) -> list:
     return items
 
 
-def _slack_setting(value: str) -> float | str | None:
-    if value in ("auto", "off"):
-        return None if value == "off" else value
-    try:
-        return float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--min-slack-ms takes auto, off or a number of ms, not {value!r}") from None
+def _admission(name: str):
+    """An argparse type for EngineService admission setting `name` (auto, off or a number)."""
+    def parse(value: str) -> float | int | str | None:
+        try:
+            return parse_admission(name, value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -147,7 +148,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep-going", action="store_true", help="run every level, past the first that misses its bar")
     p.add_argument("--no-round-timing", action="store_true",
                    help="leave the engine's round timing off (it synchronizes the device around each timed call)")
-    p.add_argument("--min-slack-ms", type=_slack_setting, default="auto",
+    p.add_argument("--max-round-ms", type=_admission("max_round_ms"), default="auto",
+                   help="in process: the EngineService's round limit (auto: 32.5 ms on a GPU; a number of ms; "
+                        "off: none), for an A/B of it")
+    p.add_argument("--min-slack-ms", type=_admission("min_slack_ms"), default="auto",
                    help="in process: the EngineService's admission by slack (auto: 20 ms on a GPU; a number "
                         "of ms; off: none), for an A/B of the margin")
     p.add_argument("--chunk-frames", type=int, default=None,
@@ -485,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         return engine
 
     t0 = time.monotonic()
-    service = EngineService(load, name="fleet", min_slack_ms=args.min_slack_ms)
+    service = EngineService(load, name="fleet", min_slack_ms=args.min_slack_ms, max_round_ms=args.max_round_ms)
     server = None
     try:
         service.wait_ready_blocking(timeout=max(1.0, deadline - time.monotonic()))
@@ -499,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         put("device_info", describe_device(engine.device))
         # The engine switches an A/B turns (device_run.sh fleet2, FLEET2_ENV): which side this is.
         put("engine_switches", {"overlap_vocoder": service.overlap_vocoder, "min_slack_ms": service.min_slack_ms,
+                                "max_round_ms": service.max_round_ms,
                                 "merge_vocoder_sizes": getattr(engine, "merge_vocoder_sizes", None)})
         if not args.no_round_timing:
             service.time_rounds()

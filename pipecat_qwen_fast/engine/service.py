@@ -99,6 +99,37 @@ ROUND_SAMPLE_CAP = 2.0
 FRAME_S = 0.08
 
 
+def check_admission(*, max_round_ms: Any = "auto", min_slack_ms: Any = "auto",
+                    max_queued_streams: Any = "auto") -> None:
+    """Refuse (ValueError) admission settings an EngineService cannot take, naming the valid ones."""
+    if not (max_round_ms is None or max_round_ms == "auto" or (_is_finite_number(max_round_ms) and max_round_ms > 0)):
+        raise ValueError(f"max_round_ms must be > 0, 'auto' or None, got {max_round_ms!r}")
+    if not (min_slack_ms is None or min_slack_ms == "auto" or _is_finite_number(min_slack_ms)):
+        raise ValueError(f"min_slack_ms must be a number, 'auto' or None, got {min_slack_ms!r}")
+    if not (max_queued_streams is None or max_queued_streams == "auto"
+            or (isinstance(max_queued_streams, int) and not isinstance(max_queued_streams, bool)
+                and max_queued_streams >= 1)):
+        raise ValueError(f"max_queued_streams must be an int >= 1, 'auto' or None, got {max_queued_streams!r}")
+
+
+def parse_admission(name: str, text: str) -> float | int | str | None:
+    """A command line's value for admission setting `name` (max_round_ms, min_slack_ms,
+    max_queued_streams): "auto", "off" (None) or a number, checked as EngineService checks it."""
+    value: float | int | str | None
+    if text in ("auto", "off"):
+        value = None if text == "off" else text
+    else:
+        try:
+            value = int(text) if name == "max_queued_streams" else float(text)
+        except ValueError:
+            value = text
+    try:
+        check_admission(**{name: value})
+    except ValueError as exc:
+        raise ValueError(f"{exc} (on the command line: auto, off or a number)") from None
+    return value
+
+
 def smoothed_round_ms(previous: float, ms: float, limit: float | None) -> float:
     """The admission signal after a round of `ms` (0.0 before the first round)."""
     if limit is not None:
@@ -432,20 +463,14 @@ class EngineService:
         if max_streams is not None and max_streams < 1:
             raise ValueError(f"max_streams must be >= 1 or None, got {max_streams}")
         self.max_streams = max_streams
-        if not (max_round_ms is None or max_round_ms == "auto" or (isinstance(max_round_ms, (int, float)) and max_round_ms > 0)):
-            raise ValueError(f"max_round_ms must be > 0, 'auto' or None, got {max_round_ms!r}")
+        check_admission(max_round_ms=max_round_ms, min_slack_ms=min_slack_ms,
+                        max_queued_streams=max_queued_streams)
         self._max_round_ms = max_round_ms
-        if not (min_slack_ms is None or min_slack_ms == "auto" or _is_finite_number(min_slack_ms)):
-            raise ValueError(f"min_slack_ms must be a number, 'auto' or None, got {min_slack_ms!r}")
         self._min_slack_ms = min_slack_ms
         self._slack = SlackWatch()  # its limit is set once the engine is loaded ("auto")
         self.max_lead_s = max_lead_s
         self.contention_rows = CONTENTION_ROWS
         self.max_opens_per_round = max_opens_per_round
-        if not (max_queued_streams is None or max_queued_streams == "auto"
-                or (isinstance(max_queued_streams, int) and not isinstance(max_queued_streams, bool)
-                    and max_queued_streams >= 1)):
-            raise ValueError(f"max_queued_streams must be an int >= 1, 'auto' or None, got {max_queued_streams!r}")
         self._max_queued_streams = max_queued_streams
         if overlap_vocoder is None and os.environ.get("QWEN_FAST_OVERLAP_VOCODER") in ("0", "1"):
             overlap_vocoder = os.environ["QWEN_FAST_OVERLAP_VOCODER"] == "1"

@@ -93,7 +93,9 @@ def load_engine_service(settings: ServerSettings) -> Any:
 
     # A process of its own: the heap frozen once loaded and once fully warm, on a CPU too
     # (engine/heap.py).
-    return EngineService(load, name=settings.model_name, freeze_heap=True)
+    return EngineService(load, name=settings.model_name, freeze_heap=True,
+                         max_round_ms=settings.max_round_ms, min_slack_ms=settings.min_slack_ms,
+                         max_queued_streams=settings.max_queued_streams)
 
 
 async def report_load(ctx: ServerContext,

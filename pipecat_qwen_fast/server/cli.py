@@ -43,6 +43,16 @@ def add_serve_parser(sub) -> None:
                        help="run the engine in a child process, this one keeping the sockets, "
                             "so that socket work never holds up the engine (default: on; "
                             "--no-engine-process: one process)")
+    # Parsed in cmd_serve (the engine's checks import torch; --help should not).
+    serve.add_argument("--max-round-ms", default="auto", metavar="auto|off|MS",
+                       help="refuse new streams while the engine's smoothed round takes longer "
+                            "(default auto: 32.5 ms on a GPU, off elsewhere)")
+    serve.add_argument("--min-slack-ms", default="auto", metavar="auto|off|MS",
+                       help="refuse new streams for 0.5 s after a chunk came within this much of "
+                            "its playback (default auto: 20 ms on a GPU, off elsewhere)")
+    serve.add_argument("--max-queued-streams", default="auto", metavar="auto|off|N",
+                       help="refuse new streams while this many admitted calls wait to open "
+                            "(default auto: 16 on a GPU, off elsewhere)")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     serve.set_defaults(func=cmd_serve)
@@ -59,13 +69,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     level = logging.DEBUG if args.log_level == "trace" else getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(levelname)s:     %(name)s: %(message)s")
     try:
+        from pipecat_qwen_fast.engine.service import parse_admission
+
+        admission = {name: parse_admission(name, getattr(args, name))
+                     for name in ("max_round_ms", "min_slack_ms", "max_queued_streams")}
         settings = ServerSettings(
             model=args.model, device=args.device, dtype=args.dtype, backend=args.backend,
             host=args.host, port=args.port, api_key=args.api_key, max_streams=args.max_streams,
             max_input_chars=args.max_input_chars, max_frames=args.max_frames,
             drain_timeout_s=args.drain_timeout, voice_aliases=parse_voice_aliases(args.voice_alias),
             served_model_name=args.served_model_name, log_level=args.log_level,
-            engine_process=args.engine_process)
+            engine_process=args.engine_process, **admission)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -40,6 +40,12 @@ class ServerSettings:
         log_level: uvicorn's log level for the standalone server.
         engine_process: run the engine in a child process of its own, this one keeping the
             sockets (server/engine_process.py): the engine thread then has a GIL to itself.
+        max_round_ms, min_slack_ms, max_queued_streams: the engine's admission control, as
+            `EngineService` takes them ("auto": its defaults on a GPU, none elsewhere; None:
+            off): new streams are refused while the smoothed round is over `max_round_ms`, for
+            0.5 s after a chunk came within `min_slack_ms` of its playback, or while
+            `max_queued_streams` calls already wait to open. Lower limits refuse sooner and
+            keep more margin; higher ones admit more calls and risk late audio.
     """
 
     model: str
@@ -61,8 +67,16 @@ class ServerSettings:
     wait_ready_on_startup: bool = False
     log_level: str = "info"
     engine_process: bool = False
+    max_round_ms: float | str | None = "auto"
+    min_slack_ms: float | str | None = "auto"
+    max_queued_streams: int | str | None = "auto"
 
     def __post_init__(self) -> None:
+        from pipecat_qwen_fast.engine.service import check_admission
+
+        # Here, not when the engine (maybe in a child process) is made from these settings.
+        check_admission(max_round_ms=self.max_round_ms, min_slack_ms=self.min_slack_ms,
+                        max_queued_streams=self.max_queued_streams)
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
         if self.max_streams < 1:

@@ -359,3 +359,34 @@ def test_serve_cli_drains_on_sigterm_and_logs_no_text(endless_path):
     log = "".join(lines)
     assert "draining" in log and "speech request: " in log
     assert MARKER not in log
+
+
+async def test_the_engines_admission_settings_reach_it_in_its_own_process(endless_path):
+    # A round limit every CPU round exceeds, given to the server: with one stream live in the
+    # engine process, the next request is refused as overloaded, and /metrics names the setting.
+    settings = settings_for(endless_path, engine_process=True, max_round_ms=1e-3, min_slack_ms=None,
+                            max_queued_streams=4)
+    with running(settings) as srv:
+        await eventually(lambda: srv.ctx.ready, within=LOAD_TIMEOUT, what="the engine")
+        url = srv.base_url + "/v1/audio/speech"
+        body = {"input": LONG_TEXT, "voice": VOICE, "response_format": "pcm", "max_new_tokens": 400}
+        async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+            async with http.stream("POST", url, json=body) as holding:
+                assert holding.status_code == 200
+                pieces = holding.aiter_raw()
+                await anext(pieces)
+                await anext(pieces)  # rounds have run, and been timed, while it is live
+                refused = await http.post(url, json={**body, "max_new_tokens": 12})
+            await asyncio.sleep(0.5)  # the engine process reports every 0.2 s
+            metrics = (await http.get(srv.base_url + "/metrics")).text
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "overloaded"
+    assert "max_round_ms" in refused.json()["error"]["message"]
+    assert 'qwen_tts_engine_refusals_total{reason="max_round_ms"} 1.0' in metrics
+
+
+def test_serve_cli_refuses_a_bad_admission_setting_and_names_the_choices(endless_path):
+    for flag, value in (("--max-round-ms", "fast"), ("--min-slack-ms", "nan"), ("--max-queued-streams", "0")):
+        done = subprocess.run([sys.executable, "-m", "pipecat_qwen_fast.cli", "serve", "--model", str(endless_path),
+                               flag, value], capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 2
+        assert flag[2:].replace("-", "_") in done.stderr and "auto, off or a number" in done.stderr
