@@ -42,7 +42,8 @@
 # (default cold,warm); SERVE_ARGS adds arguments to `serve` (e.g. --no-engine-process); INPROC_ARGS to
 # fleet-server-proc's in-process half (e.g. --in-process-turns streamed); FLEET_BUDGET caps the fleet step's seconds (to leave fleet2 its share); FLEET_ARGS adds arguments to the fleet runs; STREAMING_ARGS to the
 # streaming-text run (default --runs 8). Everything lands in $OUT.
-# An engine switch's A/B in one call: FLEET2_ENV="QWEN_FAST_OVERLAP_VOCODER=1" (or FLEET2_ARGS="--min-slack-ms 10")
+# An engine switch's A/B in one call: FLEET2_ENV="QWEN_FAST_OVERLAP_VOCODER=1" (or FLEET2_ARGS="--min-slack-ms 10",
+# "--max-round-ms 45"; a server's admission: SERVE_ARGS="--max-round-ms 45")
 # with steps fleet fleet2. A/Bs on one engine, loaded once, level by level (step fleet alone):
 # FLEET_ARGS="... --chunk-frames 2 --chunk-growth 2 --schedule-ab" (the chunk schedule) or
 # FLEET_ARGS="... --text-mode dual_track --in-process-turns both" (whole texts against streamed turns).
