@@ -227,7 +227,8 @@ from livekit.plugins import qwen_fast' ;;
                           --junitxml "$out/gputests.xml" ${GPU_TESTS:-tests/test_megakernel.py \
                           tests/test_vocoder_graphs.py tests/test_prefill_graphs.py tests/test_graph_backend.py \
                           tests/test_hybrid_backend.py tests/test_startup.py tests/test_fleet_gpu.py \
-                          tests/test_text_gpu.py tests/test_voice_clone_gpu.py tests/test_megakernel_prefill.py} ;;
+                          tests/test_text_gpu.py tests/test_voice_clone_gpu.py tests/test_megakernel_prefill.py \
+                          tests/test_host_copy.py} ;;
             cache-out) echo "engine cache by file type (KiB):"
                        find "$QWEN_FAST_CACHE" -type f -printf '%s %f\n' | awk '{n=split($2,p,"."); e=(n>1)?p[n]:"-";
                            s[e]+=$1} END {for (e in s) printf "%10d %s\n", s[e]/1024, e}' | sort -rn | head -15

@@ -77,6 +77,7 @@ from pipecat_qwen_fast.model.sampling import (
 )
 from pipecat_qwen_fast.model.talker import Talker
 from pipecat_qwen_fast.utils.cuda_graphs import GraphCapturer, compile_blocker, recompile_limit
+from pipecat_qwen_fast.utils.host_copy import to_device_ints
 from pipecat_qwen_fast.utils.phases import phase
 
 logger = logging.getLogger("pipecat_qwen_fast")
@@ -435,10 +436,10 @@ class GraphBackend:
         slot = self.free_slots.pop()
         pages = [self.free_pages.pop() for _ in range(need)]
         self.slot_pages[slot] = pages
-        row = torch.full((self.pages_per_slot,), self.scratch_page, dtype=torch.long)
-        row[:need] = torch.tensor(pages, dtype=torch.long)
-        # Stream-ordered behind any frame still queued for the slot's or the pages' last owner.
-        self.page_table[slot].copy_(row, non_blocking=True)
+        row = pages + [self.scratch_page] * (self.pages_per_slot - need)
+        # Stream-ordered behind any frame still queued for the slot's or the pages' last owner,
+        # and queued without the host waiting for them (from a pageable row CUDA syncs first).
+        self.page_table[slot].copy_(to_device_ints(row, self.device))
         self.pool_seen[slot].zero_()
         state = GraphState(
             slot=slot, params=params, generator=generator,
@@ -515,10 +516,10 @@ class GraphBackend:
         x = torch.zeros(len(states), longest, self.cfg.hidden_size, device=self.device, dtype=self.dtype)
         for i, e in enumerate(embeds):
             x[i, : e.shape[0]].copy_(e)
-        slots = torch.tensor([s.slot for s in states], device=self.device)
+        slots = to_device_ints([s.slot for s in states], self.device)
         with sdpa_kernel(PREFILL_ATTENTION):
             hidden = self._prefill_forward(x, self.page_table.index_select(0, slots))
-        last = torch.tensor([n - 1 for n in lengths], device=self.device)
+        last = to_device_ints([n - 1 for n in lengths], self.device)
         self.pool_hidden.index_copy_(0, slots, hidden[torch.arange(len(states), device=self.device), last])
         for s, n in zip(states, lengths):
             s.position = n

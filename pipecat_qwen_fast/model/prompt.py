@@ -16,6 +16,7 @@ from torch import Tensor
 from pipecat_qwen_fast.config import ModelConfig
 from pipecat_qwen_fast.errors import InvalidInputError, UnsupportedFeatureError
 from pipecat_qwen_fast.model.talker import Talker
+from pipecat_qwen_fast.utils.host_copy import to_device_ints
 
 PREFILL = "prefill"  # all text in the prefill (official non_streaming_mode=True)
 DUAL_TRACK = "dual_track"  # one text token per frame (official non_streaming_mode=False)
@@ -147,7 +148,7 @@ def text_rows(talker: Talker, ids: list[int], fill_id: int, start: int = 0) -> T
     for b in range(first, len(ids), TEXT_ROW_BLOCK):
         block = ids[b : b + TEXT_ROW_BLOCK]
         padded = block + [fill_id] * (TEXT_ROW_BLOCK - len(block))
-        rows = talker.embed_text(torch.tensor(padded, dtype=torch.long, device=device), dtype)
+        rows = talker.embed_text(to_device_ints(padded, device), dtype)
         out.append(rows[max(start - b, 0) : len(block)])
     if not out:
         return talker.embed_text(torch.zeros(0, dtype=torch.long, device=device), dtype)
@@ -195,7 +196,7 @@ def build_prompt(
     dtype = prompt_dtype(talker)
 
     def ids(x: list[int]) -> Tensor:
-        return torch.tensor(x, dtype=torch.long, device=device)
+        return to_device_ints(x, device)
 
     def T(x: list[int]) -> Tensor:
         return talker.embed_text(ids(x), dtype)

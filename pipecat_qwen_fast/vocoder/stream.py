@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from pipecat_qwen_fast.errors import InvalidInputError
+from pipecat_qwen_fast.utils.host_copy import to_device_ints
 
 
 @dataclass
@@ -99,12 +100,9 @@ def copy_streams(dsts: list[VocoderStream], srcs: list[VocoderStream]) -> None:
 
 
 def device_lengths(valid: Sequence[int], frames: int, device: torch.device) -> Tensor:
-    """Host lengths (1 .. ``frames`` each) as an int64 tensor on ``device``, copied from pinned
-    memory without waiting for the device (a pageable copy may synchronise with the stream, which
-    would stall the host between the round's queued vocoder calls)."""
+    """Host lengths (1 .. ``frames`` each) as an int64 tensor on ``device``, copied without
+    waiting for the device (utils/host_copy.py: a pageable copy would stall the host between the
+    round's queued vocoder calls)."""
     if any(not 1 <= v <= frames for v in valid):
         raise InvalidInputError(f"valid lengths must be in [1, {frames}]; got {list(valid)}")
-    host = torch.tensor(list(valid), dtype=torch.long)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return to_device_ints(valid, device)
