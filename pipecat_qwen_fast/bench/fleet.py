@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -367,23 +368,25 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
             await close()
 
 
-def low_slack_chunks(endpoint, metrics: dict[str, float] | None) -> float | None:
-    """The engine's chunks under its min_slack_ms so far: its service's count in process, its
-    /metrics counter through a server; None where neither is there."""
+def engine_count(endpoint, metrics: dict[str, float] | None, attr: str, from_metrics: Callable[[dict], Any]) -> Any:
+    """An engine counter so far: its service's `attr` in process, `from_metrics(samples)` of its
+    /metrics through a server; None where neither is there."""
     service = getattr(endpoint, "service", None)
-    if service is not None and hasattr(service, "low_slack_chunks"):
-        return service.low_slack_chunks
-    return None if metrics is None else metrics.get("qwen_tts_engine_low_slack_chunks_total")
+    if service is not None and hasattr(service, attr):
+        return getattr(service, attr)
+    return None if metrics is None else from_metrics(metrics)
+
+
+def low_slack_chunks(endpoint, metrics: dict[str, float] | None) -> float | None:
+    """The engine's chunks under its min_slack_ms so far."""
+    return engine_count(endpoint, metrics, "low_slack_chunks",
+                        lambda m: m.get("qwen_tts_engine_low_slack_chunks_total"))
 
 
 def engine_refusals(endpoint, metrics: dict[str, float] | None) -> dict[str, float] | None:
-    """The engine's refusals so far by the setting that made them (EngineOverloadedError.reason):
-    its service's count in process, its /metrics counter through a server; None where neither is
-    there."""
-    service = getattr(endpoint, "service", None)
-    if service is not None and hasattr(service, "refusals"):
-        return service.refusals
-    return None if metrics is None else labelled(metrics, "qwen_tts_engine_refusals_total", "reason")
+    """The engine's refusals so far by the setting that made them (EngineOverloadedError.reason)."""
+    return engine_count(endpoint, metrics, "refusals",
+                        lambda m: labelled(m, "qwen_tts_engine_refusals_total", "reason"))
 
 
 def count_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, int] | None:
