@@ -28,6 +28,8 @@
 #   batch-overlap  a round's vocoder call on a second stream beside the batched decode, against
 #               one after the other (bench/probes/batch_overlap.py)
 #   round-probes  batch-overlap and row-prefill on one engine, loaded once (bench/probes/round_probes.py)
+#   vocoder-pool  a batched vocoder call over pooled streams against copying their states: host and
+#               GPU time per call, bit-equality; the vocoder alone, no engine (bench/probes/vocoder_pool_ab.py)
 #   paged-attn    the paged decode-attention kernel against its reference, timed and checked, no engine
 #               (bench/probes/paged_attention_ab.py; seconds)
 #   gputests    the test files of the GPU paths (GPU_TESTS), junit XML
@@ -188,6 +190,9 @@ PY
                                --model "$ck" --out "$out/batch-overlap" ;;
             round-probes) timeout -s INT "$(( $(left) - 5 ))" python3 bench/probes/round_probes.py \
                               --model "$ck" --out "$out" ;;
+            vocoder-pool) mkdir -p "$out/vocoder-pool" && timeout -s INT "$(( $(left) - 5 ))" \
+                              python3 bench/probes/vocoder_pool_ab.py --json "$out/vocoder-pool/vocoder_pool_ab.json" \
+                              --commit "$BENCH_COMMIT" ;;
             paged-attn) timeout -s INT "$(( $(left) - 5 ))" python3 bench/probes/paged_attention_ab.py \
                             --out "$out/paged-attn" ;;
             streaming-text) # Stand-ins for two packages LiveKit imports and never uses here (too big to

@@ -263,18 +263,23 @@ def test_batched_frames_equal_solo(tiny_checkpoint, layer_step):
         assert torch.equal(torch.from_numpy(np.stack(s.codes)), e)
 
 
-@pytest.mark.parametrize("wrapper", [False, True])
+@pytest.mark.parametrize("wrapper", [None, "copy", "pool"])
 def test_batched_rounds_vocode_chunks_together(tiny_checkpoint, wrapper, monkeypatch):
     """Chunks completed in the same round are vocoded in one call per chunk size; each session's
     chunks (sizes, codes, audio) are still those of its solo run. Sessions join at different
     rounds, so some rounds hold chunks of several sizes and sessions at different positions.
     `wrapper`: the GPU's graph wrapper with batched entries (run eagerly here) instead of the CPU's
-    batched reference call; one bucket (2) is too small for the rows, one size (8) has none."""
+    batched reference call; one bucket (2) is too small for the rows, one size (8) has none.
+    "pool": its sessions' states are rows of a pool of 3 (vocoder/pool.py), so of the 5 sessions
+    some hold rows that others gave back, some run out of rows and have states of their own, and
+    some calls mix the two."""
     _, fast = _engines(tiny_checkpoint("custom_voice", zero_eos=True), max_sessions=8)
     calls: list[tuple[int, int]] = []
     if wrapper:
-        graphs = GraphedVocoder(fast.vocoder, fast.device, fast.dtype, use_graphs=False)
+        graphs = GraphedVocoder(fast.vocoder, fast.device, fast.dtype, use_graphs=False,
+                                pool_slots=3 if wrapper == "pool" else 0)
         graphs.capture_batched([1, 2, 4], max_rows=2)
+        assert (graphs.pool is not None) == (wrapper == "pool")
         assert sorted(graphs.batched) == [(1, 2), (2, 2), (4, 2)]
         real = graphs.decode_many
         monkeypatch.setattr(graphs, "decode_many", lambda c, st, **kw: calls.append(tuple(c.shape[::2])) or real(c, st, **kw))
@@ -312,6 +317,13 @@ def test_batched_rounds_vocode_chunks_together(tiny_checkpoint, wrapper, monkeyp
             assert np.abs(a.pcm.astype(np.int32) - b.pcm.astype(np.int32)).max() <= 1
     assert any(k > 2 for k, _ in calls), calls  # some calls took more sessions' chunks than a bucket holds
     assert any(n == 8 for _, n in calls), calls  # and some a size without batched entries
+    if wrapper:
+        assert graphs.calls_pooled + graphs.calls_copied > 0
+        assert (graphs.calls_pooled > 0) == (wrapper == "pool"), (graphs.calls_pooled, graphs.calls_copied)
+    if wrapper == "pool":
+        assert graphs.calls_copied > 0  # the calls that held a session without a row
+        del sessions, s
+        assert len(graphs.pool.free) == 3  # every row given back
 
 
 async def test_service_batches_and_queues_when_slots_run_out(tiny_checkpoint):

@@ -94,26 +94,30 @@ def test_compiled_graphs_match_plain_graphs_on_cuda(tiny_checkpoint):
         assert 6 in compiled.entries  # first seen after warm-up: from the generic step or plain, never a compile
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_batched_graphs_match_batch1_graphs_on_cuda(tiny_checkpoint, compiled):
+@pytest.mark.parametrize("compiled,pooled", [(False, False), (True, False), (True, True)])
+def test_batched_graphs_match_batch1_graphs_on_cuda(tiny_checkpoint, compiled, pooled):
     """Batched entries (plain graphs, or captured from the compiled step with symbolic rows and
     frames) over streams at different positions, groups split across buckets and padded: the
-    audio and states of batch-1 plain graphs, up to fp32 rounding (TF32 off)."""
+    audio and states of batch-1 plain graphs, up to fp32 rounding (TF32 off). `pooled`: the
+    streams are rows of the entries' pool, moved by the captured gather and scatter graphs."""
     if not torch.cuda.is_available():
         pytest.skip("CUDA not available: batched vocoder graphs run on CUDA only")
     if compiled and (reason := compile_unavailable_reason(torch.device("cuda"))) is not None:
         pytest.skip(f"vocoder step not compiled here: {reason}")
     with _fp32_cuda_engine(tiny_checkpoint) as engine:
         voc = engine.vocoder
-        batched = GraphedVocoder(voc, engine.device, engine.dtype, compile_batched=compiled)
+        batched = GraphedVocoder(voc, engine.device, engine.dtype, compile_batched=compiled,
+                                 pool_slots=8 if pooled else 0)
         one = GraphedVocoder(voc, engine.device, engine.dtype)
         batched.capture_batched([1, 3], max_rows=4)
         assert sorted(batched.batched) == [(1, 2), (1, 4), (3, 2), (3, 4)]
         assert all(e.graph is not None for e in batched.batched.values())
+        assert all((e.gather is not None and e.scatter is not None) == pooled for e in batched.batched.values())
         assert batched.compile_batched is compiled
         g = torch.Generator().manual_seed(3)
         codes = torch.randint(0, 2048, (5, 16, 60), generator=g).cuda()
-        a = [voc.new_stream() for _ in range(5)]
+        a = [batched.new_stream() if pooled else voc.new_stream() for _ in range(5)]
+        assert all((st.slot is not None) == pooled for st in a)
         b = [voc.new_stream() for _ in range(5)]
         for i in range(5):  # different positions: 0, 7, 14, 21, 28 frames in
             for streams in (a, b):
@@ -130,6 +134,8 @@ def test_batched_graphs_match_batch1_graphs_on_cuda(tiny_checkpoint, compiled):
             for i in rows:
                 starts[i] += n
         assert peak > 0 and worst <= 1e-4 * max(1.0, peak)
+        # Batched calls: 4 + 1 alone, 2, 3 padded to 4, 1 alone (batch-1), 3 padded to 4.
+        assert (batched.calls_pooled, batched.calls_copied) == ((4, 0) if pooled else (0, 4))
         for x, y in zip(a, b):
             assert x.frames == y.frames and torch.equal(x.position, y.position)
             assert float((x.keys - y.keys).abs().max()) <= 1e-4 * max(1.0, float(y.keys.abs().max()))

@@ -62,6 +62,7 @@ from pipecat_qwen_fast.model.sampling import SamplingParams
 from pipecat_qwen_fast.model.talker import Qwen3TTSModel
 from pipecat_qwen_fast.utils.phases import PhaseLog
 from pipecat_qwen_fast.vocoder.graphs import GraphedVocoder, merge_sizes
+from pipecat_qwen_fast.vocoder.pool import pool_slots
 from pipecat_qwen_fast.vocoder.vocoder import Vocoder
 from pipecat_qwen_fast.voices.library import VoiceLibrary
 from pipecat_qwen_fast.voices.voice import Voice
@@ -145,9 +146,13 @@ class QwenTTSEngine(text_session.TextSessions):
             # Batched calls (several sessions' chunks of one size in one round) come from one more
             # compiled step, rows symbolic: 1.1-1.7x faster than plain batched graphs at 2-64 rows,
             # which lose to batch-1 calls at 32 x 2 (docs/journal/NOTES.md, "Vocoder calls batched over a round").
+            # Sessions' vocoder states are rows of one pool, a row each for as many sessions as the
+            # backend decodes at once: a batched call moves them by index (vocoder/pool.py).
+            sessions = getattr(getattr(backend, "bulk", backend), "max_sessions", 64)
             self.vocoder_graphs = GraphedVocoder(vocoder, device, dtype, compile_dynamic=True,
                                                  compile_sizes=(first.first_chunk_frames, first.chunk_frames),
-                                                 cudnn_benchmark=schedule_sizes(first), compile_batched=True)
+                                                 cudnn_benchmark=schedule_sizes(first), compile_batched=True,
+                                                 pool_slots=pool_slots(vocoder, device, dtype, sessions))
 
     # ------------------------------------------------------------------ loading
 
@@ -354,7 +359,9 @@ class QwenTTSEngine(text_session.TextSessions):
 
     def _start_vocoder(self, s: Session) -> None:
         if s.request.vocode:
-            s.vocoder_state = self.vocoder.new_stream(batch=1, device=self.device, dtype=self.dtype, packed=True)
+            graphs = self.vocoder_graphs
+            s.vocoder_state = (graphs.new_stream() if graphs is not None else
+                               self.vocoder.new_stream(batch=1, device=self.device, dtype=self.dtype, packed=True))
             vc = s.request.voice_clone
             if vc is not None and vc.icl:
                 # The talker continues right after the reference frames; so does the vocoder.

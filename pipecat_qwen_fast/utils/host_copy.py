@@ -22,3 +22,12 @@ def to_device_ints(values: Sequence[int], device: torch.device | str) -> Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def copy_ints_into(dst: Tensor, values: Sequence[int]) -> None:
+    """`dst[:] = values` queued on the current stream like `to_device_ints` (no wait for the device),
+    into a tensor the device already holds (a CUDA graph's static input)."""
+    host = torch.tensor(list(values), dtype=dst.dtype)
+    if dst.device.type == "cuda":
+        host = host.pin_memory()
+    dst.copy_(host, non_blocking=True)

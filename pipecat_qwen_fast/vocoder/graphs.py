@@ -17,8 +17,10 @@ cold inductor cache; it is skipped, with the reason logged, where it cannot run 
 compiler), and `QWEN_FAST_COMPILE_VOCODER=0` turns it off.
 
 Many sessions that each finish a chunk of the same size in the same round (the batched decode's
-rounds) share one call: `decode_many` copies their states into the rows of a batched entry's
-stream (each row at its own position), replays it once and copies them back. A batch-1 call is
+rounds) share one call: `decode_many` moves their states into the rows of a batched entry's
+stream (each row at its own position), replays it once and moves them back. Streams that are
+rows of the GraphedVocoder's pool (`new_stream`, vocoder/pool.py) move by index, in two more
+captured graphs; any other stream is copied buffer by buffer. A batch-1 call is
 ~1.5 ms of mostly fixed cost on the H200 whatever its size (docs/journal/NOTES.md, "Chunk schedule"),
 so 64 sessions' first chunks cost 64 of them one by one. Batched entries exist for the sizes and
 row buckets that `capture_batched` captured at warm-up, up to `MAX_BATCH_FRAMES` rows x frames a
@@ -46,6 +48,8 @@ from pipecat_qwen_fast.utils.cuda_graphs import (
     plain_only,
     recompile_limit,
 )
+from pipecat_qwen_fast.utils.host_copy import copy_ints_into
+from pipecat_qwen_fast.vocoder.pool import StreamPool
 from pipecat_qwen_fast.vocoder.stream import VocoderStream, copy_streams, device_lengths
 from pipecat_qwen_fast.vocoder.vocoder import Vocoder
 
@@ -68,6 +72,11 @@ class _Entry:
     # Calls made so far: a call queued ahead and committed later (engine.EarlyChunk) is valid
     # only while no other call of the entry's size has overwritten its state and output.
     runs: int = 0
+    # Batched entries of a GraphedVocoder with a StreamPool: each row's pool row (padding rows the
+    # scratch row), and the graphs that move those rows in and out of `stream` (None: eager).
+    idx: Tensor | None = None
+    gather: torch.cuda.CUDAGraph | None = None
+    scatter: torch.cuda.CUDAGraph | None = None
 
     def run(self, vocoder: Vocoder) -> Tensor:
         """The call on the entry's own state: its graph's replay, or the eager step."""
@@ -118,7 +127,7 @@ def merge_sizes(counts: dict[int, int], calls: Callable[[int, int], int]) -> dic
 class GraphedVocoder:
     def __init__(self, vocoder: Vocoder, device: torch.device, dtype: torch.dtype, use_graphs: bool | None = None,
                  compile_sizes: tuple[int, ...] = (), cudnn_benchmark: bool | tuple[int, ...] = True,
-                 compile_dynamic: bool = False, compile_batched: bool = False):
+                 compile_dynamic: bool = False, compile_batched: bool = False, pool_slots: int = 0):
         self.vocoder = vocoder
         # True: every size's capture times cuDNN's algorithms; a tuple: only those sizes (each
         # timing costs ~0.7 s of load per size on the H200).
@@ -140,6 +149,20 @@ class GraphedVocoder:
         self._batched: Callable | None = None  # batched entries' compiled step (compile_batched)
         self.compiled_sizes: set[int] = set()  # sizes whose graph holds compiled code
         self.plain_sizes: set[int] = set()  # captured plain inside plain_first(), to compile later
+        # Rows of the StreamPool that `new_stream` hands out, made with the first batched entries
+        # (vocoder/pool.py: a batched call's states move by index, not one copy per buffer).
+        self.pool_slots = pool_slots
+        self.pool: StreamPool | None = None
+        # Batched calls whose streams moved by index (all rows of the pool) and those that copied.
+        self.calls_pooled = 0
+        self.calls_copied = 0
+
+    def new_stream(self) -> VocoderStream:
+        """A session's fresh stream: a row of the pool where one is free, else a tensor of its own
+        (its batched calls then copy it in and out)."""
+        if self.pool is not None and (st := self.pool.new_stream()) is not None:
+            return st
+        return self.vocoder.new_stream(batch=1, device=self.device, dtype=self.dtype, packed=True)
 
     def decode_stream(self, codes: Tensor, stream: VocoderStream) -> Tensor:
         """Same result as `vocoder.decode_stream(codes, stream)` for batch-1 streams."""
@@ -202,14 +225,31 @@ class GraphedVocoder:
     def _run_batched(self, entry: _Entry, codes: Tensor, part: list[VocoderStream], lengths: list[int]) -> Tensor:
         """One replay of a batched entry for these streams (its `valid` already set)."""
         take = len(part)
-        rows = entry.rows[:take]
-        copy_streams(rows, part)
+        pooled = entry.idx is not None and self.pool.holds(part)
+        if pooled:
+            self.calls_pooled += 1
+            copy_ints_into(entry.idx, [st.slot for st in part] + [self.pool.scratch] * (len(entry.rows) - take))
+            self._move(entry, entry.gather, self.pool.gather)
+        else:
+            self.calls_copied += 1
+            rows = entry.rows[:take]
+            copy_streams(rows, part)
         entry.codes[:take].copy_(codes)
         out = entry.run(self.vocoder)
-        copy_streams(part, rows)
+        if pooled:
+            self._move(entry, entry.scatter, self.pool.scatter)
+        else:
+            copy_streams(part, rows)
         for st, v in zip(part, lengths):
             st.frames += v
         return out[:take].clone()  # the next call of this entry rewrites `out`
+
+    @staticmethod
+    def _move(entry: _Entry, graph: torch.cuda.CUDAGraph | None, eager: Callable) -> None:
+        if graph is not None:
+            graph.replay()
+        else:
+            eager(entry.idx, entry.stream)
 
     def _split(self, n: int, k: int) -> Iterator[tuple[int, int, int | None]]:
         """decode_many's calls for k rows of n frames: (first row, rows, bucket), bucket None for
@@ -233,6 +273,10 @@ class GraphedVocoder:
     def capture_batched(self, sizes: list[int], max_rows: int) -> None:
         """Batched entries (warm-up) for these chunk sizes: every bucket up to `max_rows` rows
         and `MAX_BATCH_FRAMES` rows x frames."""
+        if self.pool is None and self.pool_slots > 0:
+            self.pool = StreamPool(self.vocoder, self.pool_slots, self.device, self.dtype)
+            logger.info("vocoder stream pool: %d rows, %.2f GB", self.pool_slots,
+                        self.pool.row_bytes * (self.pool_slots + 1) / 1e9)
         for n in sizes:
             for b in BATCH_BUCKETS:
                 if b <= max_rows and b * n <= MAX_BATCH_FRAMES and (n, b) not in self.batched:
@@ -254,6 +298,13 @@ class GraphedVocoder:
             with _cudnn_benchmark(timed), recompile_limit(64):
                 step = self._batched_step(entry, n)
                 entry.graph, entry.out = self.capturer.capture(lambda: step(entry.codes, entry.stream))
+        if self.pool is not None:
+            pool = self.pool
+            entry.idx = torch.full((rows,), pool.scratch, dtype=torch.long, device=self.device)
+            if self.capturer is not None:
+                # Their warm-up runs move the scratch row only.
+                entry.gather, _ = self.capturer.capture(lambda: pool.gather(entry.idx, entry.stream))
+                entry.scatter, _ = self.capturer.capture(lambda: pool.scatter(entry.idx, entry.stream))
         return entry
 
     def _batched_step(self, entry: _Entry, n: int) -> Callable:

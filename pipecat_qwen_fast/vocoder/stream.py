@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -28,6 +28,10 @@ class VocoderStream:
     # the call's frames. Each row commits its state after its own frames (Vocoder.stream_step).
     # None: every row takes all the call's frames (the batch-1 latency path, no gathers).
     valid: Tensor | None = None
+    # A stream held in a StreamPool (vocoder/pool.py): its row there, and the lease that gives the
+    # row back once nothing refers to this stream (the side stream's pending calls included).
+    slot: int | None = None
+    lease: object | None = field(default=None, repr=False, compare=False)
 
     @property
     def batch(self) -> int:

@@ -289,9 +289,7 @@ class Vocoder(nn.Module):
             raise InvalidInputError(f"batch must be >= 1; got {batch}")
         device = torch.device(device) if device is not None else self.codebooks.device
         dtype = dtype or self.codebooks.dtype
-        pt, cfg = self.pre_transformer, self.cfg
-        kv_shape = (cfg.num_layers, batch, cfg.num_kv_heads, pt.window - 1, cfg.head_dim)
-        shapes = [(batch, c, n) for c, n in self._history_specs] + [kv_shape, kv_shape]
+        shapes = self.stream_shapes(batch)
         if packed:
             flat = torch.zeros(sum(math.prod(s) for s in shapes), device=device, dtype=dtype)
             buffers = [part.view(s) for part, s in zip(flat.split([math.prod(s) for s in shapes]), shapes)]
@@ -303,6 +301,14 @@ class Vocoder(nn.Module):
             values=buffers[-1],
             position=torch.zeros(batch, device=device, dtype=torch.long),
         )
+
+    def stream_shapes(self, batch: int = 1) -> list[tuple[int, ...]]:
+        """The floating-point buffers of a stream of `batch` rows, in `VocoderStream` order: each
+        stateful convolution's history [batch, C_in, context], then keys and values [layers,
+        batch, kv_heads, window - 1, head_dim]."""
+        pt, cfg = self.pre_transformer, self.cfg
+        kv_shape = (cfg.num_layers, batch, cfg.num_kv_heads, pt.window - 1, cfg.head_dim)
+        return [(batch, c, n) for c, n in self._history_specs] + [kv_shape, kv_shape]
 
     def _check_stream(self, codes: Tensor, stream: VocoderStream) -> None:
         if stream.batch != codes.shape[0]:
