@@ -81,7 +81,7 @@ def main() -> int:
             same &= torch.equal(p.position, o.position)
         row: dict = {"frames": n, "rows": b, "bit_equal": bool(same)}
         for name, streams in (("pooled", pooled), ("copied", own)):
-            fn = lambda s=streams: gv.decode_many(codes, s)  # noqa: E731
+            fn = lambda s=streams, c=codes: gv.decode_many(c, s)
             row[f"{name}_host_us"] = host_us(fn, args.iters)
             row[f"{name}_gpu_ms"] = statistics.median(event_times_ms(fn, args.iters + 3, sync_each=True)[3:])
         out["calls"][f"{n}x{b}"] = row

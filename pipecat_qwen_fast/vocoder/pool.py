@@ -28,7 +28,6 @@ from torch import Tensor
 from pipecat_qwen_fast.vocoder.stream import VocoderStream
 from pipecat_qwen_fast.vocoder.vocoder import Vocoder
 
-
 # Of the device's memory, what the pool may take at most (2.6 MB a row for the released vocoder in
 # bfloat16: 1024 rows are 2.7 GB, 2 % of an H200).
 MEMORY_SHARE = 0.04
