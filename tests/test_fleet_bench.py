@@ -285,7 +285,7 @@ def test_short_sweep_writes_json_and_markdown(endless, tmp_path):
         "--model", str(endless), "--device", "cpu", "--dtype", "float32", "--backend", "torch", "--out", str(out),
         "--mode", "both", "--levels", "2,3", "--rates", "2", "--duration", "2.5", "--stagger", "0.5",
         "--drain", "4", "--warmup", "0", "--bar-ms", "1e9", "--open-bar-ms", "1e9", "--keep-going",
-        "--budget", "240", "--commit", "test",
+        "--budget", "240", "--commit", "test", "--round-timing",
     ])
     assert rc == 0
     result = json.loads((out / "fleet.json").read_text())
@@ -341,7 +341,7 @@ def test_sweep_through_the_server_on_loopback(endless, tmp_path):
         "--model", str(endless), "--device", "cpu", "--dtype", "float32", "--backend", "torch", "--out", str(out),
         "--through", "server", "--text-mode", "dual_track", "--levels", "2", "--duration", "2.5",
         "--stagger", "0.5", "--drain", "4", "--warmup", "0", "--bar-ms", "1e9", "--budget", "240",
-        "--commit", "test",
+        "--commit", "test", "--round-timing",
     ])
     assert rc == 0
     result = json.loads((out / "fleet.json").read_text())
@@ -362,7 +362,7 @@ def test_sweep_in_process_and_through_the_server_side_by_side(endless, tmp_path)
         "--model", str(endless), "--device", "cpu", "--dtype", "float32", "--backend", "torch", "--out", str(out),
         "--through", "both", "--text-mode", "dual_track", "--levels", "2,3", "--duration", "2",
         "--stagger", "0.5", "--drain", "4", "--warmup", "1", "--bar-ms", "1e9", "--keep-going",
-        "--budget", "240", "--commit", "test",
+        "--budget", "240", "--commit", "test", "--round-timing",
     ])
     assert rc == 0
     results = {name: json.loads((out / name / "fleet.json").read_text()) for name in ("engine", "server")}
@@ -398,7 +398,7 @@ def test_whole_and_streamed_turns_side_by_side_place_their_low_slack_chunks(endl
         "--text-mode", "dual_track", "--in-process-turns", "both", "--min-slack-ms", "500", "--levels", "2",
         "--chunk-frames", "2", "--chunk-growth", "2",
         "--duration", "2", "--stagger", "0.2", "--drain", "6", "--warmup", "0", "--bar-ms", "1e9",
-        "--budget", "240", "--commit", "test",
+        "--budget", "240", "--commit", "test", "--round-timing",
     ])
     assert rc == 0
     results = {name: json.loads((out / name / "fleet.json").read_text()) for name in ("engine", "engine-streamed")}

@@ -147,8 +147,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bar-ms", type=float, default=100.0, help="closed loop: p95 first audio bar")
     p.add_argument("--open-bar-ms", type=float, default=80.0, help="open loop: p95 first audio bar")
     p.add_argument("--keep-going", action="store_true", help="run every level, past the first that misses its bar")
-    p.add_argument("--no-round-timing", action="store_true",
-                   help="leave the engine's round timing off (it synchronizes the device around each timed call)")
+    # Off by default: its synchronizations cost the engine its overlaps, and a level of capacity on
+    # the H200 (docs/PERFORMANCE.md, session 36); on, for where a round's time goes.
+    p.add_argument("--round-timing", action=argparse.BooleanOptionalAction, default=False,
+                   help="split each round's time into decode, vocoder, prefill and host (synchronizes the "
+                        "device around each timed call, which lowers the capacity measured)")
     p.add_argument("--max-round-ms", type=_admission("max_round_ms"), default="auto",
                    help="in process: the EngineService's round limit (auto: 32.5 ms on a GPU; a number of ms; "
                         "off: none), for an A/B of it")
@@ -439,7 +442,7 @@ def _report(args: argparse.Namespace, out: Path) -> tuple[Report, Callable[[], N
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": args.commit or git_commit(),
         "args": vars(args),
-        "round_timing": not args.no_round_timing,
+        "round_timing": args.round_timing,
     })
 
     def save() -> None:
@@ -508,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         put("engine_switches", {"overlap_vocoder": service.overlap_vocoder, "min_slack_ms": service.min_slack_ms,
                                 "max_round_ms": service.max_round_ms,
                                 "merge_vocoder_sizes": getattr(engine, "merge_vocoder_sizes", None)})
-        if not args.no_round_timing:
+        if args.round_timing:
             service.time_rounds()
         runs = []
         for name in names:

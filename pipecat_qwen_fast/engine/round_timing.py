@@ -6,11 +6,12 @@ service then appends one `RoundTiming` per round that opened or stepped a sessio
 
 While on, the engine's entry points for each kind of work are shadowed by instance attributes
 that time them, each call bracketed by device synchronizations: the GPU work a call launches is
-counted in that call, not in whatever host code next waits for the device. The price is the
-overlap the engine gets by launching a frame ahead (a stream alone in its round), so single-stream
-latency measured with timing on is slightly worse; rounds of many streams already wait for their
-codes and their audio once each, and lose next to nothing. Off, the service pays one attribute
-comparison a round.
+counted in that call, not in whatever host code next waits for the device. The price is every
+overlap the engine has: a frame launched ahead (a stream alone in its round), a round's vocoder
+calls on their own stream beside the next frame (deferred_audio.py), the host preparing work while
+the GPU runs. On the H200 a fleet carried 448 callers with timing off and 320 with it on (session
+36, docs/PERFORMANCE.md), so `bench fleet` times rounds only when asked (`--round-timing`). Off,
+the service pays one attribute comparison a round.
 """
 
 from __future__ import annotations
