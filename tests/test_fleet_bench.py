@@ -440,6 +440,12 @@ def test_schedule_ab_runs_the_default_and_the_given_schedule_on_one_engine(endle
     for result in results.values():
         lv = result["closed"]["levels"][0]
         assert lv["utterances"] >= 2 and lv["errors"] == 0 and lv["frames_per_s"] > 0
+        # Round timing off (the default): the level's rounds from the service's own counters.
+        assert result["round_timing"] is False
+        rounds = lv["rounds"]
+        assert rounds["source"] == "engine counters" and rounds["rounds"] > 0 and "decode_ms_mean" not in rounds
+        assert rounds["streams_per_round_mean"] >= 1 and 0 < rounds["busy_fraction"] <= 1
+    assert "engine counters: " in (out / "engine" / "fleet.md").read_text()
 
 
 def test_chunk_schedule_for_an_ab_sets_the_in_process_requests():

@@ -309,6 +309,7 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 # and the callers' loop stall on both, the GIL held).
                 compiled_before = frames_compiled()
                 low_before = low_slack_chunks(run.endpoint, served_before)
+                counted_before, _ = counted_rounds(run.endpoint, served_before)
                 refusals_before = engine_refusals(run.endpoint, served_before)
                 level_t0 = time.monotonic()
                 with GcPauses() as gc_pauses:
@@ -318,8 +319,9 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 served_after = await read_metrics() if read_metrics is not None else None
                 rounds = run.endpoint.take_rounds()
                 summary = summarize_rounds(rounds, wall) if rounds is not None else None
-                if summary is None and server_rounds(served_before) is not None:
-                    summary = served_rounds(server_rounds(served_before), server_rounds(served_after), wall)
+                if summary is None and counted_before is not None:
+                    counted_after, source = counted_rounds(run.endpoint, served_after)
+                    summary = served_rounds(counted_before, counted_after, wall, source)
                 level = {key: value, "duration_s": args.duration, "drain_s": drain, "wall_s": wall,
                          **summarize_level(utts, args.duration),
                          "rounds": summary,
@@ -384,6 +386,16 @@ def low_slack_chunks(endpoint, metrics: dict[str, float] | None) -> float | None
     """The engine's chunks under its min_slack_ms so far."""
     return engine_count(endpoint, metrics, "low_slack_chunks",
                         lambda m: m.get("qwen_tts_engine_low_slack_chunks_total"))
+
+
+def counted_rounds(endpoint, metrics: dict[str, float] | None) -> tuple[tuple[float, float, float | None] | None, str]:
+    """The engine's rounds so far, their summed seconds and the streams they stepped, and where
+    they were read: its service's counters in process (no device synchronization: what a level
+    without round timing still reports), its /metrics through a server."""
+    service = getattr(endpoint, "service", None)
+    if service is not None and hasattr(service, "round_streams"):
+        return (service.rounds, service.round_seconds, service.round_streams), "engine counters"
+    return server_rounds(metrics), "server /metrics"
 
 
 def engine_refusals(endpoint, metrics: dict[str, float] | None) -> dict[str, float] | None:

@@ -31,9 +31,11 @@ def _rounds_cell(lv: dict) -> str:
     r = lv.get("rounds")
     if not r:
         return "n/a"
-    if "decode_ms_mean" not in r:  # a server's /metrics: the wall time only
+    if "decode_ms_mean" not in r:  # counted, not timed: the wall time only
         streams = r.get("streams_per_round_mean")
-        return (f"{_fmt(r['wall_ms_mean'], 2)} (server's /metrics: {r['rounds']} rounds"
+        source = r.get("source", "server /metrics")
+        where = "server's /metrics" if source == "server /metrics" else source
+        return (f"{_fmt(r['wall_ms_mean'], 2)} ({where}: {r['rounds']} rounds"
                 + (f", {_fmt(streams, 0)} streams" if streams is not None else "")
                 + f", busy {_fmt(100 * (r['busy_fraction'] or 0), 0)} %)")
     return (f"{_fmt(r['wall_ms_mean'], 2)}: {_fmt(r['decode_ms_mean'], 2)} / {_fmt(r['vocoder_ms_mean'], 2)} / "

@@ -261,10 +261,11 @@ def place_low_slack(events: list[tuple[float, float, int, bool]], rounds: list) 
 
 
 def served_rounds(before: tuple[float, ...], after: tuple[float, ...] | None,
-                  level_wall_s: float) -> dict | None:
-    """A level's rounds from a server's /metrics counters (rounds, seconds, streams stepped) read
-    before and after it: their count, mean wall time and streams a round (where the server
-    publishes them), the split into decode and vocoder not being published."""
+                  level_wall_s: float, source: str = "server /metrics") -> dict | None:
+    """A level's rounds from the engine's counters (rounds, seconds, streams stepped: a server's
+    /metrics, or the service's own in process) read before and after it: their count, mean wall
+    time and streams a round (where the server publishes them), without the split into decode and
+    vocoder, which only round timing measures."""
     if after is None:
         return None
     n, seconds = after[0] - before[0], after[1] - before[1]
@@ -276,7 +277,7 @@ def served_rounds(before: tuple[float, ...], after: tuple[float, ...] | None,
         "wall_ms_mean": 1e3 * seconds / n,
         "streams_per_round_mean": None if streams is None else streams / n,
         "busy_fraction": seconds / level_wall_s if level_wall_s > 0 else None,
-        "source": "server /metrics",
+        "source": source,
     }
 
 
