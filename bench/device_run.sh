@@ -52,6 +52,9 @@
 # To measure main's HEAD while others have uncommitted edits in the tree: here,
 # `mkdir -p .devpatch && git diff HEAD > .devpatch/wt.patch`, and carry ".devpatch" (and ".whl",
 # from scripts/device_wheels.sh): the edits are taken back out of the device's copy first.
+# What travels is at most 64 MiB: the tracked files are ~30 MiB (2026-11-28) and all the wheels
+# 37 MiB, so for the fleet and the server carry the server's wheels alone
+# (WHEELS=server scripts/device_wheels.sh, ~9 MiB); the streaming-text step needs the rest.
 set -u
 t0=$(date +%s)
 out=${OUT:-/tmp/device-out}
