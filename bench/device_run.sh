@@ -54,7 +54,8 @@
 # from scripts/device_wheels.sh): the edits are taken back out of the device's copy first.
 # What travels is at most 64 MiB: the tracked files are ~30 MiB (2026-11-28) and all the wheels
 # 37 MiB, so for the fleet and the server carry the server's wheels alone
-# (WHEELS=server scripts/device_wheels.sh, ~9 MiB); the streaming-text step needs the rest.
+# (WHEELS=server scripts/device_wheels.sh; session 36 carried 8.8 MiB: every wheel but pipecat-ai,
+# livekit, livekit-agents and openai); the streaming-text step needs the rest.
 set -u
 t0=$(date +%s)
 out=${OUT:-/tmp/device-out}
