@@ -105,3 +105,18 @@ def test_rows_come_back_zeroed_when_their_streams_are_gone(voc):
     assert not StreamPool(voc, 1, torch.device("cpu"), torch.float64).holds([b])
     with pytest.raises(ValueError, match="at least one slot"):
         StreamPool(voc, 0, torch.device("cpu"), torch.float64)
+
+
+def test_pool_rows_from_the_environment(voc, monkeypatch):
+    from pipecat_qwen_fast.vocoder.pool import pool_slots
+
+    monkeypatch.setenv("QWEN_FAST_VOCODER_POOL", "0")
+    assert pool_slots(voc, torch.device("cpu"), torch.float64, 64) == 0
+    monkeypatch.setenv("QWEN_FAST_VOCODER_POOL", "12")
+    assert pool_slots(voc, torch.device("cpu"), torch.float64, 64) == 12
+    for bad in ("lots", "-1", ""):
+        monkeypatch.setenv("QWEN_FAST_VOCODER_POOL", bad)
+        with pytest.raises(ValueError, match="QWEN_FAST_VOCODER_POOL must be a number of rows"):
+            pool_slots(voc, torch.device("cpu"), torch.float64, 64)
+    monkeypatch.delenv("QWEN_FAST_VOCODER_POOL")
+    assert pool_slots(voc, torch.device("cpu"), torch.float64, 64) == 64  # a CPU: one row a session

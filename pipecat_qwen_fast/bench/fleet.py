@@ -373,11 +373,17 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
             await close()
 
 
+def _counting_service(endpoint, attr: str) -> Any:
+    """The endpoint's EngineService where it is in this process and counts `attr`, else None."""
+    service = getattr(endpoint, "service", None)
+    return service if service is not None and hasattr(service, attr) else None
+
+
 def engine_count(endpoint, metrics: dict[str, float] | None, attr: str, from_metrics: Callable[[dict], Any]) -> Any:
     """An engine counter so far: its service's `attr` in process, `from_metrics(samples)` of its
     /metrics through a server; None where neither is there."""
-    service = getattr(endpoint, "service", None)
-    if service is not None and hasattr(service, attr):
+    service = _counting_service(endpoint, attr)
+    if service is not None:
         return getattr(service, attr)
     return None if metrics is None else from_metrics(metrics)
 
@@ -392,8 +398,8 @@ def counted_rounds(endpoint, metrics: dict[str, float] | None) -> tuple[tuple[fl
     """The engine's rounds so far, their summed seconds and the streams they stepped, and where
     they were read: its service's counters in process (no device synchronization: what a level
     without round timing still reports), its /metrics through a server."""
-    service = getattr(endpoint, "service", None)
-    if service is not None and hasattr(service, "round_streams"):
+    service = _counting_service(endpoint, "round_streams")
+    if service is not None:
         return (service.rounds, service.round_seconds, service.round_streams), "engine counters"
     return server_rounds(metrics), "server /metrics"
 

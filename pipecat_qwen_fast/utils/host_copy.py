@@ -14,20 +14,20 @@ import torch
 from torch import Tensor
 
 
+def _host_ints(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.long) -> Tensor:
+    """`values` in host memory a copy to `device` need not wait for: pinned for CUDA (torch's host
+    allocator keeps it until the copy has run)."""
+    host = torch.tensor(list(values), dtype=dtype)
+    return host.pin_memory() if device.type == "cuda" else host
+
+
 def to_device_ints(values: Sequence[int], device: torch.device | str) -> Tensor:
-    """`values` as an int64 tensor on `device`, queued on its current stream (CUDA: through
-    pinned memory, which torch's host allocator keeps until the copy has run)."""
-    host = torch.tensor(list(values), dtype=torch.long)
+    """`values` as an int64 tensor on `device`, queued on its current stream."""
     device = torch.device(device)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return _host_ints(values, device).to(device, non_blocking=True)
 
 
 def copy_ints_into(dst: Tensor, values: Sequence[int]) -> None:
     """`dst[:] = values` queued on the current stream like `to_device_ints` (no wait for the device),
     into a tensor the device already holds (a CUDA graph's static input)."""
-    host = torch.tensor(list(values), dtype=dst.dtype)
-    if dst.device.type == "cuda":
-        host = host.pin_memory()
-    dst.copy_(host, non_blocking=True)
+    dst.copy_(_host_ints(values, dst.device, dst.dtype), non_blocking=True)

@@ -39,7 +39,9 @@ def pool_slots(vocoder: Vocoder, device: torch.device, dtype: torch.dtype, sessi
     for an A/B on the device)."""
     env = os.environ.get("QWEN_FAST_VOCODER_POOL")
     if env is not None:
-        return max(0, int(env))
+        if not env.strip().isdigit():
+            raise ValueError(f"QWEN_FAST_VOCODER_POOL must be a number of rows (0: no pool), got {env!r}")
+        return int(env)
     if device.type != "cuda":
         return sessions
     row = sum(math.prod(s) for s in vocoder.stream_shapes(1)) * torch.empty((), dtype=dtype).element_size()
@@ -65,8 +67,6 @@ class StreamPool:
             raise ValueError(f"a stream pool needs at least one slot, got {slots}")
         self.slots = slots
         self.scratch = slots
-        self.device = device
-        self.dtype = dtype
         one = vocoder.stream_shapes(batch=1)
         sizes = [math.prod(s) for s in one]
         self.flat = torch.zeros(slots + 1, sum(sizes), device=device, dtype=dtype)
@@ -111,7 +111,7 @@ class StreamPool:
 
     def holds(self, streams: list[VocoderStream]) -> bool:
         """Whether every one of these streams is a row of this pool."""
-        return all(st.slot is not None and st.lease is not None and st.lease.free is self.free for st in streams)
+        return all(st.lease is not None and st.lease.free is self.free for st in streams)
 
     def gather(self, idx: Tensor, into: VocoderStream) -> None:
         """Row j of the batched stream `into` <- the pool's row idx[j]."""
