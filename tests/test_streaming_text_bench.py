@@ -57,9 +57,9 @@ def test_cpu_smoke_run_writes_json(endless_model, tmp_path):
         "torch",
         "--quick",
         "--rates",
-        "100",
+        "400",
         "--max-frames",
-        "30",
+        "12",
         "--out",
         str(out),
     ]
@@ -68,7 +68,7 @@ def test_cpu_smoke_run_writes_json(endless_model, tmp_path):
     assert result["llm_tokens"] > 20 and result["runs"] == 2
     for framework in ("pipecat", "livekit", "engine"):
         for mode in ("sentence", "token"):
-            row = result["frameworks"][framework][mode]["100"]
+            row = result["frameworks"][framework][mode]["400"]
             assert row["errors"] == 0 and row["first_audio_ms"]["n"] == 2
             assert 0 < row["first_audio_ms"]["p50"] < 30_000
             assert row["audio_s"]["min"] > 0

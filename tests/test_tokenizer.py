@@ -135,6 +135,6 @@ def test_training_reproduces_the_shipped_merges():
     if sys.version_info[:2] != (3, 11):
         pytest.skip("the shipped merges were trained on Python 3.11's standard library")
     texts = list(iter_training_text())
+    # Equal to the merges trained when they were shipped: training is reproducible across runs.
     first = train_merges(3000, texts)
-    assert first == train_merges(3000, texts)
-    assert first == list(shipped_merges()[: len(first)])
+    assert len(first) > 2000 and first == list(shipped_merges()[: len(first)])
