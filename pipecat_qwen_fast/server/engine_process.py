@@ -26,6 +26,7 @@ import atexit
 import collections
 import concurrent.futures
 import dataclasses
+import faulthandler
 import itertools
 import logging
 import multiprocessing
@@ -343,7 +344,7 @@ class EngineProcess:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run one of the engine's calls (``create_voice``, ``remove_voice``) in the engine
-        process; blocks, so call it from a worker thread (or for a short call, as removal is)."""
+        process; blocks until the engine process answers, so call it from a worker thread."""
         if not self.alive:
             raise EngineClosedError("the TTS engine process has stopped")
         cid = next(self._ids)
@@ -462,16 +463,26 @@ class EngineProcess:
             logger.warning("engine process did not stop in %.0f s; killing it", STOP_TIMEOUT_S)
             self._proc.kill()
             self._proc.join(5)
-        self._conn.close()
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        # Once the child is gone its end is closed and the reader ends on EOF; closing the pipe
+        # under a reader still in recv_bytes would fail it with a TypeError (a None handle).
+        self._reader.join(5)
+        if not self._reader.is_alive():
+            self._conn.close()
 
     def _kill(self) -> None:
         # At interpreter exit (before multiprocessing joins its children): never leave the
         # engine process running after the server.
         if self._proc.is_alive():
-            self._conn.close()
-            self._proc.join(STOP_TIMEOUT_S if self._stopping else 2)
+            timeout = STOP_TIMEOUT_S if self._stopping else 2
+            self._ask_to_stop()
+            self._proc.join(timeout)
             if self._proc.is_alive():
                 self._proc.kill()
+                self._proc.join(5)
+            self._close_pipe()
 
 
 # -- the engine's side -------------------------------------------------------------------------
@@ -483,6 +494,8 @@ def run_engine_process(conn: Any, load_settings: Any) -> None:
     # sent to the whole group must not end the engine under the streams still draining.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # `kill -USR1 <engine pid>` prints every thread's stack to stderr: where a stuck engine is.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     level = getattr(logging, str(getattr(load_settings, "log_level", "info")).upper(), logging.INFO)
     logging.basicConfig(level=level, format="%(levelname)s:     %(name)s [engine]: %(message)s")
     asyncio.run(EngineHost(conn, load_settings).serve())

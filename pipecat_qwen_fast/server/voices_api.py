@@ -10,6 +10,7 @@ made here is used by name as ``voice`` in /v1/audio/speech and in a WebSocket's 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -87,7 +88,8 @@ async def delete_voice(name: str, request: Request) -> Response:
         if name not in library:
             raise ApiError(404, f"no uploaded voice named {name!r}", param="name",
                            code="voice_not_found")
-        library.remove(name)
+        # Off the loop: with the engine in its own process, removal waits for that process.
+        await asyncio.to_thread(library.remove, name)
     return Response(status_code=204)
 
 

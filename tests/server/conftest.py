@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -71,10 +74,26 @@ def running(settings: ServerSettings, service: Any = None) -> Iterator[RunningSe
     port = sockets[0].getsockname()[1] if sockets else 0  # 0: it has stopped already
     try:
         yield RunningServer(server, port, thread)
+    except Exception:
+        dump_stacks(server)
+        raise
     finally:
         server.should_exit = True
         thread.join(30)
+        if thread.is_alive():
+            dump_stacks(server)
         assert not thread.is_alive(), "the server did not stop"
+
+
+def dump_stacks(server: DrainingServer) -> None:
+    """Every thread's stack, this process's and its engine process's, into the failed test's
+    captured stderr: where a request that timed out was stuck."""
+    faulthandler.dump_traceback(all_threads=True)
+    pid = getattr(getattr(server.ctx, "service", None), "pid", None)
+    if pid is not None:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGUSR1)  # the engine process prints its own (engine_process.py)
+            time.sleep(1.0)
 
 
 def load_service(path: Path) -> EngineService:
