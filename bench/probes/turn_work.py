@@ -1,0 +1,109 @@
+"""What the engine does for one turn, whole text against streamed text, counted: a server's
+dual-track WebSocket turn is a streamed-text turn in the engine (given its whole reply and ended
+at once), the in-process fleet's is a whole text, and through the server the fleet carried 384
+callers against 448 in process (session 36). Which work does the streamed turn add?
+
+Per turn, over the fleet's replies, dual-track, a few turns at once and staggered as callers are:
+prefill calls and rows, prompts built, backend states made, text polls and batched begins, rounds
+and streams a round, and the engine thread's CPU time (tiny model on the CPU: the counts carry to
+the GPU, the time only says where Python grows). Tiny random checkpoint, CPU, a minute:
+
+    python3 bench/probes/turn_work.py [--turns 48] [--at-once 8] [--frames 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import time
+
+from tiny_cpu import print_measured  # beside this file
+
+from pipecat_qwen_fast.bench.fleet_workload import fleet_replies
+from pipecat_qwen_fast.engine import engine as engine_module
+from pipecat_qwen_fast.engine import text_session
+from pipecat_qwen_fast.engine.request import SynthesisRequest
+from pipecat_qwen_fast.engine.service import EngineService
+
+
+def count_calls(counts: collections.Counter, owner, name: str, rows=None) -> None:
+    """Wrap `owner.name` to count its calls (and `rows(*args)` of work, where given)."""
+    real = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        counts[name] += 1
+        if rows is not None:
+            counts[f"{name}_rows"] += rows(*args, **kwargs)
+        return real(*args, **kwargs)
+
+    setattr(owner, name, counted)
+
+
+def engine_cpu_s(service: EngineService) -> float:
+    return time.clock_gettime(time.pthread_getcpuclockid(service._thread.ident))
+
+
+async def run_turns(service, kind: str, turns: int, at_once: int, frames: int) -> None:
+    replies = fleet_replies()
+    gate = asyncio.Semaphore(at_once)
+
+    async def one(i: int) -> None:
+        async with gate:
+            request = SynthesisRequest(replies[i % len(replies)].text, voice="ryan", seed=i,
+                                       max_frames=frames, text_mode="dual_track")
+            if kind == "whole":
+                stream = service.open_stream(request)
+            else:  # as the server's WebSocket turn: opened, given the whole reply, ended
+                stream = service.open_text_stream(SynthesisRequest("", **{
+                    k: getattr(request, k) for k in ("voice", "seed", "max_frames", "text_mode")}))
+                stream.append(request.text)
+                stream.end()
+            async for _ in stream:
+                pass
+            await stream.wait_closed()
+
+    async def staggered(i: int) -> None:
+        await asyncio.sleep(0.002 * i)
+        await one(i)
+
+    await asyncio.gather(*(staggered(i) for i in range(turns)))
+
+
+async def measure(engine, _folder: str, turns: int, at_once: int, frames: int) -> dict:
+    counts: collections.Counter = collections.Counter()
+    count_calls(counts, engine, "_prefill", rows=lambda sessions, embeds: len(sessions))
+    count_calls(counts, engine.backend, "new_state")
+    count_calls(counts, engine, "poll_text")
+    count_calls(counts, engine, "begin_text_sessions", rows=lambda sessions: len(sessions))
+    for module in (engine_module, text_session):  # each imported build_prompt by name
+        count_calls(counts, module, "build_prompt")
+    out = {"turns": turns, "at_once": at_once, "frames": frames}
+    async with EngineService.for_engine(engine) as service:
+        await service.wait_ready()
+        await run_turns(service, "whole", at_once, at_once, frames)  # what the first turns make once
+        await run_turns(service, "streamed", at_once, at_once, frames)
+        for kind in ("whole", "streamed"):
+            counts.clear()
+            rounds, streams, cpu = service.rounds, service.round_streams, engine_cpu_s(service)
+            await run_turns(service, kind, turns, at_once, frames)
+            per_turn = {k: round(v / turns, 2) for k, v in sorted(counts.items())}
+            per_turn["rounds"] = round((service.rounds - rounds) / turns, 2)
+            per_turn["streams_a_round"] = round(
+                (service.round_streams - streams) / max(1, service.rounds - rounds), 2)
+            per_turn["engine_cpu_ms"] = round((engine_cpu_s(service) - cpu) * 1e3 / turns, 2)
+            out[kind] = per_turn
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--turns", type=int, default=48)
+    p.add_argument("--at-once", type=int, default=8)
+    p.add_argument("--frames", type=int, default=12)
+    args = p.parse_args()
+    print_measured(lambda engine, folder: measure(engine, folder, args.turns, args.at_once, args.frames))
+
+
+if __name__ == "__main__":
+    main()
