@@ -7,6 +7,8 @@ its proxy) never clash over metric names.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +21,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -81,10 +84,10 @@ class ServerMetrics:
             "qwen_tts_event_loop_lag_seconds", "How late the server's event loop woke a task "
             f"sleeping {LOOP_LAG_INTERVAL_S * 1e3:g} ms, sampled all the time: what every "
             "socket's delivery waited then.", buckets=LOOP_LAG_BUCKETS, registry=r)
-        self.gc_pauses = Histogram(
+        self.gc_pauses = GcPauseHistogram(
             "qwen_tts_gc_pause_seconds", "Garbage collections in the server's process and how "
-            "long each held the GIL, by generation (2: a full one).", ["generation"],
-            buckets=GC_PAUSE_BUCKETS, registry=r)
+            "long each held the GIL, by generation (2: a full one).", GC_PAUSE_BUCKETS)
+        r.register(self.gc_pauses)
         self.streams = Counter(
             "qwen_tts_streams_total", "Engine streams ended, by how: completed, cancelled "
             "(client left), failed.", ["endpoint", "outcome"], registry=r)
@@ -95,7 +98,8 @@ class ServerMetrics:
             self.audio_seconds.labels(endpoint)
 
     def observe_gc(self, generation: int, seconds: float) -> None:
-        self.gc_pauses.labels(str(generation)).observe(seconds)
+        """Safe inside the garbage collector's callbacks (GcPauseHistogram)."""
+        self.gc_pauses.observe(generation, seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -110,6 +114,35 @@ async def watch_loop_lag(observe: Callable[[float], None],
         due = loop.time() + interval
         await asyncio.sleep(interval)
         observe(max(0.0, loop.time() - due))
+
+
+class GcPauseHistogram:
+    """Collections by generation (0-2) and how long each took, published as a histogram.
+
+    `observe` runs inside the garbage collector, which an allocation anywhere sets off, also
+    inside prometheus_client's own locked code: a Histogram's `labels(...).observe` there took the
+    metric's lock again, held by the interrupted `labels()` of the same thread, and the server's
+    event loop deadlocked (stop 49's CI, reproduced on the 2-core machine under load). So the
+    counts are plain lists added to under the GIL, read when scraped; no lock anywhere."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
+        self._name, self._documentation = name, documentation
+        self._bounds = list(buckets)
+        self._counts = [[0] * (len(buckets) + 1) for _ in range(3)]  # the last: over every bound
+        self._sums = [0.0, 0.0, 0.0]
+
+    def observe(self, generation: int, seconds: float) -> None:
+        self._counts[generation][bisect.bisect_left(self._bounds, seconds)] += 1
+        self._sums[generation] += seconds
+
+    def collect(self):
+        family = HistogramMetricFamily(self._name, self._documentation, labels=["generation"])
+        for generation in range(3):
+            cumulative = list(itertools.accumulate(list(self._counts[generation])))
+            buckets = [(floatToGoString(b), float(c)) for b, c in zip(self._bounds, cumulative)]
+            buckets.append(("+Inf", float(cumulative[-1])))
+            family.add_metric([str(generation)], buckets, self._sums[generation])
+        yield family
 
 
 class EngineRounds:

@@ -215,6 +215,39 @@ async def test_gc_pauses_are_metered_while_the_app_runs_and_not_after(endless_se
     assert full() == after  # the collector's callback went with the app
 
 
+# A collection at nearly every allocation, so that one runs inside the metrics' own code, in the
+# thread that is in it; its callback then observes the pause there. In a subprocess: a deadlock
+# fails the test by its timeout instead of hanging the suite.
+GC_INSIDE_METRICS = """
+import gc
+from pipecat_qwen_fast.engine.heap import watch_gc
+from pipecat_qwen_fast.server.metrics import ServerMetrics
+
+for attempt in range(20):  # where a collection falls varies; each attempt has fresh metrics
+    m = ServerMetrics(active=lambda: 0, queued=lambda: 0, in_use=lambda: 0, sockets=lambda: 0,
+                      capacity=1, ready=lambda: True)
+    stop = watch_gc(m.observe_gc)
+    gc.set_threshold(1)
+    for generation in (1, 2, 0):
+        m.observe_gc(generation, 0.001)  # as the engine process's reported pauses are
+    m.render()
+    gc.set_threshold(700, 10, 10)
+    stop()
+counts = {s.labels["generation"]: s.value for f in m.registry.collect() for s in f.samples
+          if s.name == "qwen_tts_gc_pause_seconds_count"}
+print(sorted(counts), all(v >= 1 for v in counts.values()))
+"""
+
+
+def test_a_collection_inside_the_metrics_code_observes_its_pause_without_deadlock():
+    """Stop 49's CI: a collection set off inside prometheus_client's labels() observed its pause
+    through labels() again, whose lock that thread held: the server's loop hung for good."""
+    proc = subprocess.run([sys.executable, "-c", GC_INSIDE_METRICS], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[-2] == "['0', '1', '2'] True"
+
+
 class Collect(logging.Handler):
     def __init__(self) -> None:
         super().__init__(level=1)
