@@ -143,6 +143,9 @@ async def test_metrics_count_streams_audio_first_audio_refusals_and_errors(endle
                 await read_until_done(ws)
             await eventually(lambda: settled(srv) and not srv.ctx.open_sockets,
                        what="the streams and the socket to close")
+            # The engine counts a round's streams just after handing out its chunks.
+            await eventually(lambda: endless_service.round_streams - streams_before >= 24,
+                             what="the last round to be counted")
             response = await http.get("/metrics")
         assert ok.status_code == 200 and bad.status_code == 400
         assert response.headers["content-type"].startswith("text/plain")
