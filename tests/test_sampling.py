@@ -9,10 +9,13 @@ from pipecat_qwen_fast.errors import InvalidInputError
 from pipecat_qwen_fast.model.sampling import (
     SamplingParams,
     apply_repetition_penalty,
+    counter_uniform,
     draw,
+    draw_inverse_cdf,
     process_talker_logits,
     sample_code0,
     sample_residual,
+    seed_as_int64,
     talker_suppress_mask,
     warp_logits,
 )
@@ -35,13 +38,13 @@ def test_suppression_allows_only_codes_and_eos():
 def test_suppressed_ids_and_early_eos_never_drawn():
     params = SamplingParams()
     suppress = talker_suppress_mask(VOCAB, EOS, torch.device("cpu"))
-    gen = torch.Generator().manual_seed(0)
+    u = counter_uniform(torch.tensor(0), torch.arange(400), torch.tensor(0))
     seen = torch.zeros(VOCAB, dtype=torch.bool)
     for i in range(400):
         logits = _logits(i)
         logits[2048:] += 20  # make the forbidden range overwhelmingly likely
         frame = i % 4
-        code = int(sample_code0(logits, seen, suppress, frame, EOS, params, gen))
+        code = int(sample_code0(logits, seen, suppress, frame, EOS, params, u[i]))
         assert code < 2048 or code == EOS
         if frame < params.min_new_tokens:
             assert code != EOS, "EOS must be masked for the first min_new_tokens frames"
@@ -60,9 +63,9 @@ def test_eos_allowed_after_min_new_tokens():
 def test_top_k_holds_over_many_draws():
     logits = _logits(1, 2048)
     allowed = set(torch.topk(logits / 0.9, 50).indices.tolist())
-    gen = torch.Generator().manual_seed(1)
+    u = counter_uniform(torch.tensor(1), torch.arange(3000), torch.tensor(1))
     params = SamplingParams()
-    drawn = {int(sample_residual(logits, params, gen)) for _ in range(3000)}
+    drawn = set(sample_residual(logits.expand(3000, -1), params, u).tolist())
     assert drawn <= allowed
     assert len(drawn) > 25, "sampling should spread over the top-k set"
 
@@ -99,18 +102,13 @@ def test_processing_order_penalty_before_suppression():
 
 def test_seeded_draws_repeat_exactly():
     logits = torch.stack([_logits(i, 2048) for i in range(8)])
-    a = [draw(warp_logits(logits, 0.9, 50, 1.0), torch.Generator().manual_seed(42)) for _ in range(2)]
-    assert torch.equal(a[0], a[1])
-    b = draw(warp_logits(logits, 0.9, 50, 1.0), torch.Generator().manual_seed(43))
-    assert not torch.equal(a[0], b)
 
+    def drawn(seed: int) -> torch.Tensor:
+        u = counter_uniform(torch.tensor(seed_as_int64(seed)), torch.arange(8), torch.tensor(0))
+        return draw(warp_logits(logits, 0.9, 50, 1.0), u)
 
-def test_draw_matches_distribution():
-    logits = torch.tensor([0.0, 1.0, 2.0])
-    gen = torch.Generator().manual_seed(3)
-    counts = torch.bincount(torch.stack([draw(logits, gen) for _ in range(6000)]), minlength=3).float()
-    expected = logits.softmax(-1) * 6000
-    assert torch.all((counts - expected).abs() < 5 * expected.sqrt() + 5)
+    assert torch.equal(drawn(42), drawn(42))
+    assert not torch.equal(drawn(42), drawn(43))
 
 
 @pytest.mark.parametrize(
@@ -119,3 +117,83 @@ def test_draw_matches_distribution():
 def test_invalid_params_rejected(kw):
     with pytest.raises(InvalidInputError):
         SamplingParams(**kw).validated()
+
+
+# The batched graph's draw: the megakernel's counter-based uniform and inverse CDF, checked against
+# the float64 reference of cuda/reference.py (the same one tests/test_megakernel.py checks the
+# kernel against).
+
+def _kernel_reference():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "cuda" / "reference.py"
+    spec = importlib.util.spec_from_file_location("qmk_reference_sampling", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+REF = _kernel_reference()
+
+
+def test_counter_uniform_is_the_kernels_hash_bit_for_bit():
+    # Seeds with the top bit set cross torch's signed int64; frames past 2**31 its sign too.
+    seeds = [0, 1, 21, 2**62 - 1, 2**63, 2**64 - 1, 0xDEADBEEFCAFEF00D]
+    frames = [0, 1, 7, 1000, 2**31 + 5, 2**32 - 1]
+    seed_t = torch.tensor([seed_as_int64(s) for s in seeds])[:, None, None]
+    frame_t = torch.tensor(frames)[None, :, None]
+    got = counter_uniform(seed_t, frame_t, torch.arange(16))
+    assert got.shape == (len(seeds), len(frames), 16) and got.dtype == torch.float32
+    want = torch.tensor([[[REF.kernel_uniform(s, f, g) for g in range(16)] for f in frames] for s in seeds],
+                        dtype=torch.float64)
+    assert torch.equal(got.double(), want)
+    assert len(set(got.flatten().tolist())) > 0.99 * got.numel(), "distinct counters, distinct uniforms"
+
+
+@pytest.mark.parametrize("top_k,top_p", [(50, 1.0), (0, 0.8), (0, 1.0), (3, 1.0)])
+def test_inverse_cdf_draw_is_the_reference_draw(top_k, top_p):
+    logits = torch.stack([_logits(i, 2048) for i in range(64)])
+    warped = warp_logits(logits, 0.9, top_k, top_p)
+    u = counter_uniform(torch.tensor(seed_as_int64(77)), torch.arange(64), torch.tensor(3))
+    got = draw(warped, u)
+    exact = 0
+    for row, (x, uu) in enumerate(zip(warped, u.tolist())):
+        want, margin = REF.inverse_cdf_draw(x, uu)
+        assert int(got[row]) == want or margin < 1e-5, f"row {row}: drew {int(got[row])}, reference {want}"
+        assert torch.isfinite(x[got[row]]), "never an id outside top-k / top-p"
+        exact += int(got[row]) == want
+    assert exact >= 60
+
+
+def test_inverse_cdf_draw_at_the_ends_of_the_unit_interval():
+    # Mass on ids 3 and 7 only: u = 0 takes the first, u just below 1 the last of nonzero mass,
+    # even where u times the total rounds up to the total.
+    probs = torch.zeros(2, 10)
+    probs[:, 3], probs[:, 7] = 0.25, 0.75
+    u = torch.tensor([0.0, 1.0 - 2.0**-24])
+    assert draw_inverse_cdf(probs, u).tolist() == [3, 7]
+    assert draw_inverse_cdf(probs, torch.tensor([0.2499, 0.2501])).tolist() == [3, 7]
+
+
+def test_draw_matches_distribution():
+    logits = torch.tensor([0.0, 1.0, 2.0]).expand(6000, 3)
+    u = counter_uniform(torch.tensor(seed_as_int64(3)), torch.arange(6000), torch.tensor(0))
+    counts = torch.bincount(draw(logits, u), minlength=3).float()
+    expected = logits[0].softmax(-1) * 6000
+    assert torch.all((counts - expected).abs() < 5 * expected.sqrt() + 5)
+
+
+def test_sampled_codes_with_uniforms_follow_the_rules():
+    # Batched, frames as a tensor (the EOS rule as a mask, as in the graph): suppressed ids and
+    # early EOS are never drawn.
+    params = SamplingParams()
+    suppress = talker_suppress_mask(VOCAB, EOS, torch.device("cpu"))
+    logits = torch.stack([_logits(i) for i in range(256)])
+    logits[:, 2048:] += 10  # suppressed ids and EOS would win without the rules
+    seen = torch.zeros(256, VOCAB, dtype=torch.bool)
+    u = counter_uniform(torch.tensor(seed_as_int64(9)), torch.arange(256), torch.tensor(0))
+    early = sample_code0(logits, seen, suppress, torch.zeros(256, dtype=torch.long), EOS, params, u)
+    assert int(early.max()) < 2048
+    late = sample_code0(logits, seen, suppress, torch.full((256,), 5), EOS, params, u)
+    assert set(late.tolist()) <= set(range(2048)) | {EOS} and EOS in late.tolist()

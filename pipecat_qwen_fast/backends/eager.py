@@ -16,8 +16,10 @@ from pipecat_qwen_fast.backends.base import SessionSnapshot
 from pipecat_qwen_fast.model.layers import KVCache
 from pipecat_qwen_fast.model.sampling import (
     SamplingParams,
+    counter_uniform,
     sample_code0,
     sample_residual,
+    seed_as_int64,
     talker_suppress_mask,
 )
 from pipecat_qwen_fast.model.talker import Talker
@@ -28,7 +30,7 @@ class TorchDecodeState:
     talker_cache: KVCache
     predictor_cache: KVCache
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int  # the draws are counter_uniform's of (seed, frame, code group)
     trailing: Tensor  # [N, D]
     pad_vec: Tensor  # [D]
     seen: Tensor  # bool [vocab]: code-0 ids generated so far (repetition penalty)
@@ -50,21 +52,20 @@ class TorchBackend:
         self.eos_id = talker.cfg.codec_eos_id
         self.num_groups = talker.cfg.num_code_groups
         self.suppress = talker_suppress_mask(talker.cfg.vocab_size, self.eos_id, device)
+        self.groups = torch.arange(self.num_groups)  # on the host: a frame's 16 uniforms, then one copy
 
     def new_state(
         self, *, max_positions: int, params: SamplingParams, seed: int | None, trailing: Tensor, pad_vec: Tensor
     ) -> TorchDecodeState:
-        generator = None
-        if params.do_sample or params.subtalker_do_sample:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed if seed is not None else torch.seed())
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
         pred = self.talker.code_predictor.cfg
         return TorchDecodeState(
             talker_cache=KVCache(self.talker.cfg.stack, max_positions, self.device, self.dtype),
             # 2 prefill positions + 14 single steps; the 16th slot is never written.
             predictor_cache=KVCache(pred.stack, pred.num_code_groups, self.device, self.dtype),
             params=params,
-            generator=generator,
+            seed=seed,
             trailing=trailing.to(self.device, self.dtype),
             pad_vec=pad_vec.to(self.device, self.dtype),
             seen=torch.zeros(self.talker.cfg.vocab_size, dtype=torch.bool, device=self.device),
@@ -114,35 +115,34 @@ class TorchBackend:
         as decode_frame returns them, the 16 codes, code 0)."""
         h = state.hidden
         logits = self.talker.codec_head(h)
-        c0 = sample_code0(logits, state.seen, self.suppress, state.frame, self.eos_id, state.params, state.generator)
-        codes = self.predict_residual_codes(state, h, c0)
+        u = counter_uniform(torch.tensor(seed_as_int64(state.seed)), torch.tensor(state.frame), self.groups).to(self.device)
+        c0 = sample_code0(logits, state.seen, self.suppress, state.frame, self.eos_id, state.params, u[0])
+        codes = self.predict_residual_codes(state, h, c0, u)
         # An EOS frame carries no residual codes; mask them without a host sync.
         eos_frame = torch.zeros_like(codes)
         eos_frame[0] = self.eos_id
         return torch.where(c0 == self.eos_id, eos_frame, codes), codes, c0
 
-    def predict_residual_codes(self, state: TorchDecodeState, h: Tensor, c0: Tensor) -> Tensor:
-        """15 dependent predictor steps -> LongTensor[16] = [c0, c1..c15]."""
+    def predict_residual_codes(self, state: TorchDecodeState, h: Tensor, c0: Tensor, u: Tensor) -> Tensor:
+        """15 dependent predictor steps -> LongTensor[16] = [c0, c1..c15]; code g draws at u[g]."""
         cp = self.talker.code_predictor
         cache = state.predictor_cache
         cache.reset()
         x = torch.stack([h, self.talker.embed_codec(c0.view(1))[0]])
         out = cp.model(cp.small_to_mtp_projection(x), cache)
         codes = [c0.view(())]
-        code = sample_residual(cp.lm_head[0](out[-1]), state.params, state.generator)
+        code = sample_residual(cp.lm_head[0](out[-1]), state.params, u[1])
         codes.append(code)
         for g in range(2, self.num_groups):
             x = cp.model.codec_embedding[g - 2](code.view(1))
             out = cp.model(cp.small_to_mtp_projection(x), cache)
-            code = sample_residual(cp.lm_head[g - 1](out[-1]), state.params, state.generator)
+            code = sample_residual(cp.lm_head[g - 1](out[-1]), state.params, u[g])
             codes.append(code)
         return torch.stack(codes).long()
 
     def export_state(self, state: TorchDecodeState) -> SessionSnapshot:
         n = state.talker_cache.length
-        seed = 0
-        if state.generator is not None:  # the session's own stream continues the next one
-            seed = int(torch.randint(0, 2**62, (1,), generator=state.generator, device=self.device).item())
+        seed = state.seed  # the adopter draws the same uniforms from the next frame
         return SessionSnapshot(
             k=state.talker_cache.k[:, :, :n], v=state.talker_cache.v[:, :, :n], frame=state.frame,
             hidden=state.hidden, pending=state.pending if state.pending is not None else torch.zeros_like(state.hidden),

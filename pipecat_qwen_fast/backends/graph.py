@@ -16,11 +16,11 @@ settings) serves every session; a batch of sessions reads the weights once.
   rows by slot. Slot `max_sessions` is a scratch row for padding; its table points at a scratch page,
   as do the entries past each session's reservation.
 * Per-row scalars (slot, position, frame, first-frame flag) arrive in one host-to-device copy, the
-  text vector of the step into a static buffer. The sampling noise is drawn from each session's
-  own generator (so seeded sessions repeat exactly whatever else is batched with them) into a pool
-  by slot, one frame ahead: a frame's draws are queued right after the frame before it, so they
-  run behind the GPU's work instead of ahead of it (at 64 calls they were 128 launches, ~1.5 ms of
-  the round's host time with the GPU idle), and the graph gathers them.
+  text vector of the step into a static buffer. Sampling draws the megakernel's inverse-CDF draw
+  from its counter-based uniform of (the slot's seed, frame, code group), computed inside the
+  graph for every row at once: a seeded session repeats exactly whatever else is batched with
+  it, with no launch per session (each session's generator filling a vocabulary of noise cost
+  two launches a session a frame, 7.5 % of the engine thread at 384 calls).
 * Attention reads a fixed bucket of positions with a mask, one graph per bucket length.
 * On a GPU each layer of the talker step and of every predictor pass is one `torch.compile`d
   step (`decode_layer`), compiled for every layer, batch and bucket (a few compiles at a cold load,
@@ -71,8 +71,10 @@ from pipecat_qwen_fast.model.layers import (
 )
 from pipecat_qwen_fast.model.sampling import (
     SamplingParams,
+    counter_uniform,
     sample_code0,
     sample_residual,
+    seed_as_int64,
     talker_suppress_mask,
 )
 from pipecat_qwen_fast.model.talker import Talker
@@ -101,7 +103,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # 64 positions: the attention buckets are whole pages, a page of the 0.6B's K/V is 7.3 MB, and a
 # short reply wastes at most one page.
 PAGE_SIZE = 64
-# Slots are only a row of small pools (pending input, hidden state, code-0 history, noise): cheap,
+# Slots are only a row of small pools (pending input, hidden state, code-0 history, seed): cheap,
 # so a session is bounded by K/V pages, not slots.
 MAX_SESSIONS = 1024
 ROW_SLOT, ROW_STEP_SLOT, ROW_POS, ROW_FRAME, ROW_FIRST = range(5)
@@ -228,7 +230,6 @@ class KernelLayerStep:
 class GraphState:
     slot: int
     params: SamplingParams
-    generator: torch.Generator | None
     trailing: Tensor
     pad_vec: Tensor
     position: int = 0  # positions written so far
@@ -307,8 +308,8 @@ class GraphBackend:
         # Recorded behind each frame's copy out of rows_host (see _writable_rows_host).
         self.rows_copied = torch.cuda.Event() if device.type == "cuda" else None
         self.text_vec = torch.zeros(b, d, device=device, dtype=dtype)
-        self.pool_noise0 = torch.ones(slots, v, device=device, dtype=torch.float32)
-        self.pool_noise = torch.ones(slots, self.num_groups - 1, pv, device=device, dtype=torch.float32)
+        self.pool_seed = torch.zeros(slots, device=device, dtype=torch.long)  # counter_uniform's seeds
+        self.groups = torch.arange(self.num_groups, device=device)
         self.codes = torch.zeros(b, self.num_groups, device=device, dtype=torch.long)
         # Teacher forcing (fidelity tests): the codes fed back instead of the rows' own, and what a
         # forced frame keeps of each row's hidden states (talker; predictor passes 1-15) to compare.
@@ -429,10 +430,8 @@ class GraphBackend:
         if need > len(self.free_pages):
             raise NoFreeSlotError(f"the K/V pool has {len(self.free_pages)} pages free; a session of "
                                   f"{max_positions} positions needs {need}")
-        generator = None
-        if params.do_sample or params.subtalker_do_sample:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed if seed is not None else torch.seed())
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
         slot = self.free_slots.pop()
         pages = [self.free_pages.pop() for _ in range(need)]
         self.slot_pages[slot] = pages
@@ -441,20 +440,10 @@ class GraphBackend:
         # and queued without the host waiting for them (from a pageable row CUDA syncs first).
         self.page_table[slot].copy_(to_device_ints(row, self.device))
         self.pool_seen[slot].zero_()
-        state = GraphState(
-            slot=slot, params=params, generator=generator,
-            trailing=trailing, pad_vec=pad_vec.to(self.device, self.dtype),
-        )
+        self.pool_seed[slot].fill_(seed_as_int64(seed))
+        state = GraphState(slot=slot, params=params, trailing=trailing, pad_vec=pad_vec.to(self.device, self.dtype))
         self.set_trailing(state, trailing)
-        self._draw_noise(state)  # its first frame's
         return state
-
-    def _draw_noise(self, s: GraphState) -> None:
-        """The noise of the session's next frame, in its generator's order (code 0, then codes 1-15)."""
-        if s.params.do_sample:
-            self.pool_noise0[s.slot].exponential_(1, generator=s.generator)
-        if s.params.subtalker_do_sample:
-            self.pool_noise[s.slot].exponential_(1, generator=s.generator)
 
     @torch.no_grad()
     def prefill(self, state: GraphState, embeds: Tensor) -> None:
@@ -660,10 +649,7 @@ class GraphBackend:
             if s.frame > 0:
                 s.position += 1
             s.frame += 1
-        codes = self.codes[:n].clone()
-        for s in states:  # queued behind this frame, which has read the slots' noise
-            self._draw_noise(s)
-        return codes
+        return self.codes[:n].clone()
 
     def _writable_rows_host(self) -> Tensor:
         """rows_host once the GPU has read the last frame's rows out of it. At the largest batch
@@ -762,13 +748,15 @@ class GraphBackend:
         if forced:
             self.forced_hidden[:bb].copy_(h)
         seen = self.pool_seen.index_select(0, slot)
-        noise0 = self.pool_noise0.index_select(0, slot) if params.do_sample else None
-        c0 = sample_code0(talker.codec_head(h), seen, self.suppress, self.rows[ROW_FRAME, :bb], self.eos_id,
-                          params, None, noise=noise0)
+        frame = self.rows[ROW_FRAME, :bb]
+        u = None  # [bb, 16]: code g's uniform in column g
+        if params.do_sample or params.subtalker_do_sample:
+            u = counter_uniform(self.pool_seed.index_select(0, slot)[:, None], frame[:, None], self.groups)
+        c0 = sample_code0(talker.codec_head(h), seen, self.suppress, frame, self.eos_id, params,
+                          None if u is None else u[:, 0])
         fed0 = self._fed(c0, 0, bb, forced)
         self.pool_seen.index_copy_(0, slot, seen.scatter(1, fed0[:, None], True))
-        noise = self.pool_noise.index_select(0, slot) if params.subtalker_do_sample else None
-        codes = self._predict(h, c0, bb, params, noise, forced)
+        codes = self._predict(h, c0, bb, params, u, forced)
         self.codes[:bb].copy_(torch.where((c0 == self.eos_id)[:, None], self.eos_frame, codes))
         fed = self.forced_codes[:bb] if forced else codes
         self.pool_pending.index_copy_(0, slot, talker.embed_frames(fed) + self.text_vec[:bb])
@@ -796,9 +784,9 @@ class GraphBackend:
             x = self._step(layer, x, cos, sin, k_pool, v_pool, pages, wpage, woff, pos, valid, self.kv_heads)
         return model.norm(x)
 
-    def _predict(self, h: Tensor, c0: Tensor, bb: int, params: SamplingParams, noise: Tensor | None,
+    def _predict(self, h: Tensor, c0: Tensor, bb: int, params: SamplingParams, u: Tensor | None,
                  forced: bool = False) -> Tensor:
-        """Codes 1-15 for rows [0, bb); `noise` [bb, 15, vocab] (sampling) or None (argmax);
+        """Codes 1-15 for rows [0, bb); `u` [bb, 16] the rows' uniforms (sampling) or None;
         `forced`: each pass is fed the teacher's code (see `_frame`)."""
         cp = self.talker.code_predictor
         proj = cp.small_to_mtp_projection
@@ -809,7 +797,7 @@ class GraphBackend:
         else:  # the fused step takes one position at a time
             self._predictor_position(proj(h), 0, bb)
             out = self._predictor_position(proj(self.talker.embed_codec(fed0)), 1, bb)
-        code = sample_residual(cp.lm_head[0](out), params, None, noise=None if noise is None else noise[:, 0])
+        code = sample_residual(cp.lm_head[0](out), params, None if u is None else u[:, 1])
         codes = [c0, code]
         for g in range(2, self.num_groups):
             if forced:
@@ -819,7 +807,7 @@ class GraphBackend:
                 out = self._predictor_forward(proj(e[:, None]), g, bb)[:, -1]
             else:
                 out = self._predictor_position(proj(e), g, bb)
-            code = sample_residual(cp.lm_head[g - 1](out), params, None, noise=None if noise is None else noise[:, g - 1])
+            code = sample_residual(cp.lm_head[g - 1](out), params, None if u is None else u[:, g])
             codes.append(code)
         if forced:
             self.forced_pred_hidden[:bb, -1].copy_(out)

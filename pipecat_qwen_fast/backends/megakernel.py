@@ -909,9 +909,9 @@ class MegakernelBackend:
 
     def export_state(self, state: MegakernelState) -> SessionSnapshot:
         n, buf = state.talker_cache.length, state.buffers
-        # The kernel's draws are a hash of (seed, frame, group); the adopter's generator gets a seed
-        # mixed with the frame, so a session moved at the same frame repeats.
-        seed = (state.seed ^ (state.frame * 0x9E3779B97F4A7C15)) & (2**62 - 1)
+        # The kernel's draws are a hash of (seed, frame, group), and so are the graph backend's:
+        # the adopter continues the same uniforms from the next frame.
+        seed = state.seed
         return SessionSnapshot(
             k=state.talker_cache.k[:, :, :n], v=state.talker_cache.v[:, :, :n], frame=state.frame,
             hidden=buf["hidden"], pending=buf["pending"], seen=buf["seen"].bool(), params=state.params, seed=seed,

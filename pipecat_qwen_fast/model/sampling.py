@@ -104,39 +104,76 @@ def warp_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) ->
     return logits
 
 
-def draw(logits: Tensor, generator: torch.Generator | None, noise: Tensor | None = None) -> Tensor:
-    """Sample from softmax(logits) with no host sync: argmax(p / Exp(1)) is a categorical draw.
+def draw(logits: Tensor, u: Tensor) -> Tensor:
+    """Sample from softmax(logits) with no host sync: the inverse-CDF draw of `draw_inverse_cdf`
+    at uniforms `u` in [0, 1) (the logits' shape less the last dim; `counter_uniform` makes them).
+    The megakernel's draw: a batched graph reads one uniform a row, no vocabulary of noise drawn
+    by each session's own generator."""
+    return draw_inverse_cdf(logits.softmax(dim=-1), u)
 
-    `noise` (Exp(1) samples shaped like the logits) is drawn from `generator` unless given: a
-    captured graph reads noise its caller drew from each session's own generator.
-    """
-    probs = logits.softmax(dim=-1)
-    if noise is None:
-        noise = torch.empty_like(probs).exponential_(1, generator=generator)
-    return torch.argmax(probs / noise, dim=-1)
+
+def draw_inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """The first id, in id order, whose running mass exceeds u times the total (the kernel's and
+    cuda/reference.py's `inverse_cdf_draw`). A u so close to 1 that the product rounds up to the
+    total would pass every id: it takes the last id of nonzero mass."""
+    cum = probs.cumsum(dim=-1)
+    r = u.to(cum.dtype).unsqueeze(-1) * cum[..., -1:]
+    idx = torch.searchsorted(cum, r, right=True).squeeze(-1)
+    ids = torch.arange(probs.shape[-1], device=probs.device)
+    last = torch.where(probs > 0, ids, 0).amax(dim=-1)
+    return torch.minimum(idx, last)
+
+
+_M64 = (1 << 64) - 1
+
+
+def _i64(c: int) -> int:
+    """A 64-bit constant as the signed value torch's int64 holds."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(z: Tensor, n: int) -> Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (z >> n) & ((1 << (64 - n)) - 1)
+
+
+def _splitmix64(z: Tensor) -> Tensor:
+    # int64 arithmetic wraps like the kernel's uint64 (two's complement), so the bits agree.
+    z = z + _i64(0x9E3779B97F4A7C15)
+    z = (z ^ _shr(z, 30)) * _i64(0xBF58476D1CE4E5B9)
+    z = (z ^ _shr(z, 27)) * _i64(0x94D049BB133111EB)
+    return z ^ _shr(z, 31)
+
+
+def counter_uniform(seed: Tensor, frame: Tensor, group: Tensor) -> Tensor:
+    """The megakernel's counter-based uniform (mk_util.cuh `uniform01`) for each (seed, frame,
+    group), broadcast: int64 tensors (a seed's 64 bits as torch's signed int64) -> float32 in
+    [0, 1), a multiple of 2**-24. A session's draws are a function of its seed and frame alone,
+    whatever it is batched with."""
+    z = _splitmix64(seed ^ _splitmix64(((frame & 0xFFFFFFFF) << 8) | group))
+    return _shr(z, 40).float() * (1.0 / 16777216.0)
+
+
+def seed_as_int64(seed: int) -> int:
+    """A seed's low 64 bits as the signed int64 a device tensor holds (counter_uniform's input)."""
+    return _i64(seed & _M64)
 
 
 def sample_code0(
-    logits: Tensor,
-    seen: Tensor,
-    suppress: Tensor,
-    frame: int | Tensor,
-    eos_id: int,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    noise: Tensor | None = None,
+    logits: Tensor, seen: Tensor, suppress: Tensor, frame: int | Tensor, eos_id: int, params: SamplingParams,
+    u: Tensor | None,
 ) -> Tensor:
+    """Code 0 from the talker's logits; `u` the draw's uniforms (unused when greedy)."""
     logits = process_talker_logits(logits.float(), seen, suppress, frame, eos_id, params)
     if not params.do_sample:
         return torch.argmax(logits, dim=-1)
-    return draw(warp_logits(logits, params.temperature, params.top_k, params.top_p), generator, noise)
+    return draw(warp_logits(logits, params.temperature, params.top_k, params.top_p), u)
 
 
-def sample_residual(
-    logits: Tensor, params: SamplingParams, generator: torch.Generator | None, noise: Tensor | None = None
-) -> Tensor:
+def sample_residual(logits: Tensor, params: SamplingParams, u: Tensor | None) -> Tensor:
+    """A predictor code from its head's logits; `u` the draw's uniforms (unused when greedy)."""
     logits = logits.float()
     if not params.subtalker_do_sample:
         return torch.argmax(logits, dim=-1)
     warped = warp_logits(logits, params.subtalker_temperature, params.subtalker_top_k, params.subtalker_top_p)
-    return draw(warped, generator, noise)
+    return draw(warped, u)
