@@ -30,6 +30,8 @@
 #   round-probes  batch-overlap and row-prefill on one engine, loaded once (bench/probes/round_probes.py)
 #   vocoder-pool  a batched vocoder call over pooled streams against copying their states: host and
 #               GPU time per call, bit-equality; the vocoder alone, no engine (bench/probes/vocoder_pool_ab.py)
+#   draw-ab       a round's sampling draws: each session's generator against the counter-based
+#               draw, host and GPU time per round, no engine (bench/probes/draw_ab.py; seconds)
 #   paged-attn    the paged decode-attention kernel against its reference, timed and checked, no engine
 #               (bench/probes/paged_attention_ab.py; seconds)
 #   gputests    the test files of the GPU paths (GPU_TESTS), junit XML
@@ -197,6 +199,8 @@ PY
             vocoder-pool) mkdir -p "$out/vocoder-pool" && timeout -s INT "$(( $(left) - 5 ))" \
                               python3 bench/probes/vocoder_pool_ab.py --json "$out/vocoder-pool/vocoder_pool_ab.json" \
                               --commit "$BENCH_COMMIT" ;;
+            draw-ab) mkdir -p "$out/draw-ab" && timeout -s INT "$(( $(left) - 5 ))" \
+                         python3 bench/probes/draw_ab.py --json "$out/draw-ab/draw_ab.json" --commit "$BENCH_COMMIT" ;;
             paged-attn) timeout -s INT "$(( $(left) - 5 ))" python3 bench/probes/paged_attention_ab.py \
                             --out "$out/paged-attn" ;;
             streaming-text) # Stand-ins for two packages LiveKit imports and never uses here (too big to
