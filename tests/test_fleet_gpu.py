@@ -91,7 +91,10 @@ def test_256_streams_1000_cancellations_leave_nothing_behind(engine, overlap):
     pages, slots = len(gb.free_pages), len(gb.free_slots)
 
     async def main():
-        async with EngineService.for_engine(engine, max_round_ms=None, overlap_vocoder=overlap) as service:
+        # Admission off: 256 streams opened at once run late at first, and the slack rule (added
+        # after this test) would refuse the replacements; what is checked here is what churn leaves.
+        async with EngineService.for_engine(engine, max_round_ms=None, min_slack_ms=None,
+                                            overlap_vocoder=overlap) as service:
             await service.wait_ready()
             result = await asyncio.wait_for(_churn(service, random.Random(0)), 600)
             for _ in range(200):  # the engine thread frees what the last cancellations held
@@ -129,7 +132,11 @@ def test_overlapped_vocoder_gives_the_same_chunks(engine):
     for got, want, r in zip(overlapped, plain, reqs):
         assert sum(c.num_frames for c in got) == r.max_frames
         assert [c.frame_index for c in got] == [c.frame_index for c in want]
-        assert all(np.array_equal(a.codes, b.codes) and np.array_equal(a.pcm, b.pcm) for a, b in zip(got, want))
+        for a, b in zip(got, want):
+            assert np.array_equal(a.codes, b.codes), f"request {r.seed}, chunk at frame {a.frame_index}: codes differ"
+            diff = np.abs(a.pcm.astype(np.int32) - b.pcm.astype(np.int32))
+            assert not diff.any(), (f"request {r.seed}, chunk at frame {a.frame_index}: {int((diff > 0).sum())} of "
+                                    f"{diff.size} samples differ, by up to {int(diff.max())}")
 
 
 def test_greedy_codes_do_not_depend_on_the_slot_in_bf16(engine):
