@@ -30,6 +30,8 @@
 #   round-probes  batch-overlap and row-prefill on one engine, loaded once (bench/probes/round_probes.py)
 #   vocoder-pool  a batched vocoder call over pooled streams against copying their states: host and
 #               GPU time per call, bit-equality; the vocoder alone, no engine (bench/probes/vocoder_pool_ab.py)
+#   overlap-pool  eight greedy calls opened together, serial and overlapped vocoder, pooled states and
+#               not: where the audio parts (bench/probes/overlap_pool_check.py)
 #   draw-ab       a round's sampling draws: each session's generator against the counter-based
 #               draw, host and GPU time per round, no engine (bench/probes/draw_ab.py; seconds)
 #   paged-attn    the paged decode-attention kernel against its reference, timed and checked, no engine
@@ -198,6 +200,9 @@ PY
                               --model "$ck" --out "$out" ;;
             vocoder-pool) mkdir -p "$out/vocoder-pool" && timeout -s INT "$(( $(left) - 5 ))" \
                               python3 bench/probes/vocoder_pool_ab.py --json "$out/vocoder-pool/vocoder_pool_ab.json" \
+                              --commit "$BENCH_COMMIT" ;;
+            overlap-pool) mkdir -p "$out/overlap-pool" && timeout -s INT "$(( $(left) - 5 ))" \
+                              python3 bench/probes/overlap_pool_check.py --json "$out/overlap-pool/overlap_pool.json" \
                               --commit "$BENCH_COMMIT" ;;
             draw-ab) mkdir -p "$out/draw-ab" && timeout -s INT "$(( $(left) - 5 ))" \
                          python3 bench/probes/draw_ab.py --json "$out/draw-ab/draw_ab.json" --commit "$BENCH_COMMIT" ;;
