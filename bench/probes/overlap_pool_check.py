@@ -43,25 +43,23 @@ def main() -> int:
     engine = QwenTTSEngine.from_pretrained(path, device="cuda", backend="torch", progress=False)
     reqs = [SynthesisRequest(f"Caller {i} has something to say.", voice="ryan", seed=i, greedy=True,
                              max_frames=10 + 7 * i) for i in range(8)]
-    pool = engine.vocoder_graphs.pool
-
-    async def serve(overlap: bool):
+    async def serve(overlap: bool, pooled: bool):
         async with EngineService.for_engine(engine, max_round_ms=None, max_lead_s=None,
                                             overlap_vocoder=overlap) as service:
-            await service.wait_ready()
-            return await collect_all(open_together(service, reqs), 300)
-
-    runs = {}
-    for pooled in (False, True):
-        for overlap in (False, True):
+            await service.wait_ready()  # the pool is made with the vocoder's graphs, at warm-up
+            pool = engine.vocoder_graphs.pool
             held = pool.free[:]
             if not pooled:
                 pool.free.clear()  # no row free: every new stream holds its own state
             try:
-                runs[(pooled, overlap)] = asyncio.run(serve(overlap))
+                return await collect_all(open_together(service, reqs), 300)
             finally:
-                if not pooled:
-                    pool.free[:] = held
+                pool.free[:] = held
+
+    runs = {}
+    for pooled in (False, True):
+        for overlap in (False, True):
+            runs[(pooled, overlap)] = asyncio.run(serve(overlap, pooled))
             print(f"pooled={pooled} overlap={overlap}: done; calls pooled {engine.vocoder_graphs.calls_pooled}, "
                   f"copied {engine.vocoder_graphs.calls_copied}", flush=True)
     base = runs[(False, False)]
