@@ -48,9 +48,10 @@ def main() -> int:
                                             overlap_vocoder=overlap) as service:
             await service.wait_ready()  # the pool is made with the vocoder's graphs, at warm-up
             pool = engine.vocoder_graphs.pool
+            if pooled:
+                return await collect_all(open_together(service, reqs), 300)
             held = pool.free[:]
-            if not pooled:
-                pool.free.clear()  # no row free: every new stream holds its own state
+            pool.free.clear()  # no row free: every new stream holds its own state
             try:
                 return await collect_all(open_together(service, reqs), 300)
             finally:
