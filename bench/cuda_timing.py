@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -25,3 +27,16 @@ def event_times_ms(fn: Callable[[], object], iters: int, sync_each: bool = False
         evs.append((s, e))
     torch.cuda.synchronize()
     return [s.elapsed_time(e) for s, e in evs]
+
+
+def host_launch_us(fn: Callable[[], object], iters: int) -> float:
+    """Median host time of one call of `fn` in us, each started on an idle GPU: what launching
+    it costs the host when nothing queued ahead makes it wait."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6

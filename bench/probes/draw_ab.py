@@ -28,22 +28,11 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in range(3)]
-from cuda_timing import event_times_ms
+from cuda_timing import event_times_ms, host_launch_us
 
 from pipecat_qwen_fast.model.sampling import counter_uniform, draw, warp_logits
 
 V0, V, GROUPS = 3072, 2048, 16
-
-
-def host_us(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
 
 
 def main() -> int:
@@ -82,7 +71,7 @@ def main() -> int:
         row = {}
         for name, fn in (("before", before), ("after", after)):
             fn()
-            row[f"{name}_host_us"] = host_us(fn, args.iters)
+            row[f"{name}_host_us"] = host_launch_us(fn, args.iters)
             row[f"{name}_gpu_ms"] = statistics.median(event_times_ms(fn, args.iters + 3, sync_each=True)[3:])
         out["rows"][rows] = row
         print(f"{rows} rows: host {row['before_host_us']:.0f} -> {row['after_host_us']:.0f} us, "

@@ -25,22 +25,11 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in range(3)]
-from cuda_timing import event_times_ms
+from cuda_timing import event_times_ms, host_launch_us
 from vocoder_bench import build
 
 from pipecat_qwen_fast.vocoder.graphs import GraphedVocoder
 from pipecat_qwen_fast.vocoder.vocoder import Vocoder
-
-
-def host_us(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
 
 
 def main() -> int:
@@ -82,7 +71,7 @@ def main() -> int:
         row: dict = {"frames": n, "rows": b, "bit_equal": bool(same)}
         for name, streams in (("pooled", pooled), ("copied", own)):
             fn = lambda s=streams, c=codes: gv.decode_many(c, s)
-            row[f"{name}_host_us"] = host_us(fn, args.iters)
+            row[f"{name}_host_us"] = host_launch_us(fn, args.iters)
             row[f"{name}_gpu_ms"] = statistics.median(event_times_ms(fn, args.iters + 3, sync_each=True)[3:])
         out["calls"][f"{n}x{b}"] = row
         print(f"{n} x {b}: host {row['copied_host_us']:.0f} -> {row['pooled_host_us']:.0f} us, GPU "

@@ -115,7 +115,8 @@ class TorchBackend:
         as decode_frame returns them, the 16 codes, code 0)."""
         h = state.hidden
         logits = self.talker.codec_head(h)
-        u = counter_uniform(torch.tensor(seed_as_int64(state.seed)), torch.tensor(state.frame), self.groups).to(self.device)
+        seed, frame = torch.tensor(seed_as_int64(state.seed)), torch.tensor(state.frame)
+        u = counter_uniform(seed, frame, self.groups).to(self.device)
         c0 = sample_code0(logits, state.seen, self.suppress, state.frame, self.eos_id, state.params, u[0])
         codes = self.predict_residual_codes(state, h, c0, u)
         # An EOS frame carries no residual codes; mask them without a host sync.

@@ -16,9 +16,10 @@ fixed cost plus a launch per megakernel call), so rounds are kept pure:
 
 Once the batch drains, new calls start on the megakernel again. A moved call's later draws use
 the uniforms the megakernel would have (both hash the seed, frame and code group), but from the
-batch's logits, whose rounding differs: a seeded sampled call repeats only under the same load; `backend="megakernel"` or `"torch"` fixes the path. When the batch has no free slot
-a call goes to (or stays on) the megakernel, which allocates per session: a full pool never turns
-a call away while memory lasts.
+batch's logits, whose rounding differs: a seeded sampled call repeats only under the same load;
+`backend="megakernel"` or `"torch"` fixes the path. When the batch has no free slot a call goes
+to (or stays on) the megakernel, which allocates per session: a full pool never turns a call
+away while memory lasts.
 """
 
 from __future__ import annotations
