@@ -20,6 +20,7 @@ from pipecat_qwen_fast.model.sampling import (
     sample_code0,
     sample_residual,
     seed_as_int64,
+    session_seed,
     talker_suppress_mask,
 )
 from pipecat_qwen_fast.model.talker import Talker
@@ -57,8 +58,7 @@ class TorchBackend:
     def new_state(
         self, *, max_positions: int, params: SamplingParams, seed: int | None, trailing: Tensor, pad_vec: Tensor
     ) -> TorchDecodeState:
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,)).item())
+        seed = session_seed(seed)
         pred = self.talker.code_predictor.cfg
         return TorchDecodeState(
             talker_cache=KVCache(self.talker.cfg.stack, max_positions, self.device, self.dtype),

@@ -75,6 +75,7 @@ from pipecat_qwen_fast.model.sampling import (
     sample_code0,
     sample_residual,
     seed_as_int64,
+    session_seed,
     talker_suppress_mask,
 )
 from pipecat_qwen_fast.model.talker import Talker
@@ -430,8 +431,7 @@ class GraphBackend:
         if need > len(self.free_pages):
             raise NoFreeSlotError(f"the K/V pool has {len(self.free_pages)} pages free; a session of "
                                   f"{max_positions} positions needs {need}")
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,)).item())
+        seed = session_seed(seed)
         slot = self.free_slots.pop()
         pages = [self.free_pages.pop() for _ in range(need)]
         self.slot_pages[slot] = pages

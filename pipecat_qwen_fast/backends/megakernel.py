@@ -49,7 +49,7 @@ from pipecat_qwen_fast.backends.prefill_graphs import (
 )
 from pipecat_qwen_fast.errors import UnsupportedFeatureError
 from pipecat_qwen_fast.model.layers import KVCache, fuse_projections, rotary_cos_sin
-from pipecat_qwen_fast.model.sampling import SamplingParams
+from pipecat_qwen_fast.model.sampling import SamplingParams, session_seed
 from pipecat_qwen_fast.utils.cache import cache_dir, digest_matches, write_digest
 from pipecat_qwen_fast.utils.phases import phase
 
@@ -728,10 +728,8 @@ class MegakernelBackend:
         for name in ("pending", "hidden", "seen", "resid", "mid", "pres", "qkv", "attn", "act", "proj_out", "logits",
                      "pred_logits", "pred_hidden", "attn_part", "attn_count", "barrier", "head_ready"):
             setattr(m, name, ptr(buf[name]))
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,)).item())
         return MegakernelState(model=m, talker_cache=talker_cache, pred_k=pk, pred_v=pv, params=params,
-                               seed=seed & (2**64 - 1), trailing=buf["trailing"], pad_vec=buf["pad_vec"], buffers=buf)
+                               seed=session_seed(seed) & (2**64 - 1), trailing=buf["trailing"], pad_vec=buf["pad_vec"], buffers=buf)
 
     @property
     def prefill_dtype(self) -> torch.dtype:

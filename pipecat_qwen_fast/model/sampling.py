@@ -154,6 +154,12 @@ def counter_uniform(seed: Tensor, frame: Tensor, group: Tensor) -> Tensor:
     return _shr(z, 40).float() * (1.0 / 16777216.0)
 
 
+def session_seed(seed: int | None) -> int:
+    """The seed a backend's session draws from: the request's, or a random one (62 bits) for a
+    call that gave none."""
+    return int(torch.randint(0, 2**62, (1,)).item()) if seed is None else seed
+
+
 def seed_as_int64(seed: int) -> int:
     """A seed's low 64 bits as the signed int64 a device tensor holds (counter_uniform's input)."""
     return _i64(seed & _M64)
