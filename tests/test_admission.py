@@ -104,11 +104,11 @@ async def test_one_stalled_round_does_not_refuse_the_next_call(engine):
     stall = {"next": False}
     step_many = engine.step_many
 
-    def stalling_step_many(sessions):
+    def stalling_step_many(sessions, **kwargs):
         if stall["next"]:
             stall["next"] = False
             time.sleep(1.5)
-        return step_many(sessions)
+        return step_many(sessions, **kwargs)
 
     engine.step_many = stalling_step_many
     async with EngineService.for_engine(engine, max_round_ms=200.0) as service:
@@ -273,9 +273,9 @@ async def test_streams_ahead_of_playback_sit_out_rounds_under_contention(engine)
     rounds = []
     step_many = engine.step_many
 
-    def spy(sessions):
+    def spy(sessions, **kwargs):
         rounds.append({s.request.text for s in sessions})
-        return step_many(sessions)
+        return step_many(sessions, **kwargs)
 
     engine.step_many = spy
     try:

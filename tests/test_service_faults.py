@@ -118,11 +118,11 @@ async def test_out_of_memory_in_a_batched_step_ends_its_requests_not_the_engine(
         real = engine.step_many
         failed: list[int] = []
 
-        def step_many(sessions):
+        def step_many(sessions, **kwargs):
             if not failed and len(sessions) >= 2:
                 failed.append(len(sessions))
                 raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 2.00 GiB")
-            return real(sessions)
+            return real(sessions, **kwargs)
 
         monkeypatch.setattr(engine, "step_many", step_many)
         streams = [service.open_stream(request(f"Caller {i}.", i, 6)) for i in range(4)]

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -119,6 +119,7 @@ class QwenTTSEngine(text_session.TextSessions):
         # step_many clears it for a round of several sessions: a session stepped on its own that
         # kept a frame ahead every round would never rejoin the batch.
         self._ahead_allowed = True
+        self.prepared_opens = 0  # sessions opened from a prepare_session made before their open
         # True inside a batched round: chunks flushed there come back as VocoderJobs, vocoded at
         # the round's end, one batched call per chunk size, instead of one call each, each waited for.
         self._defer_vocoder = False
@@ -255,11 +256,25 @@ class QwenTTSEngine(text_session.TextSessions):
             raise opened
         return opened
 
-    def open_sessions(self, requests: list[SynthesisRequest]) -> list[Session | Exception]:
+    def prepare_session(self, request: SynthesisRequest) -> Session:
+        """A request validated and its first segment's prompt built, with no backend state: what
+        an open does before its prefill. A caller that would otherwise wait for the GPU (a round's
+        frame decoding) prepares the next round's calls, and `open_sessions(..., prepared=)` then
+        runs only their prefills. Raises what opening the request would raise for its input."""
+        if self.closed:
+            raise EngineClosedError("the engine is closed")
+        s = self._new_session(request)
+        s.prompt = self._segment_prompt(s)
+        return s
+
+    def open_sessions(self, requests: list[SynthesisRequest],
+                      prepared: list[Session | Exception | None] | None = None) -> list[Session | Exception]:
         """Open several sessions at once: each is validated and given its state on its own, then
         their prefills run as one batched pass on a backend that has `prefill_many` (a burst of
-        calls pays one prefill, not one each). Returns, per request, its session or the exception
-        that refused it (NoFreeSlotError when the backend is full); the others go on."""
+        calls pays one prefill, not one each). `prepared` gives, per request, what
+        `prepare_session` made or raised for it earlier (None: nothing). Returns, per request,
+        its session or the exception that refused it (NoFreeSlotError when the backend is full);
+        the others go on."""
         if self.closed:
             raise EngineClosedError("the engine is closed")
         out: list[Session | Exception | None] = [None] * len(requests)
@@ -271,7 +286,11 @@ class QwenTTSEngine(text_session.TextSessions):
             for i, request in enumerate(requests):
                 s = None
                 try:
-                    s = self._new_session(request)
+                    ready = prepared[i] if prepared is not None else None
+                    if isinstance(ready, Exception):
+                        raise ready
+                    s = ready if ready is not None else self._new_session(request)
+                    self.prepared_opens += ready is not None
                     begun.append((i, s, self._begin_segment(s)))
                 except BaseException as e:
                     if s is not None:
@@ -392,12 +411,8 @@ class QwenTTSEngine(text_session.TextSessions):
         s.ahead = None  # a frame launched past the previous segment's EOS went with its state
         s.early = None
         req = s.request
-        with torch.no_grad():
-            prompt: Prompt = build_prompt(
-                self.model.talker, self.tokenizer, self.config, text=s.segments[s.segment_index],
-                speaker=s.speaker, language=s.language, instruct=req.instruct, text_mode=s.text_mode,
-                voice_clone=req.voice_clone,
-            )
+        prompt: Prompt = s.prompt if s.prompt is not None else self._segment_prompt(s)
+        s.prompt = None
         # The official loop emits at most max_new_tokens - 1 frames; ours never runs past that either.
         s.frame_cap = min(self.generation.max_new_tokens - 1, FRAMES_PER_TOKEN_CAP * prompt.num_text_tokens + FRAME_CAP_MARGIN)
         s.segment_frames = 0
@@ -416,6 +431,15 @@ class QwenTTSEngine(text_session.TextSessions):
             trailing=prompt.trailing, pad_vec=prompt.pad_vec,
         )
         return prompt.embeds
+
+    def _segment_prompt(self, s: Session) -> Prompt:
+        req = s.request
+        with torch.no_grad():
+            return build_prompt(
+                self.model.talker, self.tokenizer, self.config, text=s.segments[s.segment_index],
+                speaker=s.speaker, language=s.language, instruct=req.instruct, text_mode=s.text_mode,
+                voice_clone=req.voice_clone,
+            )
 
     def step(self, s: Session) -> list[AudioChunk]:
         """Decode one frame of `s`; returns the audio chunk completed by it, if any."""
@@ -493,8 +517,13 @@ class QwenTTSEngine(text_session.TextSessions):
                              done=done)
         return True
 
-    def step_many(self, sessions: list[Session]) -> list[list[AudioChunk] | Exception]:
+    def step_many(self, sessions: list[Session], meanwhile: Callable[[], None] | None = None
+                  ) -> list[list[AudioChunk] | Exception]:
         """One frame for each session; batched on backends that can (one weight read per batch).
+
+        `meanwhile`, if given, is called once while a batched frame runs on the GPU, before its
+        codes are read (host work that would otherwise wait: the caller's next opens, say); not
+        at all in a round with no batched frame.
 
         Returns, per session, its completed chunks or the exception that ended it (that session is
         closed; the others go on).
@@ -502,11 +531,12 @@ class QwenTTSEngine(text_session.TextSessions):
         # Only a session alone in the round runs a frame ahead (_ahead_allowed).
         self._ahead_allowed = sum(not s.done for s in sessions) == 1
         try:
-            return self._step_round(sessions)
+            return self._step_round(sessions, meanwhile)
         finally:
             self._ahead_allowed = True
 
-    def _step_round(self, sessions: list[Session]) -> list[list[AudioChunk] | Exception]:
+    def _step_round(self, sessions: list[Session], meanwhile: Callable[[], None] | None = None
+                    ) -> list[list[AudioChunk] | Exception]:
         results: list[list[AudioChunk] | Exception] = [[] for _ in sessions]
         batched = getattr(self.backend, "decode_frames", None)
         limit = getattr(self.backend, "max_batch", 1)
@@ -542,6 +572,9 @@ class QwenTTSEngine(text_session.TextSessions):
                     codes = batched([sessions[i].state for i in part])
                     if earlier:
                         earlier -= self.vocoder_side.resolve(earlier, beside_a_frame=True)
+                    if meanwhile is not None:
+                        meanwhile, run = None, meanwhile
+                        run()
                     host = codes.cpu().numpy()
                 except Exception as e:  # noqa: BLE001 - the batch failed: each of its sessions ends
                     for i in part:

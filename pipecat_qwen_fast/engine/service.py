@@ -226,6 +226,9 @@ class SynthesisStream:
         self._closed.set_running_or_notify_cancel()
         self.cancel_requested = False
         self.session: Any = None
+        # Engine thread: what engine.prepare_session made (or raised) for it while a round
+        # decoded, before its open; None until then, and again once an open took it.
+        self.prepared: Any = None
         self._first_post_at: float | None = None  # engine thread: when its first chunk was posted
         self._audio_posted_s = 0.0
         self._playback = PlaybackClock()  # engine thread: for the slack of its chunks (slack.py)
@@ -432,6 +435,10 @@ class EngineService:
             the next round's frame, their chunks handed over once that frame is launched
             (engine/deferred_audio.py). None: QWEN_FAST_OVERLAP_VOCODER=0|1 where set, else on for
             an engine on a GPU (the H200's fleet: docs/journal/NOTES.md, "Three round switches").
+        prepare_opens: while a batched round's frame runs on the GPU, the engine thread validates
+            the next round's new calls and builds their prompts (engine.prepare_session), work it
+            would otherwise do between rounds while the GPU waits; their opens then run only the
+            prefills. None: on unless QWEN_FAST_PREPARE_OPENS=0.
         freeze_heap: freeze the process's heap out of the garbage collector's reach once the engine
             is loaded (a full collection first, before the service is ready) and again once it is
             fully warm (engine/heap.py: a full collection over the loaded model's objects stalled
@@ -454,6 +461,7 @@ class EngineService:
         max_opens_per_round: int | None = MAX_OPENS_PER_ROUND,
         max_queued_streams: int | str | None = "auto",
         overlap_vocoder: bool | None = None,
+        prepare_opens: bool | None = None,
         freeze_heap: bool | None = None,
     ) -> None:
         if max_buffered_chunks < 1:
@@ -475,6 +483,9 @@ class EngineService:
         if overlap_vocoder is None and os.environ.get("QWEN_FAST_OVERLAP_VOCODER") in ("0", "1"):
             overlap_vocoder = os.environ["QWEN_FAST_OVERLAP_VOCODER"] == "1"
         self.overlap_vocoder = overlap_vocoder  # None until the engine loads: on for a GPU engine
+        if prepare_opens is None:
+            prepare_opens = os.environ.get("QWEN_FAST_PREPARE_OPENS", "1") != "0"
+        self.prepare_opens = prepare_opens
         self.freeze_heap = freeze_heap
         self._warm_frozen = False  # frozen again once the engine was fully warm
         self.round_ms = 0.0  # smoothed wall time of the rounds that ran frames (engine thread)
@@ -856,7 +867,8 @@ class EngineService:
             if ready:
                 # One frame for every ready session; the engine batches them where it can.
                 try:
-                    results = self._engine.step_many([stream.session for stream in ready])
+                    meanwhile = self._prepare_opens if self.prepare_opens else None
+                    results = self._engine.step_many([stream.session for stream in ready], meanwhile=meanwhile)
                 except Exception as exc:
                     if _is_fatal(exc):
                         raise
@@ -924,6 +936,27 @@ class EngineService:
         self._wake.set()
         return now
 
+    def _prepare_opens(self) -> None:
+        """The next round's opens (the first `max_opens_per_round` of those waiting, as
+        `_take_opens` will take them), validated and their prompts built now, on the engine thread
+        while a batched frame runs; a request's input error is kept for its open to report.
+        Streamed-text turns open on their own and are left alone."""
+        prepare = getattr(self._engine, "prepare_session", None)
+        if prepare is None:
+            return
+        with self._lock:
+            queued = self._waiting + self._inbox
+        most = self.max_opens_per_round
+        for stream in queued if most is None else queued[:most]:
+            if stream.prepared is not None or stream.streams_text or stream.cancel_requested:
+                continue
+            try:
+                stream.prepared = prepare(stream.request)
+            except Exception as e:  # noqa: BLE001 - reported to that stream's caller when it opens
+                if _is_fatal(e):
+                    raise
+                stream.prepared = e
+
     def _idle_timeout(self) -> float | None:
         deadlines = [d for stream in self._active if (d := stream.wake_deadline()) is not None]
         timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
@@ -946,7 +979,11 @@ class EngineService:
         out: list[Any] = [None] * len(streams)
         whole = [i for i, st in enumerate(streams) if not st.streams_text]
         if whole:
-            for i, opened in zip(whole, self._engine.open_sessions([streams[i].request for i in whole])):
+            prepared = [streams[i].prepared for i in whole]
+            for i in whole:
+                streams[i].prepared = None  # used once: a call sent back to wait prepares again
+            kwargs = {"prepared": prepared} if any(p is not None for p in prepared) else {}
+            for i, opened in zip(whole, self._engine.open_sessions([streams[i].request for i in whole], **kwargs)):
                 out[i] = opened
         for i, st in enumerate(streams):
             if st.streams_text:

@@ -65,6 +65,9 @@ class Session:
     # A library voice (Base models, voices/voice.py): an ICL one's vocoder state starts from its
     # primed copy instead of decoding the reference again.
     voice: object | None = None
+    # The first segment's prompt (model/prompt.py's Prompt), built before the open by
+    # QwenTTSEngine.prepare_session while a round decoded; used and cleared by the open.
+    prompt: object | None = None
 
 
 @dataclass

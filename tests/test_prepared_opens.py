@@ -1,0 +1,118 @@
+"""Opens prepared while a round decodes (EngineService(prepare_opens=True), issue 34): the next
+round's calls are validated and their prompts built during the batched frame's GPU wait. The calls
+speak exactly as when prepared at their open, a prepared call's bad input reaches its caller alone,
+and a call prepared, then cancelled or sent back to wait for a slot, leaves nothing behind. Real
+engine on a batched backend (GraphBackend without graphs), tiny checkpoint, CPU."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from pipecat_qwen_fast import InvalidInputError, QwenTTSEngine, SynthesisRequest
+from pipecat_qwen_fast.backends.graph import GraphBackend
+from pipecat_qwen_fast.engine.service import EngineService
+
+TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    e = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", zero_eos=True), device="cpu",
+                                      dtype="float32", backend="eager", progress=False)
+    e.backend = GraphBackend(e.model.talker, e.device, e.dtype, max_sessions=3, capacity=512, use_graphs=False)
+    return e
+
+
+def request(i: int, frames: int = 6, **kw) -> SynthesisRequest:
+    return SynthesisRequest(f"Caller number {i} says hello.", voice="ryan", seed=i, max_frames=frames,
+                            greedy=True, first_chunk_frames=1, chunk_frames=2, **kw)
+
+
+async def staggered(service: EngineService, requests: list[SynthesisRequest]) -> list:
+    """Each call opened once the one before it has its first chunk, so every open after the first
+    arrives while rounds run; returns each stream's chunks, or the error it raised."""
+
+    async def read(stream, first: asyncio.Event):
+        chunks = []
+        try:
+            async for chunk in stream:
+                chunks.append(chunk)
+                first.set()
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            first.set()
+            return e
+        first.set()
+        return chunks
+
+    tasks = []
+    for r in requests:
+        first = asyncio.Event()
+        tasks.append(asyncio.create_task(read(service.open_stream(r), first)))
+        await asyncio.wait_for(first.wait(), TIMEOUT)
+    return await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT)
+
+
+async def run(engine, requests, prepare: bool, **kw) -> tuple[list, int]:
+    before = engine.prepared_opens
+    async with EngineService.for_engine(engine, prepare_opens=prepare, **kw) as service:
+        await service.wait_ready()
+        out = await staggered(service, requests)
+    return out, engine.prepared_opens - before
+
+
+async def test_prepared_opens_speak_as_opens_prepared_at_their_open(engine):
+    # Three slots for six calls: later calls also wait for a slot (prepared, sent back, prepared again).
+    requests = [request(i, frames=4 + i % 3) for i in range(6)]
+    on, prepared = await run(engine, requests, prepare=True)
+    off, unprepared = await run(engine, requests, prepare=False)
+    assert prepared > 0, "no open was prepared during a round"
+    assert unprepared == 0
+    for i, (a, b) in enumerate(zip(on, off)):
+        assert not isinstance(a, Exception) and not isinstance(b, Exception), (i, a, b)
+        codes_a, codes_b = (np.concatenate([c.codes for c in x]) for x in (a, b))
+        assert codes_a.shape == (requests[i].max_frames, 16)
+        np.testing.assert_array_equal(codes_a, codes_b, err_msg=f"call {i}'s codes")
+        pcm_a, pcm_b = (np.concatenate([c.pcm for c in x]).astype(np.int32) for x in (a, b))
+        assert np.abs(pcm_a - pcm_b).max() <= 1, f"call {i}'s audio"  # batched vocoder calls: an LSB
+    assert len(engine.backend.free_slots) == 3
+
+
+async def test_a_prepared_calls_bad_input_reaches_that_caller_alone(engine):
+    bad = SynthesisRequest("Caller with a voice nobody has.", voice="nobody", seed=7, max_frames=4)
+    requests = [request(0, frames=10), request(1, frames=10), bad, request(3, frames=4)]
+    out, prepared = await run(engine, requests, prepare=True)
+    assert prepared > 0
+    assert isinstance(out[2], InvalidInputError) and "nobody" in str(out[2]) and "ryan" in str(out[2])
+    for i in (0, 1, 3):
+        assert not isinstance(out[i], Exception), out[i]
+        assert sum(c.num_frames for c in out[i]) == requests[i].max_frames
+    assert len(engine.backend.free_slots) == 3
+
+
+async def test_a_prepared_call_cancelled_before_its_open_leaves_nothing(engine):
+    async with EngineService.for_engine(engine, prepare_opens=True,
+                                        max_opens_per_round=1) as service:
+        await service.wait_ready()
+        long = [service.open_stream(request(i, frames=30)) for i in range(2)]
+        async for _ in long[0]:
+            break
+        # One open a round: the third call waits in the inbox, prepared during a round, then is
+        # cancelled before a round opens it.
+        for _ in range(50):
+            late = [service.open_stream(request(10 + k, frames=4)) for k in range(3)]
+            await asyncio.sleep(0.05)
+            prepared_waiting = [s for s in late if s.prepared is not None and s.session is None]
+            for s in late:
+                s.cancel()
+            await asyncio.wait_for(asyncio.gather(*(s.wait_closed() for s in late)), TIMEOUT)
+            if prepared_waiting:
+                break
+        assert prepared_waiting, "no call was caught prepared and not yet opened"
+        for s in long:
+            s.cancel()
+            await asyncio.wait_for(s.wait_closed(), TIMEOUT)
+        assert service.admitted_streams == 0
+    assert len(engine.backend.free_slots) == 3
