@@ -1,12 +1,15 @@
 """Opens prepared while a round decodes (EngineService(prepare_opens=True), issue 34): the next
 round's calls are validated and their prompts built during the batched frame's GPU wait. The calls
 speak exactly as when prepared at their open, a prepared call's bad input reaches its caller alone,
-and a call prepared, then cancelled or sent back to wait for a slot, leaves nothing behind. Real
-engine on a batched backend (GraphBackend without graphs), tiny checkpoint, CPU."""
+a call prepared, then cancelled or sent back to wait for a slot, leaves nothing behind, and
+streamed-text turns queued with their text begin from the prompt built ahead and speak as turns
+whose prompt was built at their begin. Real engine on a batched backend (GraphBackend without
+graphs), tiny checkpoint, CPU."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -115,4 +118,45 @@ async def test_a_prepared_call_cancelled_before_its_open_leaves_nothing(engine):
             s.cancel()
             await asyncio.wait_for(s.wait_closed(), TIMEOUT)
         assert service.admitted_streams == 0
+    assert len(engine.backend.free_slots) == 3
+
+
+async def turns(service: EngineService, requests: list[SynthesisRequest]) -> list:
+    """Streamed-text turns, each opened with its whole text (as the server's WebSocket callers
+    send it) once the one before has its first chunk; each turn's chunks."""
+
+    async def read(stream, first: asyncio.Event):
+        chunks = []
+        async for chunk in stream:
+            chunks.append(chunk)
+            first.set()
+        first.set()
+        return chunks
+
+    tasks = []
+    for r in requests:
+        stream = service.open_text_stream(dataclasses.replace(r, text=""))
+        stream.append(r.text)
+        stream.end()
+        first = asyncio.Event()
+        tasks.append(asyncio.create_task(read(stream, first)))
+        await asyncio.wait_for(first.wait(), TIMEOUT)
+    return await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT)
+
+
+async def test_prepared_streamed_turns_speak_as_turns_prepared_at_their_begin(engine):
+    requests = [dataclasses.replace(request(i, frames=5 + i % 3), text_mode="dual_track") for i in range(6)]
+    out = {}
+    for prepare in (True, False):
+        before = engine.prepared_begins
+        async with EngineService.for_engine(engine, prepare_opens=prepare) as service:
+            await service.wait_ready()
+            out[prepare] = await turns(service, requests)
+        out[prepare, "begins"] = engine.prepared_begins - before
+    assert out[True, "begins"] > 0, "no turn began from a prompt built ahead"
+    assert out[False, "begins"] == 0
+    for i, (a, b) in enumerate(zip(out[True], out[False])):
+        codes_a, codes_b = (np.concatenate([c.codes for c in x]) for x in (a, b))
+        assert codes_a.shape == (requests[i].max_frames, 16)
+        np.testing.assert_array_equal(codes_a, codes_b, err_msg=f"turn {i}'s codes")
     assert len(engine.backend.free_slots) == 3

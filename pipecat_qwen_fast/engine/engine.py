@@ -120,6 +120,7 @@ class QwenTTSEngine(text_session.TextSessions):
         # kept a frame ahead every round would never rejoin the batch.
         self._ahead_allowed = True
         self.prepared_opens = 0  # sessions opened from a prepare_session made before their open
+        self.prepared_begins = 0  # streamed-text segments begun from a prompt built ahead (prepare_text_session)
         # True inside a batched round: chunks flushed there come back as VocoderJobs, vocoded at
         # the round's end, one batched call per chunk size, instead of one call each, each waited for.
         self._defer_vocoder = False

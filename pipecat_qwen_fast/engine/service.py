@@ -436,9 +436,10 @@ class EngineService:
             (engine/deferred_audio.py). None: QWEN_FAST_OVERLAP_VOCODER=0|1 where set, else on for
             an engine on a GPU (the H200's fleet: docs/journal/NOTES.md, "Three round switches").
         prepare_opens: while a batched round's frame runs on the GPU, the engine thread validates
-            the next round's new calls and builds their prompts (engine.prepare_session), work it
-            would otherwise do between rounds while the GPU waits; their opens then run only the
-            prefills. None: on unless QWEN_FAST_PREPARE_OPENS=0.
+            the next round's new calls and builds their prompts (engine.prepare_session; for
+            streamed-text turns whose text is there, prepare_text_session), work it would
+            otherwise do between rounds while the GPU waits; their opens then run only the
+            states and prefills. None: on unless QWEN_FAST_PREPARE_OPENS=0.
         freeze_heap: freeze the process's heap out of the garbage collector's reach once the engine
             is loaded (a full collection first, before the service is ready) and again once it is
             fully warm (engine/heap.py: a full collection over the loaded model's objects stalled
@@ -939,8 +940,9 @@ class EngineService:
     def _prepare_opens(self) -> None:
         """The next round's opens (the first `max_opens_per_round` of those waiting, as
         `_take_opens` will take them), validated and their prompts built now, on the engine thread
-        while a batched frame runs; a request's input error is kept for its open to report.
-        Streamed-text turns open on their own and are left alone."""
+        while a batched frame runs; a request's input error is kept for its open to report. A
+        streamed-text turn's first prompt is built too where its text is there. (A live turn
+        whose text comes later begins at the next round's start, before any frame runs.)"""
         prepare = getattr(self._engine, "prepare_session", None)
         if prepare is None:
             return
@@ -948,10 +950,13 @@ class EngineService:
             queued = self._waiting + self._inbox
         most = self.max_opens_per_round
         for stream in queued if most is None else queued[:most]:
-            if stream.prepared is not None or stream.streams_text or stream.cancel_requested:
+            if stream.prepared is not None or stream.cancel_requested:
                 continue
             try:
-                stream.prepared = prepare(stream.request)
+                if stream.streams_text:
+                    stream.prepare(self._engine)
+                else:
+                    stream.prepared = prepare(stream.request)
             except Exception as e:  # noqa: BLE001 - reported to that stream's caller when it opens
                 if _is_fatal(e):
                     raise

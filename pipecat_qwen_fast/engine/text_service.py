@@ -57,7 +57,18 @@ class TextStream(SynthesisStream):
     streams_text = True
 
     def open_session(self, engine) -> Any:
-        return engine.open_text_session(self.request, idle_timeout_s=self.feed.idle_timeout_s, feed=self.feed)
+        prepared, self.prepared = self.prepared, None  # used once: a turn sent back to wait prepares again
+        if isinstance(prepared, Exception):
+            raise prepared
+        kwargs = {"prepared": prepared} if prepared is not None else {}
+        return engine.open_text_session(self.request, idle_timeout_s=self.feed.idle_timeout_s, feed=self.feed,
+                                        **kwargs)
+
+    def prepare(self, engine) -> None:
+        """What the open and the first begin can do ahead (EngineService._prepare_opens)."""
+        prepare = getattr(engine, "prepare_text_session", None)
+        if prepare is not None:
+            self.prepared = prepare(self.request, self.feed)
 
     def can_step(self) -> bool:
         """Only once the next frame's text is there. Audio the turn sends while it waits is posted,

@@ -49,6 +49,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -129,6 +130,9 @@ class TextFeed:
         self.previewed = False
         self.guess: int | None = None  # the first token prefilled before any was final, a guess
         self.guess_at = -1  # the turn's appends when the guess was last made
+        # (segment, its text, its token count) and the prompt built for them ahead of the begin,
+        # while a round decoded (`prepare_text_session`); used by the begin if the text is still that.
+        self.ready: tuple[tuple[int, str, int], Any] | None = None
         # (turn frame of its frame 0, frames kept in it or None while it runs) per begun segment.
         self.spans: list[list[int | None]] = []
         # Whose frames read the words (its segment_frames, while a segment runs).
@@ -215,14 +219,25 @@ class TextSessions:
         *,
         idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,
         feed: TextFeed | None = None,
+        prepared=None,
     ):
         """A dual-track session for text that arrives later (`append_text`, `end_text`). The
         request is checked as `open_session` checks it; its own text is ignored. Its backend state
         is reserved now (NoFreeSlotError when every slot is taken); the prefill runs once the first
         words are final. A turn that gets no text for `idle_timeout_s` is ended as if by
         `end_text` (None: never). `feed`: a TextFeed made beforehand, which may already hold text
-        (the service makes one per stream, so text appended before the session opens is kept)."""
-        return open_text_session(self, request, idle_timeout_s, feed)
+        (the service makes one per stream, so text appended before the session opens is kept).
+        `prepared`: what `prepare_text_session` made for this request and feed."""
+        return open_text_session(self, request, idle_timeout_s, feed, prepared)
+
+    def prepare_text_session(self, request: SynthesisRequest, feed: TextFeed):
+        """The request checked as `open_text_session` checks it, with no backend state, and, if
+        the feed's text already allows the first segment to begin, its prompt built (kept on the
+        feed): what the open and the begin would do before their state and prefill, done while
+        the caller would otherwise wait for the GPU. Pass the result to `open_text_session`."""
+        s = _new_text_session(self, request)
+        _prepare_begin(self, s, feed)
+        return s
 
     def append_text(self, s, text: str) -> None:
         """Add text to an open-ended session (any thread). Raises TextEndedError after end_text;
@@ -254,25 +269,14 @@ def _feed_of(s) -> TextFeed:
 
 
 def open_text_session(
-    engine, request: SynthesisRequest, idle_timeout_s: float | None, feed: TextFeed | None = None
+    engine, request: SynthesisRequest, idle_timeout_s: float | None, feed: TextFeed | None = None,
+    prepared=None,
 ):
-    if not isinstance(request, SynthesisRequest):
-        raise InvalidInputError(
-            f"a request must be a SynthesisRequest, got {type(request).__name__}"
-        )
-    if request.text_mode not in (None, DUAL_TRACK):
-        raise InvalidInputError(
-            f"streamed text needs text_mode='{DUAL_TRACK}' (the model reads one token a frame); "
-            f"got {request.text_mode!r}"
-        )
     from pipecat_qwen_fast.engine import engine as engine_module
 
     if feed is None:
         feed = TextFeed(engine.tokenizer, idle_timeout_s, engine_module.MAX_SEGMENT_TOKENS)
-    # Validated exactly as a whole-text request; only the text is left to come.
-    s = engine._new_session(dataclasses.replace(request, text=_PROBE_TEXT, text_mode=DUAL_TRACK))
-    s.request = dataclasses.replace(s.request, text="")
-    s.segments = []
+    s = prepared if prepared is not None else _new_text_session(engine, request)
     s.feed = feed
     feed.session = s
     try:
@@ -294,6 +298,44 @@ def open_text_session(
         engine.close_session(s)
         raise
     return s
+
+
+def _new_text_session(engine, request: SynthesisRequest):
+    """A turn's session validated as a whole-text request would be (only its text is left to
+    come), with no feed or backend state yet."""
+    if not isinstance(request, SynthesisRequest):
+        raise InvalidInputError(
+            f"a request must be a SynthesisRequest, got {type(request).__name__}"
+        )
+    if request.text_mode not in (None, DUAL_TRACK):
+        raise InvalidInputError(
+            f"streamed text needs text_mode='{DUAL_TRACK}' (the model reads one token a frame); "
+            f"got {request.text_mode!r}"
+        )
+    s = engine._new_session(dataclasses.replace(request, text=_PROBE_TEXT, text_mode=DUAL_TRACK))
+    s.request = dataclasses.replace(s.request, text="")
+    s.segments = []
+    return s
+
+
+def _prepare_begin(engine, s, feed: TextFeed) -> None:
+    """`feed.ready`: the prompt `_plan_begin` would build for the feed's segment from its text
+    as it stands, if that text allows the begin (more text by then: built again there). An
+    in-context voice's turns are left alone (their reference sets how many tokens a begin needs
+    only at the open)."""
+    vc = s.request.voice_clone
+    if vc is not None and vc.icl:
+        return
+    turn = feed.turn
+    with turn.lock:
+        if feed.segment >= len(turn.segments):
+            return
+        seg = turn.segments[feed.segment]
+        text, tokens, closed = seg.text, len(seg.tokens), seg.closed
+    if not closed and tokens < feed.need:
+        return
+    with torch.no_grad():
+        feed.ready = ((feed.segment, text, tokens), _prompt(engine, s, text))
 
 
 def probe_facts(engine, s) -> tuple[int, Tensor, Tensor]:
@@ -485,9 +527,14 @@ def _plan_begin(engine, s) -> _Begin | None:
     # The prompt holds the first token only (no guess for in-context voices): the same prompt.
     guessed = feed.guess is not None and tokens[:1] == [feed.guess]
     prompt = None
+    ready, feed.ready = feed.ready, None
     if not guessed:
-        with torch.no_grad():
-            prompt = _prompt(engine, s, text)
+        if ready is not None and ready[0] == (feed.segment, text, len(tokens)):
+            prompt = ready[1]
+            engine.prepared_begins += 1
+        else:
+            with torch.no_grad():
+                prompt = _prompt(engine, s, text)
         if prompt.num_text_tokens != len(tokens):
             raise RuntimeError(
                 "a streamed segment's prompt does not hold the tokens it was cut into"
