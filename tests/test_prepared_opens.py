@@ -96,30 +96,35 @@ async def test_a_prepared_calls_bad_input_reaches_that_caller_alone(engine):
 
 
 async def test_a_prepared_call_cancelled_before_its_open_leaves_nothing(engine):
-    async with EngineService.for_engine(engine, prepare_opens=True,
-                                        max_opens_per_round=1) as service:
+    async with EngineService.for_engine(engine, prepare_opens=True, max_opens_per_round=1) as service:
         await service.wait_ready()
+        caught = []
+        prepare = service._prepare_opens
+
+        def prepare_then_cancel():
+            # On the engine thread, between the preparation and the round that would open them.
+            prepare()
+            for stream in late:
+                if stream.prepared is not None and stream.session is None and not stream.cancel_requested:
+                    caught.append(stream)
+                    stream.cancel()
+
+        late = []
+        service._prepare_opens = prepare_then_cancel
         long = [service.open_stream(request(i, frames=30)) for i in range(2)]
         async for _ in long[0]:
             break
-        # One open a round: the third call waits in the inbox, prepared during a round, then is
-        # cancelled before a round opens it.
-        for _ in range(50):
-            late = [service.open_stream(request(10 + k, frames=4)) for k in range(3)]
-            await asyncio.sleep(0.05)
-            prepared_waiting = [s for s in late if s.prepared is not None and s.session is None]
-            for s in late:
-                s.cancel()
-            await asyncio.wait_for(asyncio.gather(*(s.wait_closed() for s in late)), TIMEOUT)
-            if prepared_waiting:
-                break
-        assert prepared_waiting, "no call was caught prepared and not yet opened"
+        # One open a round: of three calls queued together at least two wait through a round.
+        late += [service.open_stream(request(10 + k, frames=4)) for k in range(3)]
+        await asyncio.wait_for(asyncio.gather(*(s.wait_closed() for s in late)), TIMEOUT)
+        assert caught, "no call was caught prepared and not yet opened"
+        for s in caught:
+            assert s.record.stop_reason == "cancelled" and not s.record.opened
         for s in long:
             s.cancel()
             await asyncio.wait_for(s.wait_closed(), TIMEOUT)
         assert service.admitted_streams == 0
     assert len(engine.backend.free_slots) == 3
-
 
 async def turns(service: EngineService, requests: list[SynthesisRequest]) -> list:
     """Streamed-text turns, each opened with its whole text (as the server's WebSocket callers
