@@ -240,8 +240,9 @@ from livekit.plugins import qwen_fast' ;;
                              --custom-voice-model "$ck" --device cuda --seconds 10 --repeats 20 \
                              --frames 160 --frame-repeats 5 --out "$out/voice_clone.json" ;;
             # The test files that exercise the GPU paths (GPU_TESTS to change them); the machine's
-            # image has no pipecat or livekit, so the framework tests stay on the CPU.
-            gputests) timeout -s INT "$(( $(left) - 10 ))" python3 -m pytest -q -rs -p no:cacheprovider \
+            # image has no pipecat or livekit, so the framework tests stay on the CPU. One process
+            # (-o addopts=: the image has no pytest-xdist, and one GPU is not shared by two workers).
+            gputests) timeout -s INT "$(( $(left) - 10 ))" python3 -m pytest -q -rs -o addopts= -p no:cacheprovider \
                           --junitxml "$out/gputests.xml" ${GPU_TESTS:-tests/test_megakernel.py \
                           tests/test_vocoder_graphs.py tests/test_prefill_graphs.py tests/test_graph_backend.py \
                           tests/test_hybrid_backend.py tests/test_startup.py tests/test_fleet_gpu.py \

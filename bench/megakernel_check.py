@@ -439,7 +439,9 @@ def main() -> int:
 
     if not args.skip_tests:
         junit = out_dir / "megakernel_pytest.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", f"--junitxml={junit}",
+        # -o addopts=-rs: one process, without pyproject's xdist options (the GPU image has no xdist).
+        cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-o", "addopts=-rs", "-p", "no:cacheprovider",
+               f"--junitxml={junit}",
                "--timeout=300", "--timeout-method=thread",
                "tests/test_megakernel.py", *args.pytest_args.split()]
         t0 = time.perf_counter()
