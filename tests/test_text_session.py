@@ -392,17 +392,20 @@ def test_idle_timeout_ends_and_frees_the_turn(eager):
 def test_waiting_sends_decoded_audio(eager):
     """Frames decoded while the text is slow go out as audio once what was sent is about to run
     out (LOW_WATER_S), instead of waiting for their chunk to fill."""
-    kw = {"voice": "ryan", "seed": 1, "max_frames": 30, "first_chunk_frames": 4, "chunk_frames": 8}
+    # A first chunk of 8 frames (640 ms): the frames after it, decoded before the text runs
+    # out, must take less than its 440 ms above the low water (a loaded 2-core machine took
+    # more than the 120 ms a 4-frame chunk left).
+    kw = {"voice": "ryan", "seed": 1, "max_frames": 40, "first_chunk_frames": 8, "chunk_frames": 8}
     s = eager.open_text_session(SynthesisRequest("", **kw))
-    eager.append_text(s, "One two three four five six seven ")
+    eager.append_text(s, "One two three four five six seven eight nine ten eleven ")
     chunks = []
     while (sent := eager.poll_text(s)) is None:
         chunks += eager.step(s)
-    assert sent == [] and [c.num_frames for c in chunks] == [4]  # 320 ms sent: enough for now
-    pending = s.frames_decoded - 4
+    assert sent == [] and [c.num_frames for c in chunks] == [8]  # 640 ms sent: enough for now
+    pending = s.frames_decoded - 8
     assert 0 < pending < 8
     wake = s.feed.deadline(s)
-    assert wake is not None and wake - time.monotonic() < 0.32 - 0.2 + 0.01
+    assert wake is not None and wake - time.monotonic() < 0.64 - 0.2 + 0.01
     time.sleep(max(0.0, wake - time.monotonic()) + 0.01)
     sent = eager.poll_text(s)
     assert [c.num_frames for c in sent] == [pending]  # the chunk of 8 was not full
