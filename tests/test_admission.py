@@ -331,9 +331,9 @@ async def test_a_busy_engine_opens_a_few_calls_a_round_and_the_rest_next(engine)
     opens = []
     open_sessions = engine.open_sessions
 
-    def spy(requests):
+    def spy(requests, **kwargs):
         opens.append([r.text for r in requests])
-        return open_sessions(requests)
+        return open_sessions(requests, **kwargs)
 
     engine.open_sessions = spy
     try:

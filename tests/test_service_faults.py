@@ -73,9 +73,9 @@ async def test_one_failed_prefill_in_a_round_fails_only_its_stream(engine, monke
         rounds: list[int] = []
         real_open = engine.open_sessions
 
-        def open_sessions(requests):
+        def open_sessions(requests, **kwargs):
             rounds.append(len(requests))
-            return real_open(requests)
+            return real_open(requests, **kwargs)
 
         monkeypatch.setattr(engine, "open_sessions", open_sessions)
         # A stream holds the engine thread mid-frame, so the next eight arrive in one round.

@@ -70,8 +70,8 @@ async def test_soak_a_thousand_requests_with_cancels_and_bad_inputs(finite_model
     sessions: list = []
     real_open = engine.open_sessions
 
-    def open_sessions(requests):
-        opened = real_open(requests)
+    def open_sessions(requests, **kwargs):
+        opened = real_open(requests, **kwargs)
         sessions.extend(s for s in opened if not isinstance(s, Exception))
         return opened
 

@@ -987,8 +987,8 @@ class EngineService:
             prepared = [streams[i].prepared for i in whole]
             for i in whole:
                 streams[i].prepared = None  # used once: a call sent back to wait prepares again
-            kwargs = {"prepared": prepared} if any(p is not None for p in prepared) else {}
-            for i, opened in zip(whole, self._engine.open_sessions([streams[i].request for i in whole], **kwargs)):
+            requests = [streams[i].request for i in whole]
+            for i, opened in zip(whole, self._engine.open_sessions(requests, prepared=prepared)):
                 out[i] = opened
         for i, st in enumerate(streams):
             if st.streams_text:

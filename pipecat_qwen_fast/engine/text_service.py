@@ -60,9 +60,8 @@ class TextStream(SynthesisStream):
         prepared, self.prepared = self.prepared, None  # used once: a turn sent back to wait prepares again
         if isinstance(prepared, Exception):
             raise prepared
-        kwargs = {"prepared": prepared} if prepared is not None else {}
         return engine.open_text_session(self.request, idle_timeout_s=self.feed.idle_timeout_s, feed=self.feed,
-                                        **kwargs)
+                                        prepared=prepared)
 
     def prepare(self, engine) -> None:
         """What the open and the first begin can do ahead (EngineService._prepare_opens)."""

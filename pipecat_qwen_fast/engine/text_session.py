@@ -326,16 +326,24 @@ def _prepare_begin(engine, s, feed: TextFeed) -> None:
     vc = s.request.voice_clone
     if vc is not None and vc.icl:
         return
+    seg = _segment_to_begin(feed)
+    if seg is not None:
+        text, tokens, _ = seg
+        with torch.no_grad():
+            feed.ready = ((feed.segment, text, len(tokens)), _prompt(engine, s, text))
+
+
+def _segment_to_begin(feed: TextFeed) -> tuple[str, list[int], bool] | None:
+    """The text, tokens and closedness of the feed's segment, if they allow it to begin."""
     turn = feed.turn
     with turn.lock:
         if feed.segment >= len(turn.segments):
-            return
+            return None
         seg = turn.segments[feed.segment]
-        text, tokens, closed = seg.text, len(seg.tokens), seg.closed
-    if not closed and tokens < feed.need:
-        return
-    with torch.no_grad():
-        feed.ready = ((feed.segment, text, tokens), _prompt(engine, s, text))
+        text, tokens, closed = seg.text, list(seg.tokens), seg.closed
+    if not closed and len(tokens) < feed.need:
+        return None
+    return text, tokens, closed
 
 
 def probe_facts(engine, s) -> tuple[int, Tensor, Tensor]:
@@ -516,14 +524,10 @@ def _failed(engine, s, e: Exception) -> Exception:
 def _plan_begin(engine, s) -> _Begin | None:
     """`_begin` up to its prefill; None: the text does not allow the segment to begin yet."""
     feed = s.feed
-    turn = feed.turn
-    with turn.lock:
-        if feed.segment >= len(turn.segments):
-            return None
-        seg = turn.segments[feed.segment]
-        text, tokens, closed = seg.text, list(seg.tokens), seg.closed
-    if not closed and len(tokens) < feed.need:
+    seg = _segment_to_begin(feed)
+    if seg is None:
         return None
+    text, tokens, closed = seg
     # The prompt holds the first token only (no guess for in-context voices): the same prompt.
     guessed = feed.guess is not None and tokens[:1] == [feed.guess]
     prompt = None
