@@ -19,7 +19,9 @@ def _hybrid_engine(path, fast_sessions=2, max_sessions=4):
     engine = QwenTTSEngine.from_pretrained(path, device="cpu", dtype="float32", backend="eager")
     bulk = GraphBackend(engine.model.talker, engine.device, engine.dtype, max_sessions=max_sessions, capacity=512,
                         use_graphs=False)
-    engine.backend = HybridBackend(engine.backend, bulk, fast_sessions=fast_sessions)
+    # first_alone_below=0: the placement by load alone (a joining call's first frame on the
+    # per-call side is tests/test_first_frame_alone.py's).
+    engine.backend = HybridBackend(engine.backend, bulk, fast_sessions=fast_sessions, first_alone_below=0)
     return engine
 
 
@@ -186,7 +188,8 @@ def test_eager_bulk_without_decode_frames(tiny_checkpoint):
     engine = QwenTTSEngine.from_pretrained(tiny_checkpoint("custom_voice", zero_eos=True), device="cpu",
                                            dtype="float32", backend="eager")
     talker = engine.model.talker
-    engine.backend = HybridBackend(engine.backend, TorchBackend(talker, engine.device, engine.dtype), fast_sessions=1)
+    engine.backend = HybridBackend(engine.backend, TorchBackend(talker, engine.device, engine.dtype), fast_sessions=1,
+                                   first_alone_below=0)
     sessions = [engine.open_session(SynthesisRequest("Two calls.", voice="ryan", greedy=True, max_frames=3,
                                                      vocode=False)) for _ in range(2)]
     assert [s.state.on_fast for s in sessions] == [True, False]

@@ -14,6 +14,12 @@ fixed cost plus a launch per megakernel call), so rounds are kept pure:
   the batch too: their K/V rows, hidden state, next input and code-0 history are copied
   (`SessionSnapshot`, a few MB per call, queued on the device like any other work).
 
+While the batch is small (at most `first_alone_below` calls) a call opened alone or in a pair
+makes its first frame on the megakernel all the same, and moves into the batch after it
+(`starts_alone`): the service runs that frame by itself before the round's batched frame, so the
+new call's first audio waits for a 2 ms megakernel frame instead of the batch's launch-bound one
+(~6.7 ms at a few rows), at the price of that frame added to the others' round once.
+
 Once the batch drains, new calls start on the megakernel again. A moved call's later draws use
 the uniforms the megakernel would have (both hash the seed, frame and code group), but from the
 batch's logits, whose rounding differs: a seeded sampled call repeats only under the same load;
@@ -25,6 +31,7 @@ away while memory lasts.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,6 +49,14 @@ logger = logging.getLogger("pipecat_qwen_fast")
 # compiled (bench/results/fast_sessions_ab_h200_2026-11-24_d96dcbf.json; docs/journal/NOTES.md, "Auto
 # backend" and "The batched round compiled").
 FAST_SESSIONS = 3
+# A new call makes its first frame alone on the megakernel while the batch holds at most this many
+# calls (`starts_alone`; QWEN_FAST_FIRST_ALONE_BELOW, 0: never). At 64 fleet callers (H200, session
+# 39) rounds were 7.7 ms for 5 streams and first audio p95 23.7 ms; issue 34 asks 15. Each such
+# frame adds ~2 ms plus a 1-frame vocoder call to one round of the others, so it stays off where
+# rounds carry many streams (a few hundred callers), whose slack it would spend.
+FIRST_ALONE_BELOW = 16
+# ... and only for a round's first two opens: a burst of more is one batched prefill and frame.
+FIRST_ALONE_BURST = 2
 
 
 @dataclass(eq=False)
@@ -49,17 +64,23 @@ class HybridState:
     inner: object
     on_fast: bool
     released: bool = False
+    alone_first: bool = False  # on the megakernel for its first frame only (starts_alone)
 
 
 class HybridBackend:
     """A DecodeBackend over two: `fast` (one session per call) and `bulk` (batched `decode_frames`)."""
 
-    def __init__(self, fast, bulk, fast_sessions: int = FAST_SESSIONS):
+    def __init__(self, fast, bulk, fast_sessions: int = FAST_SESSIONS, first_alone_below: int | None = None):
         if fast_sessions < 0:
             raise ValueError(f"fast_sessions must be >= 0 (got {fast_sessions})")
+        if first_alone_below is None:
+            first_alone_below = _env_count("QWEN_FAST_FIRST_ALONE_BELOW", FIRST_ALONE_BELOW)
+        if first_alone_below < 0:
+            raise ValueError(f"first_alone_below must be >= 0 (got {first_alone_below})")
         self.fast = fast
         self.bulk = bulk
         self.fast_sessions = fast_sessions
+        self.first_alone_below = first_alone_below
         self.name = f"{fast.name}+{bulk.name}"
         self.max_batch = getattr(bulk, "max_batch", 1)
         # Moving calls needs a snapshot from one side and an adopter on the other.
@@ -70,6 +91,9 @@ class HybridBackend:
         self.started = {"fast": 0, "bulk": 0}  # calls placed on each side since load
         self.moved = 0  # calls moved from fast into the batch since load
         self.burst = 0  # calls of a burst being opened together (opening()) not placed yet
+        self.burst_size = 0  # that burst's size
+        self.bulk_before_burst: int | None = None  # calls in the batch when that burst began
+        self.first_alone = 0  # calls placed to make their first frame alone since load
         # False while the batch path's graphs are still being captured (engine/warmup.py): every
         # call goes to the megakernel until then.
         self.bulk_ready = True
@@ -96,6 +120,16 @@ class HybridBackend:
             to_bulk = self.bulk_ready and (
                 self.live_bulk > 0 or self.live_fast + max(1, self.burst) > self.fast_sessions)
         self.burst = max(0, self.burst - 1)  # the calls of the burst still to place, this one excluded
+        # The batch's calls before this burst: a pair opened into an empty batch is not joining one.
+        in_batch = self.live_bulk if self.bulk_before_burst is None else self.bulk_before_burst
+        alone = (to_bulk and self.force is None and self.can_move
+                 and 0 < in_batch <= self.first_alone_below and self.burst_size <= FIRST_ALONE_BURST)
+        if alone:
+            state = HybridState(self.fast.new_state(**kwargs), on_fast=True, alone_first=True)
+            self.on_fast.append(state)
+            self.started["fast"] += 1
+            self.first_alone += 1
+            return state
         if to_bulk:
             try:
                 state = HybridState(self.bulk.new_state(**kwargs), on_fast=False)
@@ -117,6 +151,8 @@ class HybridBackend:
             return
         before = self.moved
         for hs in list(self.on_fast):
+            if hs.alone_first and hs.inner.frame == 0:
+                continue  # placed to make its first frame here (starts_alone); it moves after
             if getattr(hs.inner, "preview", None) is not None:
                 # Its frame 0 was sent from a preview (streamed text, engine/text_first_frame.py):
                 # that frame finishes here, with the codes already sent, and the call moves after.
@@ -132,6 +168,12 @@ class HybridBackend:
             self.moved += 1
         logger.debug("moved %d calls from the megakernel into the batch (%d in the batch, %d left)",
                      self.moved - before, self.live_bulk, self.live_fast)
+
+    def starts_alone(self, state: HybridState) -> bool:
+        """Whether the call's next frame is its first, to be made alone on the megakernel before
+        the round's batched frame (FIRST_ALONE_BELOW)."""
+        return (state.alone_first and state.on_fast and not state.released and state.inner.frame == 0
+                and getattr(state.inner, "preview", None) is None)
 
     def _of(self, state: HybridState):
         if state.released:
@@ -205,7 +247,8 @@ class HybridBackend:
 
     def opening(self, n: int) -> None:
         """`n` calls are about to be opened together (0: done): they are placed as one burst."""
-        self.burst = n
+        self.burst = self.burst_size = n
+        self.bulk_before_burst = self.live_bulk if n else None
 
     def prepare_thread(self, params: SamplingParams) -> None:
         prepare = getattr(self.bulk, "prepare_thread", None)
@@ -227,3 +270,13 @@ class HybridBackend:
             capture = getattr(backend, "capture_all", None)
             if capture is not None:
                 capture(params_list, batches)
+
+
+def _env_count(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if text is None or text.strip() == "":
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a whole number of calls (0: off); got {text!r}") from None

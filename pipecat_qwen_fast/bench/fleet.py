@@ -311,6 +311,7 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 low_before = low_slack_chunks(run.endpoint, served_before)
                 counted_before, _ = counted_rounds(run.endpoint, served_before)
                 refusals_before = engine_refusals(run.endpoint, served_before)
+                alone_before = engine_count(run.endpoint, None, "first_frames_alone", lambda m: None)
                 level_t0 = time.monotonic()
                 with GcPauses() as gc_pauses:
                     utts, wall, caller_lag = await run_callers(run, replies, LevelPlan(
@@ -337,6 +338,10 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                                              else int(low_after - low_before))
                 # Which of the engine's admission settings refused the level's calls.
                 level["refused_by"] = count_delta(refusals_before, engine_refusals(run.endpoint, served_after))
+                # New calls whose first frame ran alone before a round (backends/hybrid.py; in process).
+                alone_after = engine_count(run.endpoint, None, "first_frames_alone", lambda m: None)
+                level["first_frames_alone"] = (None if alone_before is None or alone_after is None
+                                               else alone_after - alone_before)
                 # Where in their streams those chunks came, and the rounds before them (in process).
                 events = getattr(run.endpoint.service, "low_slack_events", None)
                 if events is not None and rounds:
@@ -528,7 +533,9 @@ def main(argv: list[str] | None = None) -> int:
         # The engine switches an A/B turns (device_run.sh fleet2, FLEET2_ENV): which side this is.
         put("engine_switches", {"overlap_vocoder": service.overlap_vocoder, "min_slack_ms": service.min_slack_ms,
                                 "max_round_ms": service.max_round_ms,
-                                "merge_vocoder_sizes": getattr(engine, "merge_vocoder_sizes", None)})
+                                "merge_vocoder_sizes": getattr(engine, "merge_vocoder_sizes", None),
+                                "prepare_opens": service.prepare_opens,
+                                "first_alone_below": getattr(engine.backend, "first_alone_below", None)})
         if args.round_timing:
             service.time_rounds()
         runs = []

@@ -518,6 +518,13 @@ class QwenTTSEngine(text_session.TextSessions):
                              done=done)
         return True
 
+    def starts_alone(self, s: Session) -> bool:
+        """Whether the session's next frame is its first and should run by itself, before a
+        batched round (the auto backend's megakernel side while the batch is small:
+        backends/hybrid.py, FIRST_ALONE_BELOW)."""
+        check = getattr(self.backend, "starts_alone", None)
+        return check is not None and not s.done and s.state is not None and check(s.state)
+
     def step_many(self, sessions: list[Session], meanwhile: Callable[[], None] | None = None
                   ) -> list[list[AudioChunk] | Exception]:
         """One frame for each session; batched on backends that can (one weight read per batch).

@@ -493,6 +493,7 @@ class EngineService:
         # Their count and summed wall time, for a server's /metrics: a scraper's mean round over
         # an interval is the quotient of the two deltas.
         self.rounds = 0
+        self.first_frames_alone = 0  # new streams whose first frame ran by itself before a round
         self.round_seconds = 0.0
         self.round_streams = 0  # sessions stepped, summed over those rounds (streams a round: the quotient)
         # Streams handed in and not yet ended: counted here rather than from the lists, which a
@@ -843,15 +844,18 @@ class EngineService:
             waiting, self._waiting = self._waiting, []
             started = time.perf_counter()  # a round's time includes opening the new streams
             opens = self._take_opens(waiting + new)
+            alone: list[SynthesisStream] = []
             if opens:
                 # Audio deferred from the last round that is already made goes out before the
                 # opens delay this round's frame (and with it the rest of that audio).
                 self._resolve_audio(finished_only=True)
-                self._open(opens)
+                alone = self._first_frames_alone(self._open(opens))
                 self._resolve_audio(finished_only=True)
             self._begin_text_turns()
             ready = []
             for stream in list(self._active):
+                if stream in alone:
+                    continue  # its frame of this round is made
                 if stream.cancel_requested or stream._loop.is_closed():
                     # A closed loop: no consumer will read or close this stream again.
                     stream.cancel_requested = True
@@ -998,8 +1002,28 @@ class EngineService:
                     out[i] = e
         return out
 
-    def _open(self, streams: list[SynthesisStream]) -> None:
-        """Open every stream that arrived since the last round together: one batched prefill."""
+    def _first_frames_alone(self, opened: list[SynthesisStream]) -> list[SynthesisStream]:
+        """The new streams whose first frame the engine makes alone (`QwenTTSEngine.starts_alone`:
+        the auto backend's megakernel while the batch is small), stepped now, each by itself, so
+        that their first chunks go out before the round's batched frame; returns them."""
+        starts_alone = getattr(self._engine, "starts_alone", None)
+        if starts_alone is None:
+            return []
+        alone = [stream for stream in opened if starts_alone(stream.session)]
+        for stream in alone:
+            try:
+                result = self._engine.step_many([stream.session])[0]
+            except Exception as exc:
+                if _is_fatal(exc):
+                    raise
+                result = exc
+            self._after_step(stream, result)
+        self.first_frames_alone += len(alone)
+        return alone
+
+    def _open(self, streams: list[SynthesisStream]) -> list[SynthesisStream]:
+        """Open every stream that arrived since the last round together: one batched prefill.
+        Returns those opened."""
         live = []
         for stream in streams:
             if stream.cancel_requested:
@@ -1007,13 +1031,14 @@ class EngineService:
             else:
                 live.append(stream)
         if not live:
-            return
+            return []
         try:
             results = self._open_sessions(live)
         except Exception as exc:  # the engine refused them all (closed, say)
             if _is_fatal(exc):
                 raise
             results = [exc] * len(live)
+        opened_now = []
         for stream, opened in zip(live, results):
             if isinstance(opened, NoFreeSlotError):
                 # Every KV slot is taken: wait for a running session to finish.
@@ -1026,6 +1051,8 @@ class EngineService:
                 stream.session = opened
                 stream.record.opened = True
                 self._active.append(stream)
+                opened_now.append(stream)
+        return opened_now
 
     def _after_step(self, stream: SynthesisStream, result: list[AudioChunk] | Exception) -> None:
         session = stream.session
