@@ -354,5 +354,37 @@ async def test_a_busy_engine_opens_a_few_calls_a_round_and_the_rest_next(engine)
         EngineService.for_engine(engine, max_opens_per_round=0)
 
 
+async def test_a_call_cancelled_while_it_waits_to_open_is_freed_at_the_next_round(engine):
+    # With a stream live, calls open one a round; the last of twenty queued together is cancelled
+    # (a barge-in on a call still in line) and is ended at the next round, not when its turn to
+    # open comes 19 rounds later. The GPU fleet test's churn cancels queued calls by the hundred.
+    opens = []
+    open_sessions = engine.open_sessions
+
+    def spy(requests, **kwargs):
+        opens.extend(r.text for r in requests)
+        return open_sessions(requests, **kwargs)
+
+    engine.open_sessions = spy
+    try:
+        async with EngineService.for_engine(engine, max_round_ms=None, max_queued_streams=None,
+                                            max_opens_per_round=1) as service:
+            await service.wait_ready()
+            live = service.open_stream(SynthesisRequest("Live.", seed=1, max_frames=400))
+            await asyncio.wait_for(live.__anext__(), TIMEOUT)
+            texts = [f"Call {i}." for i in range(20)]
+            streams = open_together(service, [SynthesisRequest(t, seed=i, max_frames=3) for i, t in enumerate(texts)])
+            record = await asyncio.wait_for(streams[-1].aclose(), TIMEOUT)
+            opened_by_then = sum(t in opens for t in texts)
+            got = [await asyncio.wait_for(service_frames(s), TIMEOUT) for s in streams[:-1]]
+            live.cancel()
+            await asyncio.wait_for(live.wait_closed(), TIMEOUT)
+    finally:
+        del engine.open_sessions
+    assert record.closed and not record.opened and record.stop_reason == "cancelled"
+    assert opened_by_then < 10, f"{opened_by_then} calls ahead of it in line opened before it was freed"
+    assert texts[-1] not in opens and got == [3] * 19
+
+
 async def service_frames(stream) -> int:
     return sum([c.num_frames async for c in stream])

@@ -931,7 +931,15 @@ class EngineService:
     def _take_opens(self, streams: list[SynthesisStream]) -> list[SynthesisStream]:
         """The streams to open this round: all of them on an idle engine (a burst opens together,
         one batched prefill), at most `max_opens_per_round` while streams are live; the rest go
-        back to the front of the inbox, for the next rounds."""
+        back to the front of the inbox, for the next rounds. A call cancelled while it waited ends
+        now, wherever it stands in line: its caller's aclose() (a barge-in) waits for no opens."""
+        waiting = []
+        for stream in streams:
+            if stream.cancel_requested:
+                self._end(stream, None, reason="cancelled")
+            else:
+                waiting.append(stream)
+        streams = waiting
         most = self.max_opens_per_round
         if most is None or not self._active or len(streams) <= most:
             return streams
