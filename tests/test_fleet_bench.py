@@ -573,8 +573,11 @@ def test_callers_split_over_two_processes_against_a_server(served, tmp_path):
         assert p["started_late_ms"] < 500  # each had the plan before the level's start
     server = level["loop_lag"]["server"]
     assert server["n"] > 0 and 0 <= server["p50_ms"] <= server["p99_ms"]
-    # The server's collections over the level, from its /metrics.
-    assert set(level["server_gc_pauses"]) == {"gen0", "gen1", "gen2"}
+    # The server's collections over the level, from its /metrics, summed and by process (this
+    # server runs its engine in its own process: both report).
+    served = level["server_gc_pauses"]
+    assert set(served) == {"gen0", "gen1", "gen2", "by_process"}
+    assert set(served["by_process"]) <= {"server", "engine"} and "server" in served["by_process"]
     md = (out / "fleet.md").read_text()
     assert "split over 2 processes" in md
     (row,) = [line for line in md.splitlines() if line.startswith("| 4 |")]
@@ -706,4 +709,15 @@ def test_served_gc_reads_a_levels_collections_from_the_servers_metrics():
     assert level["gen1"] == {"collections": 0, "total_ms": 0.0, "max_ms": 0.0, "max_is_bound": True}
     full = level["gen2"]
     assert full["collections"] == 2 and full["total_ms"] == 38.0 and full["max_ms"] == 50.0
+    assert list(level["by_process"]) == ["server"]  # no engine process has reported one
     assert served_gc(before, {"qwen_tts_engine_rounds_total": 1.0}) is None  # not published
+    # An engine process's collections: their own series, summed into the totals.
+    for generation, seconds in ((1, 0.012), (2, 0.07)):
+        metrics.observe_gc(generation, seconds, "engine")
+    level = served_gc(before, parse_metrics(metrics.render().decode()))
+    engine, server = level["by_process"]["engine"], level["by_process"]["server"]
+    assert engine["gen1"]["collections"] == 1 and engine["gen1"]["max_ms"] == 20.0
+    assert engine["gen2"] == {"collections": 1, "total_ms": 70.0, "max_ms": 100.0, "max_is_bound": True}
+    assert server["gen2"]["collections"] == 2 and engine["gen0"]["collections"] == 0
+    assert level["gen2"]["collections"] == 3 and level["gen2"]["total_ms"] == 108.0
+    assert level["gen2"]["max_ms"] == 100.0 and level["gen1"]["collections"] == 1

@@ -359,7 +359,7 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                     f"{fa['p50'] or 0:.1f}/{fa['p95'] or 0:.1f} ms, {level['underrun_utterances']} underran, "
                     f"{level['frames_per_s']:.0f} frames/s, {level['refused']} refused{fleet_report.refused_why(level)}, "
                     f"{fleet_report.lag_text(level['loop_lag'])}; {fleet_report.gc_text(level['gc_pauses'])}"
-                    + (f" (server's: {fleet_report.gc_text(level['server_gc_pauses'])})"
+                    + (f" (server's: {fleet_report.served_gc_text(level['server_gc_pauses'])})"
                        if level["server_gc_pauses"] else "") + ", "
                     f"{level['frames_compiled']} frames compiled: "
                     + ("bar met" if level["meets_bar"] else "bar missed"))

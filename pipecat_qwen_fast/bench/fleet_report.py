@@ -56,6 +56,17 @@ def gc_text(pauses: dict | None) -> str:
     return f"full gc {full['collections']}x, longest {bound}{full['max_ms']:.0f} ms"
 
 
+def served_gc_text(pauses: dict) -> str:
+    """A server's collections over a level: the full ones, then gen0 / gen1 / gen2 counts and
+    their ms by process (which process stops what: the engine's its rounds, the server's delivery)."""
+    text = gc_text(pauses)
+    for process, gens in (pauses.get("by_process") or {}).items():
+        counts = " / ".join(str(gens[f"gen{g}"]["collections"]) for g in range(3))
+        ms = sum(gens[f"gen{g}"]["total_ms"] for g in range(3))
+        text += f"; {process} {counts} ({ms:.0f} ms)"
+    return text
+
+
 def lag_text(loop_lag: dict | None) -> str:
     """A level's event-loop lag, p50 / p99 in ms: the server's (from its /metrics), then each
     caller process's."""

@@ -330,27 +330,52 @@ GC_METRIC = "qwen_tts_gc_pause_seconds"
 
 
 def served_gc(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:
-    """A level's collections in a server's process from its /metrics read before and after it, by
+    """A level's collections in a server's processes from its /metrics read before and after it, by
     generation: their count, total ms, and the longest's bucket bound (`max_ms`, an upper bound:
-    the histogram keeps no maximum); None where the server does not publish them."""
+    the histogram keeps no maximum), summed over its processes, and the same for each process
+    under "by_process" (server; engine, where the engine runs in a process of its own); None where
+    the server does not publish them."""
     if before is None or after is None or not any(k.startswith(GC_METRIC) for k in after):
         return None
-    out = {}
-    for gen in (0, 1, 2):
-        label = f'generation="{gen}"'
 
-        def delta(name: str) -> float:
-            return after.get(name, 0.0) - before.get(name, 0.0)
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
 
-        count = delta(f"{GC_METRIC}_count{{{label}}}")
-        total = delta(f"{GC_METRIC}_sum{{{label}}}")
-        prefix = f"{GC_METRIC}_bucket{{{label},le=\""
-        buckets = sorted((float(name[len(prefix):].split('"')[0]), delta(name))
-                         for name in after if name.startswith(prefix))
-        # The first bound by which every one had ended (inf: one took longer than the last bound).
-        longest = next((upper for upper, cumulative in buckets if cumulative >= count), 0.0)
-        out[f"gen{gen}"] = {"collections": int(count), "total_ms": round(1e3 * total, 2),
-                            "max_ms": 1e3 * longest if count else 0.0, "max_is_bound": True}
+    def labels_of(name: str) -> dict[str, str]:
+        inner = name[name.index("{") + 1 : name.rindex("}")] if "{" in name else ""
+        return dict(part.split("=", 1) for part in inner.split(",") if part) if inner else {}
+
+    # (process, generation) -> [count, seconds, [(upper bound, cumulative)]]
+    series: dict[tuple[str, int], list] = {}
+    for name in after:
+        if not name.startswith(GC_METRIC + "_"):
+            continue
+        labels = {k: v.strip('"') for k, v in labels_of(name).items()}
+        if "generation" not in labels:
+            continue
+        key = (labels.get("process", "server"), int(labels["generation"]))
+        entry = series.setdefault(key, [0.0, 0.0, []])
+        if name.startswith(GC_METRIC + "_count"):
+            entry[0] = delta(name)
+        elif name.startswith(GC_METRIC + "_sum"):
+            entry[1] = delta(name)
+        elif name.startswith(GC_METRIC + "_bucket"):
+            entry[2].append((float(labels["le"]), delta(name)))
+
+    def summary(parts: list[list]) -> dict:
+        count = sum(p[0] for p in parts)
+        total = sum(p[1] for p in parts)
+        # The first bound by which every one had ended (inf: one took longer than the last bound),
+        # over the processes: the largest of theirs.
+        longest = max((next((upper for upper, cumulative in sorted(p[2]) if cumulative >= p[0]), 0.0)
+                       for p in parts if p[0]), default=0.0)
+        return {"collections": int(count), "total_ms": round(1e3 * total, 2),
+                "max_ms": 1e3 * longest if count else 0.0, "max_is_bound": True}
+
+    out: dict = {f"gen{gen}": summary([v for (_, g), v in series.items() if g == gen]) for gen in (0, 1, 2)}
+    processes = sorted({p for p, _ in series})
+    out["by_process"] = {p: {f"gen{gen}": summary([v for (q, g), v in series.items() if q == p and g == gen])
+                             for gen in (0, 1, 2)} for p in processes}
     return out
 
 

@@ -38,8 +38,9 @@ def build_app(settings: ServerSettings, service: Any = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if ctx.service is None:
-            # The engine process's collections go into the same histogram as this one's.
-            ctx.service = start_engine(settings, on_gc=ctx.metrics.observe_gc)
+            # The engine process's collections go into the same histogram as this one's, by process.
+            ctx.service = start_engine(settings, on_gc=lambda generation, seconds: ctx.metrics.observe_gc(
+                generation, seconds, "engine"))
         watcher = asyncio.create_task(report_load(ctx, on_load_failure))
         if settings.wait_ready_on_startup:
             await ctx.service.wait_ready()

@@ -85,8 +85,9 @@ class ServerMetrics:
             f"sleeping {LOOP_LAG_INTERVAL_S * 1e3:g} ms, sampled all the time: what every "
             "socket's delivery waited then.", buckets=LOOP_LAG_BUCKETS, registry=r)
         self.gc_pauses = GcPauseHistogram(
-            "qwen_tts_gc_pause_seconds", "Garbage collections in the server's process and how "
-            "long each held the GIL, by generation (2: a full one).", GC_PAUSE_BUCKETS)
+            "qwen_tts_gc_pause_seconds", "Garbage collections and how long each held the GIL, by "
+            "generation (2: a full one) and process: server (the app's), engine (the engine "
+            "process's, where the engine runs in one).", GC_PAUSE_BUCKETS)
         r.register(self.gc_pauses)
         self.streams = Counter(
             "qwen_tts_streams_total", "Engine streams ended, by how: completed, cancelled "
@@ -97,9 +98,9 @@ class ServerMetrics:
             self.underruns.labels(endpoint)
             self.audio_seconds.labels(endpoint)
 
-    def observe_gc(self, generation: int, seconds: float) -> None:
+    def observe_gc(self, generation: int, seconds: float, process: str = "server") -> None:
         """Safe inside the garbage collector's callbacks (GcPauseHistogram)."""
-        self.gc_pauses.observe(generation, seconds)
+        self.gc_pauses.observe(generation, seconds, process)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -123,25 +124,37 @@ class GcPauseHistogram:
     inside prometheus_client's own locked code: a Histogram's `labels(...).observe` there took the
     metric's lock again, held by the interrupted `labels()` of the same thread, and the server's
     event loop deadlocked (stop 49's CI, reproduced on the 2-core machine under load). So the
-    counts are plain lists added to under the GIL, read when scraped; no lock anywhere."""
+    counts are plain lists added to under the GIL, read when scraped; no lock anywhere.
+
+    By process too: the engine process's collections stop the engine thread (its rounds, the
+    slack of every chunk), the server's stop delivery; on the H200 the two summed were 4-5x the
+    in-process benchmark's at 464 fleet callers (session 40). The server's series are always
+    published, the engine process's once it has reported a collection."""
+
+    PROCESSES = ("server", "engine")
 
     def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
         self._name, self._documentation = name, documentation
         self._bounds = list(buckets)
-        self._counts = [[0] * (len(buckets) + 1) for _ in range(3)]  # the last: over every bound
-        self._sums = [0.0, 0.0, 0.0]
+        # process -> generation -> counts per bucket (the last: over every bound)
+        self._counts = {p: [[0] * (len(buckets) + 1) for _ in range(3)] for p in self.PROCESSES}
+        self._sums = {p: [0.0, 0.0, 0.0] for p in self.PROCESSES}
 
-    def observe(self, generation: int, seconds: float) -> None:
-        self._counts[generation][bisect.bisect_left(self._bounds, seconds)] += 1
-        self._sums[generation] += seconds
+    def observe(self, generation: int, seconds: float, process: str = "server") -> None:
+        self._counts[process][generation][bisect.bisect_left(self._bounds, seconds)] += 1
+        self._sums[process][generation] += seconds
 
     def collect(self):
-        family = HistogramMetricFamily(self._name, self._documentation, labels=["generation"])
-        for generation in range(3):
-            cumulative = list(itertools.accumulate(list(self._counts[generation])))
-            buckets = [(floatToGoString(b), float(c)) for b, c in zip(self._bounds, cumulative)]
-            buckets.append(("+Inf", float(cumulative[-1])))
-            family.add_metric([str(generation)], buckets, self._sums[generation])
+        family = HistogramMetricFamily(self._name, self._documentation, labels=["generation", "process"])
+        for process in self.PROCESSES:
+            counts = self._counts[process]
+            if process != "server" and not any(map(any, counts)):
+                continue
+            for generation in range(3):
+                cumulative = list(itertools.accumulate(list(counts[generation])))
+                buckets = [(floatToGoString(b), float(c)) for b, c in zip(self._bounds, cumulative)]
+                buckets.append(("+Inf", float(cumulative[-1])))
+                family.add_metric([str(generation), process], buckets, self._sums[process][generation])
         yield family
 
 

@@ -206,13 +206,14 @@ async def test_gc_pauses_are_metered_while_the_app_runs_and_not_after(endless_se
     registry = app.state.qwen_tts.metrics.registry
 
     def full() -> float:
-        return registry.get_sample_value("qwen_tts_gc_pause_seconds_count", {"generation": "2"}) or 0
+        return registry.get_sample_value("qwen_tts_gc_pause_seconds_count",
+                                         {"generation": "2", "process": "server"}) or 0
 
     async with app.router.lifespan_context(app):
         before = full()
         gc.collect()
         assert full() == before + 1
-        assert registry.get_sample_value("qwen_tts_gc_pause_seconds_sum", {"generation": "2"}) > 0
+        assert registry.get_sample_value("qwen_tts_gc_pause_seconds_sum", {"generation": "2", "process": "server"}) > 0
     after = full()
     gc.collect()
     assert full() == after  # the collector's callback went with the app
