@@ -117,6 +117,8 @@ class AudioStream:
         except StopAsyncIteration:
             self._outcome = self._outcome or "completed"
             return None
+        except asyncio.CancelledError:
+            raise  # the request's task was cancelled (its client left): counted as cancelled at aclose()
         except BaseException:
             self._outcome = self._outcome or "failed"
             raise

@@ -191,6 +191,13 @@ async def test_text_before_session_config_is_refused(server):
 async def test_socket_that_leaves_mid_stream_frees_its_engine_session(server, endless_service,
                                                                       how):
     before = endless_service.streams_opened
+    registry = server.ctx.metrics.registry
+
+    def outcomes() -> dict[str, float]:
+        return {o: registry.get_sample_value("qwen_tts_streams_total", {"endpoint": "ws", "outcome": o}) or 0
+                for o in ("completed", "cancelled", "failed")}
+
+    counted = outcomes()
     async with aiohttp.ClientSession() as http, http.ws_connect(server.ws_url) as ws:
         await ws.send_json({**CONFIG, "max_new_tokens": 400})
         await ws.send_json({"type": "input.text", "text": LONG_TEXT})
@@ -208,6 +215,10 @@ async def test_socket_that_leaves_mid_stream_frees_its_engine_session(server, en
                what="the stream to be freed")
     (record,) = endless_service.records_since(before)
     assert record.stop_reason == "cancelled" and record.frames_decoded < 400
+    # /metrics: the client left (or broke the protocol); the engine did not fail.
+    await eventually(lambda: sum(outcomes().values()) > sum(counted.values()), what="the stream to be counted")
+    now = outcomes()
+    assert {o: now[o] - counted[o] for o in now} == {"completed": 0, "cancelled": 1, "failed": 0}
 
 
 BAD_CONFIGS = [
