@@ -23,3 +23,37 @@ async def collect_all(streams, timeout: float) -> list[list]:
         return [c async for c in stream]
 
     return await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), timeout)
+
+
+async def open_staggered(service, requests, timeout: float) -> list:
+    """Each call opened once the one before it has its first chunk, so every open after the first
+    arrives while rounds run; returns each stream's chunks, or the error it raised."""
+
+    async def read(stream, first: asyncio.Event):
+        chunks = []
+        try:
+            async for chunk in stream:
+                chunks.append(chunk)
+                first.set()
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            return e
+        finally:
+            first.set()
+        return chunks
+
+    tasks = []
+    for r in requests:
+        first = asyncio.Event()
+        tasks.append(asyncio.create_task(read(service.open_stream(r), first)))
+        await asyncio.wait_for(first.wait(), timeout)
+    return await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+
+
+def step_until_done(engine, sessions) -> list:
+    """Rounds of `engine.step_many` until every session is done (none may fail); each one's codes."""
+    import numpy as np
+
+    while not all(s.done for s in sessions):
+        results = engine.step_many(sessions)
+        assert not any(isinstance(r, Exception) for r in results), results
+    return [np.stack(s.codes) for s in sessions]

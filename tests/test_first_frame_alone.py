@@ -7,10 +7,9 @@ per-call side (the megakernel on a GPU), the graph backend's batched frame run e
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
+from helpers_service import open_staggered, step_until_done
 
 from pipecat_qwen_fast import QwenTTSEngine, SynthesisRequest
 from pipecat_qwen_fast.backends.graph import GraphBackend
@@ -44,13 +43,6 @@ def solo_codes(engine, req) -> np.ndarray:
     return engine.generate_codes(req.text, voice=req.voice, greedy=True, max_frames=req.max_frames).numpy()
 
 
-def run_all(engine, sessions) -> list[np.ndarray]:
-    while not all(s.done for s in sessions):
-        results = engine.step_many(sessions)
-        assert not any(isinstance(r, Exception) for r in results), results
-    return [np.stack(s.codes) for s in sessions]
-
-
 def test_a_call_joining_a_small_batch_makes_its_first_frame_alone_then_moves(engine):
     hb = engine.backend
     reqs = [request(i, frames=5 + i) for i in range(2)]
@@ -67,7 +59,7 @@ def test_a_call_joining_a_small_batch_makes_its_first_frame_alone_then_moves(eng
     assert joining.state.on_fast and not engine.starts_alone(joining) and hb.moved == moved
     engine.step_many([first, joining])
     assert hb.moved == moved + 1 and not joining.state.on_fast
-    codes = run_all(engine, [first, joining])
+    codes = step_until_done(engine, [first, joining])
     for got, expected in zip(codes, want):
         np.testing.assert_array_equal(got, expected)
     assert (hb.live_fast, hb.live_bulk) == (0, 0)
@@ -106,28 +98,6 @@ def test_a_bad_switch_names_itself(tiny_checkpoint, monkeypatch):
         HybridBackend(object(), object(), first_alone_below=-1)
 
 
-async def staggered(service: EngineService, requests: list[SynthesisRequest]) -> list:
-    """Each call opened once the one before it has its first chunk, so every open after the first
-    joins a live batch; returns each stream's chunks."""
-
-    async def read(stream, first: asyncio.Event):
-        chunks = []
-        try:
-            async for chunk in stream:
-                chunks.append(chunk)
-                first.set()
-        finally:
-            first.set()
-        return chunks
-
-    tasks = []
-    for r in requests:
-        first = asyncio.Event()
-        tasks.append(asyncio.create_task(read(service.open_stream(r), first)))
-        await asyncio.wait_for(first.wait(), TIMEOUT)
-    return await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT)
-
-
 async def test_the_service_runs_a_joining_calls_first_frame_before_the_round(engine):
     hb = engine.backend
     requests = [request(i, frames=6 + i % 3) for i in range(4)]
@@ -144,13 +114,14 @@ async def test_the_service_runs_a_joining_calls_first_frame_before_the_round(eng
     try:
         async with EngineService.for_engine(engine) as service:
             await service.wait_ready()
-            out = await staggered(service, requests)
+            out = await open_staggered(service, requests, TIMEOUT)
             alone = service.first_frames_alone
     finally:
         del engine.step_many
     assert alone >= 1, "no joining call made its first frame alone"
     assert hb.first_alone >= alone
     for i, (chunks, expected) in enumerate(zip(out, want)):
+        assert not isinstance(chunks, Exception), (i, chunks)
         np.testing.assert_array_equal(np.concatenate([c.codes for c in chunks]), expected, err_msg=f"call {i}")
     # Each first frame made alone was a step of that call by itself, and the round that followed
     # (the batched frame of the others) did not step it again.

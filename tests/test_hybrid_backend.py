@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers_service import step_until_done
 
 from pipecat_qwen_fast import QwenTTSEngine, SynthesisRequest
 from pipecat_qwen_fast.backends.eager import TorchBackend
@@ -43,13 +44,6 @@ def _solo(engine, req, on_fast):
     while not s.done:
         engine.step(s)
     return np.stack(s.codes)
-
-
-def _run(engine, sessions):
-    while not all(s.done for s in sessions):
-        results = engine.step_many(sessions)
-        assert not any(isinstance(r, Exception) for r in results), results
-    return [np.stack(s.codes) for s in sessions]
 
 
 def test_few_calls_on_fast_more_move_into_the_batch(engine):
@@ -99,7 +93,7 @@ def test_moved_calls_continue_exactly(engine, run_ahead):
         assert all((s.ahead is not None) == run_ahead for s in first)
         moved = engine.backend.moved
         first.append(engine.open_session(reqs[2]))
-        results = _run(engine, first)
+        results = step_until_done(engine, first)
     finally:
         engine.run_ahead = False
         for s in first:  # a failed assertion must not leave calls live for the next test
@@ -114,7 +108,7 @@ def test_moved_sampled_calls_repeat(engine):
         first = [engine.open_session(_request(i)) for i in range(2)]
         for _ in range(3):
             engine.step_many(first)
-        return _run(engine, first + [engine.open_session(_request(2))])
+        return step_until_done(engine, first + [engine.open_session(_request(2))])
 
     a, b = scenario(), scenario()
     assert all(np.array_equal(x, y) for x, y in zip(a, b)), "same seeds, same moment of the move: same codes"
@@ -133,7 +127,7 @@ def test_mixed_rounds_equal_each_call_alone(engine):
             sessions = [engine.open_session(r) for r in reqs[:2]]
         with hb.placed(False):
             sessions += [engine.open_session(r) for r in reqs[2:]]
-        for codes, expected in zip(_run(engine, sessions), solo):
+        for codes, expected in zip(step_until_done(engine, sessions), solo):
             assert np.array_equal(codes, expected)
     finally:
         hb.can_move = True
@@ -144,7 +138,7 @@ def test_full_batch_overflows_to_fast(tiny_checkpoint):
     engine = _hybrid_engine(tiny_checkpoint("custom_voice", zero_eos=True), fast_sessions=0, max_sessions=2)
     sessions = [engine.open_session(_request(i, frames=2)) for i in range(3)]
     assert [s.state.on_fast for s in sessions] == [False, False, True]
-    assert all(len(c) == 2 for c in _run(engine, sessions))
+    assert all(len(c) == 2 for c in step_until_done(engine, sessions))
     assert (engine.backend.live_fast, engine.backend.live_bulk) == (0, 0)
 
 
@@ -154,7 +148,7 @@ def test_move_stops_when_the_batch_is_full(tiny_checkpoint):
     engine.step_many(sessions)
     # The third call takes a slot, the first moves into the last one, the second stays.
     assert [s.state.on_fast for s in sessions] == [False, True, False]
-    assert all(len(c) == 3 for c in _run(engine, sessions))
+    assert all(len(c) == 3 for c in step_until_done(engine, sessions))
     assert (engine.backend.live_fast, engine.backend.live_bulk) == (0, 0)
 
 
@@ -218,7 +212,7 @@ def test_burst_opened_together(engine):
         hb.bulk.batched_prefill_min = 8
     assert [s.state.on_fast for s in sessions] == [False] * 4 and hb.burst == 0
     assert hb.bulk.batched_prefills == before + 1
-    for codes, expected in zip(_run(engine, sessions), solo):
+    for codes, expected in zip(step_until_done(engine, sessions), solo):
         assert np.array_equal(codes, expected)
     assert hb.moved == moved and (hb.live_fast, hb.live_bulk) == (0, 0)
 
@@ -245,5 +239,5 @@ def test_a_call_with_a_previewed_frame_stays_until_that_frame_has_run(tiny_check
         del hb.bulk.adopt_state
     assert moves == [1], "moved before its previewed frame ran"
     assert torch.equal(torch.from_numpy(s.codes[0]), previewed.cpu())
-    codes = _run(engine, [s, other])[0]
+    codes = step_until_done(engine, [s, other])[0]
     assert hb.moved >= 1 and np.array_equal(codes, want)

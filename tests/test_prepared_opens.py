@@ -14,6 +14,8 @@ import dataclasses
 import numpy as np
 import pytest
 
+from helpers_service import open_staggered
+
 from pipecat_qwen_fast import InvalidInputError, QwenTTSEngine, SynthesisRequest
 from pipecat_qwen_fast.backends.graph import GraphBackend
 from pipecat_qwen_fast.engine.service import EngineService
@@ -34,35 +36,11 @@ def request(i: int, frames: int = 6, **kw) -> SynthesisRequest:
                             greedy=True, first_chunk_frames=1, chunk_frames=2, **kw)
 
 
-async def staggered(service: EngineService, requests: list[SynthesisRequest]) -> list:
-    """Each call opened once the one before it has its first chunk, so every open after the first
-    arrives while rounds run; returns each stream's chunks, or the error it raised."""
-
-    async def read(stream, first: asyncio.Event):
-        chunks = []
-        try:
-            async for chunk in stream:
-                chunks.append(chunk)
-                first.set()
-        except Exception as e:  # noqa: BLE001 - the test looks at it
-            first.set()
-            return e
-        first.set()
-        return chunks
-
-    tasks = []
-    for r in requests:
-        first = asyncio.Event()
-        tasks.append(asyncio.create_task(read(service.open_stream(r), first)))
-        await asyncio.wait_for(first.wait(), TIMEOUT)
-    return await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT)
-
-
 async def run(engine, requests, prepare: bool, **kw) -> tuple[list, int]:
     before = engine.prepared_opens
     async with EngineService.for_engine(engine, prepare_opens=prepare, **kw) as service:
         await service.wait_ready()
-        out = await staggered(service, requests)
+        out = await open_staggered(service, requests, TIMEOUT)
     return out, engine.prepared_opens - before
 
 

@@ -928,18 +928,22 @@ class EngineService:
         if self._engine is not None and getattr(self._engine, "defer_vocoder_audio", False):
             self._engine.resolve_deferred_audio(finished_only)
 
+    def _end_cancelled(self, streams: list[SynthesisStream]) -> list[SynthesisStream]:
+        """Ends the streams cancelled before they opened (they hold nothing yet); the rest."""
+        rest = []
+        for stream in streams:
+            if stream.cancel_requested:
+                self._end(stream, None, reason="cancelled")
+            else:
+                rest.append(stream)
+        return rest
+
     def _take_opens(self, streams: list[SynthesisStream]) -> list[SynthesisStream]:
         """The streams to open this round: all of them on an idle engine (a burst opens together,
         one batched prefill), at most `max_opens_per_round` while streams are live; the rest go
         back to the front of the inbox, for the next rounds. A call cancelled while it waited ends
         now, wherever it stands in line: its caller's aclose() (a barge-in) waits for no opens."""
-        waiting = []
-        for stream in streams:
-            if stream.cancel_requested:
-                self._end(stream, None, reason="cancelled")
-            else:
-                waiting.append(stream)
-        streams = waiting
+        streams = self._end_cancelled(streams)
         most = self.max_opens_per_round
         if most is None or not self._active or len(streams) <= most:
             return streams
@@ -1032,12 +1036,7 @@ class EngineService:
     def _open(self, streams: list[SynthesisStream]) -> list[SynthesisStream]:
         """Open every stream that arrived since the last round together: one batched prefill.
         Returns those opened."""
-        live = []
-        for stream in streams:
-            if stream.cancel_requested:
-                self._end(stream, None, reason="cancelled")
-            else:
-                live.append(stream)
+        live = self._end_cancelled(streams)  # cancelled since _take_opens: nothing to open
         if not live:
             return []
         try:
