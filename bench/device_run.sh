@@ -2,7 +2,8 @@
 # Several measurements in ONE device call, on one machine that loads each thing once:
 #   run(command="bash bench/device_run.sh ckpt startup fleet", kind="nvidia-h200", timeout_s=600)
 # Steps, in the order given:
-#   ckpt        build the random 0.6B CustomVoice checkpoint (EOS row zeroed) unless it exists
+#   ckpt        build the random 0.6B (CKPT_SIZE=1.7b: 1.7B) CustomVoice checkpoint (EOS row zeroed)
+#               unless it exists
 #   startup     qwen-fast-tts bench startup: cold, warm (and prepared) starts, phases timed
 #   fleet       qwen-fast-tts bench fleet, closed loop, with what is left of DEVICE_SECONDS
 #   fleet2      the same again on a fresh engine with FLEET2_ENV set (an A/B of an engine setting)
@@ -92,7 +93,9 @@ tree=$(idx=$(mktemp) && GIT_INDEX_FILE=$idx git read-tree HEAD 2>/dev/null \
 # The checkpoint and the engine cache live in ignored folders of the device's copy, which a warm
 # machine keeps between calls: a call that follows within its idle window loads warm (~100 s, not
 # ~300) without carrying anything.
-ck=$PWD/.ckpt/qwen-fast-ck-0.6b-cv
+# CKPT_SIZE=1.7b: every step on the random 1.7B CustomVoice instead (issue 34 asks its capacity).
+size=${CKPT_SIZE:-0.6b}
+ck=$PWD/.ckpt/qwen-fast-ck-$size-cv
 export QWEN_FAST_CACHE=${QWEN_FAST_CACHE:-$PWD/.devcache/engine}
 [ -d "$QWEN_FAST_CACHE" ] && echo "engine cache kept from an earlier call: $(du -sh "$QWEN_FAST_CACHE" | cut -f1)"
 if ls .devcache/cache.txz.part-* >/dev/null 2>&1; then
@@ -124,7 +127,7 @@ PY
     for step in "$@"; do
         echo "== step $step at $(( $(date +%s) - t0 )) s, $(left) s left"
         case $step in
-            ckpt) [ -f "$ck/model.safetensors" ] || python3 -m pipecat_qwen_fast.checkpoints.build --size 0.6b \
+            ckpt) [ -f "$ck/model.safetensors" ] || python3 -m pipecat_qwen_fast.checkpoints.build --size "$size" \
                       --variant custom_voice --zero-eos --out "$ck" ;;
             startup) python3 -m pipecat_qwen_fast.cli bench startup --model "$ck" --out "$out/startup" \
                          --runs "${STARTUP_RUNS:-cold,warm}" --timeout "$(left)" ;;
@@ -233,9 +236,9 @@ from livekit.plugins import qwen_fast' ;;
                                 bench streaming-text --model "$ck" --frameworks "$fw" --out "$out/streaming" \
                                 ${STREAMING_ARGS:---runs 8} ;;
             voice-clone) [ -f "$ck-base/model.safetensors" ] || python3 -m pipecat_qwen_fast.checkpoints.build \
-                             --size 0.6b --variant base --zero-eos --out "$ck-base"
+                             --size "$size" --variant base --zero-eos --out "$ck-base"
                          [ -f "$ck/model.safetensors" ] || python3 -m pipecat_qwen_fast.checkpoints.build \
-                             --size 0.6b --variant custom_voice --zero-eos --out "$ck"
+                             --size "$size" --variant custom_voice --zero-eos --out "$ck"
                          python3 -m pipecat_qwen_fast.cli bench voice-clone --model "$ck-base" \
                              --custom-voice-model "$ck" --device cuda --seconds 10 --repeats 20 \
                              --frames 160 --frame-repeats 5 --out "$out/voice_clone.json" ;;
