@@ -7,6 +7,8 @@ per-call side (the megakernel on a GPU), the graph backend's batched frame run e
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from helpers_service import open_staggered, step_until_done
@@ -134,3 +136,32 @@ async def test_the_service_runs_a_joining_calls_first_frame_before_the_round(eng
         later = [f for r in rounds[k + 1:] for s, f, _ in r if s is call]
         assert later[:1] == [1], "its second frame did not follow its first"
     assert (hb.live_fast, hb.live_bulk) == (0, 0)
+
+
+async def test_a_call_whose_first_frame_ran_alone_goes_on_while_the_batch_waits_for_text(engine):
+    # The batch's one call is a streamed turn waiting for its next words; a call joins and makes
+    # its first frame alone, so the rest of that round steps nothing. The engine thread must go on
+    # with the new call, not sleep until the turn's text or idle timeout (60 s here) or a reader
+    # wakes it: this call's reader reads nothing until all its audio is made.
+    req = SynthesisRequest("", voice="ryan", seed=1, greedy=True, text_mode="dual_track", first_chunk_frames=1,
+                           chunk_frames=2, vocode=False)
+    async with EngineService.for_engine(engine) as service:
+        await service.wait_ready()
+        turn = service.open_text_stream(req, idle_timeout_s=60)
+        turn.append("Some first words of the reply, and then a pause")
+        await asyncio.wait_for(turn.__anext__(), TIMEOUT)
+        rounds = -1
+        while service.rounds != rounds:  # until the turn has spoken its words and waits for more
+            rounds = service.rounds
+            await asyncio.sleep(0.3)
+        assert not turn.done and engine.backend.live_bulk == 1
+        joining = service.open_stream(request(1, frames=6))
+        for _ in range(200):  # 20 s
+            if joining.done:
+                break
+            await asyncio.sleep(0.1)
+        assert joining.done, f"the call stopped after {joining.buffered} chunk(s)"
+        assert service.first_frames_alone == 1
+        assert sum(c.num_frames for c in [c async for c in joining]) == 6
+        turn.cancel()
+        await asyncio.wait_for(turn.wait_closed(), TIMEOUT)

@@ -869,11 +869,14 @@ class EngineService:
                 round_s = self.round_ms / 1e3
                 due = [stream for stream in ready if not stream.may_sit_out(now, self.max_lead_s, round_s)]
                 ready = due or ready  # nobody due: all run, the GPU never idles
-            if ready:
-                # One frame for every ready session; the engine batches them where it can.
+            if ready or alone:
+                # One frame for every ready session; the engine batches them where it can. A round
+                # whose only frames ran alone is a round too: those streams go on at once, not
+                # when something next wakes an idle engine.
                 try:
                     meanwhile = self._prepare_opens if self.prepare_opens else None
-                    results = self._engine.step_many([stream.session for stream in ready], meanwhile=meanwhile)
+                    results = (self._engine.step_many([stream.session for stream in ready], meanwhile=meanwhile)
+                               if ready else [])
                 except Exception as exc:
                     if _is_fatal(exc):
                         raise
@@ -887,9 +890,9 @@ class EngineService:
                 self.round_ms = smoothed_round_ms(self.round_ms, ms, self.max_round_ms)
                 self.rounds += 1
                 self.round_seconds += ms / 1e3
-                self.round_streams += len(ready)
+                self.round_streams += len(ready) + len(alone)
                 if timer is not None:
-                    timer.end(len(ready))
+                    timer.end(len(ready) + len(alone))
             elif self._waiting and not self._active:
                 raise RuntimeError("a stream waits for a KV slot but no session holds one")
             else:
