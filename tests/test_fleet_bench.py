@@ -694,6 +694,23 @@ def test_frames_compiled_counts_a_compile_in_this_process():
     assert fleet.frames_compiled() == before + 1
 
 
+def test_low_slack_chunks_are_placed_against_the_long_collections_before_them():
+    from pipecat_qwen_fast.bench.fleet_workload import gc_near_low_slack
+
+    # Collections (generation, ms) ending at 10.0, 10.5 (short: not counted), 12.0 and 12.05 s.
+    pauses, ended = [(2, 40.0), (0, 0.4), (1, 8.0), (0, 6.0)], [10.0, 10.5, 12.0, 12.05]
+    events = [(10.05, 0.012, 1, False),   # 50 ms after the full collection
+              (10.52, 0.015, 1, False),   # after a short one only
+              (12.08, 0.002, 2, True),    # after two long ones: the longer (gen1) is its
+              (15.0, 0.018, 1, False)]    # after none
+    got = gc_near_low_slack(events, pauses, ended, level_wall_s=20.0)
+    assert got["chunks"] == 4 and got["after_a_long_collection"] == 2
+    assert got["longest_generation"] == {"gen1": 1, "gen2": 1} and got["longest_ms"] == 40.0
+    # Windows [10.0, 10.1] and [12.0, 12.15] cover 0.25 s of 20.
+    assert got["chance"] == pytest.approx(0.25 / 20)
+    assert gc_near_low_slack([], pauses, ended, 20.0) is None
+
+
 def test_served_gc_reads_a_levels_collections_from_the_servers_metrics():
     from pipecat_qwen_fast.bench.fleet_workload import parse_metrics, served_gc
     from pipecat_qwen_fast.server.metrics import ServerMetrics

@@ -59,6 +59,7 @@ from pipecat_qwen_fast.bench.fleet_workload import (
     Utterance,
     capacity,
     fleet_replies,
+    gc_near_low_slack,
     histogram_lag,
     labelled,
     place_low_slack,
@@ -346,6 +347,10 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 events = getattr(run.endpoint.service, "low_slack_events", None)
                 if events is not None and rounds:
                     level["low_slack"] = place_low_slack(events(level_t0), rounds)
+                # And whether a long collection in this process (the engine's) came just before them.
+                if events is not None:
+                    level["low_slack_gc"] = gc_near_low_slack(events(level_t0), gc_pauses.pauses,
+                                                              gc_pauses.ended_at, wall)
                 level["misses"] = verdict(level, bar_ms, underruns_count=closed)
                 level["meets_bar"] = not level["misses"]
                 section["levels"].append(level)

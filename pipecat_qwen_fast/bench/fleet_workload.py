@@ -210,6 +210,41 @@ def summarize_rounds(rounds: list, level_wall_s: float) -> dict | None:
     }
 
 
+# A low-slack chunk counts as near a collection that ended this long before it: about a round or
+# two at capacity, the time in which a pause spends a chunk's 20 ms margin.
+GC_NEAR_LOW_SLACK_S = 0.1
+# The pauses counted as long enough to matter against that margin.
+GC_LONG_PAUSE_MS = 5.0
+
+
+def gc_near_low_slack(events: list[tuple[float, float, int, bool]], pauses: list[tuple[int, float]],
+                      ended_at: list[float], level_wall_s: float,
+                      window_s: float = GC_NEAR_LOW_SLACK_S) -> dict | None:
+    """Of the chunks that came under the engine's slack margin (`EngineService.low_slack_events`),
+    how many had a collection of at least GC_LONG_PAUSE_MS in the engine's process end within
+    `window_s` before them, the longest's generation, and the chance of that for any instant of
+    the level (the share of its wall time those windows cover): whether the collector, which
+    stops the engine thread, is what spends the margin. `pauses` and `ended_at` are GcPauses'."""
+    if not events:
+        return None
+    long_ends = sorted((end, g, ms) for (g, ms), end in zip(pauses, ended_at) if ms >= GC_LONG_PAUSE_MS)
+    near = []
+    for at, *_ in events:
+        window = [(g, ms) for end, g, ms in long_ends if at - window_s <= end <= at]
+        if window:
+            near.append(max(window, key=lambda p: p[1]))
+    covered, until = 0.0, float("-inf")
+    for end, _, _ in long_ends:  # the union of [end, end + window_s]
+        covered += end + window_s - max(end, until)
+        until = end + window_s
+    by_gen = collections.Counter(g for g, _ in near)
+    return {"chunks": len(events), "window_ms": 1e3 * window_s, "pause_ms_at_least": GC_LONG_PAUSE_MS,
+            "after_a_long_collection": len(near),
+            "longest_generation": {f"gen{g}": by_gen[g] for g in sorted(by_gen)},
+            "longest_ms": max((ms for _, ms in near), default=0.0),
+            "chance": min(1.0, covered / level_wall_s) if level_wall_s > 0 else None}
+
+
 # Rounds before a low-slack chunk that are placed with it: a stream's second chunk (the most
 # often low) is made over the two rounds after the one that sent its first.
 ROUNDS_BEFORE_LOW = 3

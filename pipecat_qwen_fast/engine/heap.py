@@ -64,10 +64,15 @@ class GcPauses:
 
     def __init__(self) -> None:
         self.pauses: list[tuple[int, float]] = []  # (generation, ms)
+        self.ended_at: list[float] = []  # time.monotonic() at each one's end, in the same order
         self._stop: Callable[[], None] | None = None
 
     def __enter__(self) -> Self:
-        self._stop = watch_gc(lambda generation, s: self.pauses.append((generation, s * 1e3)))
+        def observe(generation: int, seconds: float) -> None:
+            self.pauses.append((generation, seconds * 1e3))
+            self.ended_at.append(time.monotonic())
+
+        self._stop = watch_gc(observe)
         return self
 
     def __exit__(self, *exc: object) -> None:
