@@ -151,8 +151,8 @@ class HybridBackend:
             return
         before = self.moved
         for hs in list(self.on_fast):
-            if hs.alone_first and hs.inner.frame == 0:
-                continue  # placed to make its first frame here (starts_alone); it moves after
+            if self.starts_alone(hs):
+                continue  # placed to make its first frame here; it moves after
             if getattr(hs.inner, "preview", None) is not None:
                 # Its frame 0 was sent from a preview (streamed text, engine/text_first_frame.py):
                 # that frame finishes here, with the codes already sent, and the call moves after.
