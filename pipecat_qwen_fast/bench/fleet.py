@@ -312,7 +312,9 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 low_before = low_slack_chunks(run.endpoint, served_before)
                 counted_before, _ = counted_rounds(run.endpoint, served_before)
                 refusals_before = engine_refusals(run.endpoint, served_before)
-                alone_before = engine_count(run.endpoint, None, "first_frames_alone", lambda m: None)
+                # New calls whose first frame ran alone before a round (backends/hybrid.py; in process).
+                alone_service = _counting_service(run.endpoint, "first_frames_alone")
+                alone_before = alone_service.first_frames_alone if alone_service is not None else None
                 level_t0 = time.monotonic()
                 with GcPauses() as gc_pauses:
                     utts, wall, caller_lag = await run_callers(run, replies, LevelPlan(
@@ -339,18 +341,16 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                                              else int(low_after - low_before))
                 # Which of the engine's admission settings refused the level's calls.
                 level["refused_by"] = count_delta(refusals_before, engine_refusals(run.endpoint, served_after))
-                # New calls whose first frame ran alone before a round (backends/hybrid.py; in process).
-                alone_after = engine_count(run.endpoint, None, "first_frames_alone", lambda m: None)
-                level["first_frames_alone"] = (None if alone_before is None or alone_after is None
-                                               else alone_after - alone_before)
-                # Where in their streams those chunks came, and the rounds before them (in process).
-                events = getattr(run.endpoint.service, "low_slack_events", None)
-                if events is not None and rounds:
-                    level["low_slack"] = place_low_slack(events(level_t0), rounds)
-                # And whether a long collection in this process (the engine's) came just before them.
-                if events is not None:
-                    level["low_slack_gc"] = gc_near_low_slack(events(level_t0), gc_pauses.pauses,
-                                                              gc_pauses.ended_at, wall)
+                level["first_frames_alone"] = (None if alone_before is None
+                                               else alone_service.first_frames_alone - alone_before)
+                # Where in their streams those chunks came, the rounds before them, and whether a long
+                # collection in this process (the engine's) came just before them (in process).
+                low_events = getattr(run.endpoint.service, "low_slack_events", None)
+                if low_events is not None:
+                    events = low_events(level_t0)
+                    if rounds:
+                        level["low_slack"] = place_low_slack(events, rounds)
+                    level["low_slack_gc"] = gc_near_low_slack(events, gc_pauses.pauses, gc_pauses.ended_at, wall)
                 level["misses"] = verdict(level, bar_ms, underruns_count=closed)
                 level["meets_bar"] = not level["misses"]
                 section["levels"].append(level)
