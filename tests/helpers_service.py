@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def open_together(service, requests) -> list:
@@ -57,3 +59,20 @@ def step_until_done(engine, sessions) -> list:
         results = engine.step_many(sessions)
         assert not any(isinstance(r, Exception) for r in results), results
     return [np.stack(s.codes) for s in sessions]
+
+
+@contextmanager
+def recording_opens(engine) -> Iterator[list[list[str]]]:
+    """`engine.open_sessions` spied on while inside: yields the list of each call's request texts."""
+    opens: list[list[str]] = []
+    open_sessions = engine.open_sessions
+
+    def spy(requests, **kwargs):
+        opens.append([r.text for r in requests])
+        return open_sessions(requests, **kwargs)
+
+    engine.open_sessions = spy
+    try:
+        yield opens
+    finally:
+        del engine.open_sessions

@@ -8,7 +8,7 @@ import asyncio
 import time
 
 import pytest
-from helpers_service import open_together
+from helpers_service import open_together, recording_opens
 
 from pipecat_qwen_fast import EngineOverloadedError, QwenTTSEngine, SynthesisRequest
 from pipecat_qwen_fast.engine.service import EngineService, smoothed_round_ms
@@ -328,15 +328,7 @@ async def test_a_stream_sits_out_only_while_its_lead_covers_the_rest_of_its_chun
 async def test_a_busy_engine_opens_a_few_calls_a_round_and_the_rest_next(engine):
     # With a stream live, six calls arriving together open over two rounds (4, then 2), in order;
     # each gets its whole audio.
-    opens = []
-    open_sessions = engine.open_sessions
-
-    def spy(requests, **kwargs):
-        opens.append([r.text for r in requests])
-        return open_sessions(requests, **kwargs)
-
-    engine.open_sessions = spy
-    try:
+    with recording_opens(engine) as opens:
         async with EngineService.for_engine(engine, max_round_ms=None, max_opens_per_round=4) as service:
             await service.wait_ready()
             live = service.open_stream(SynthesisRequest("Live.", seed=1, max_frames=80))
@@ -346,8 +338,6 @@ async def test_a_busy_engine_opens_a_few_calls_a_round_and_the_rest_next(engine)
             got = [await asyncio.wait_for(service_frames(s), TIMEOUT) for s in streams]
             live.cancel()
             await asyncio.wait_for(live.wait_closed(), TIMEOUT)
-    finally:
-        del engine.open_sessions
     assert got == [5] * 6
     assert opens[1:] == [texts[:4], texts[4:]], opens
     with pytest.raises(ValueError, match="max_opens_per_round"):
@@ -358,15 +348,7 @@ async def test_a_call_cancelled_while_it_waits_to_open_is_freed_at_the_next_roun
     # With a stream live, calls open one a round; the last of twenty queued together is cancelled
     # (a barge-in on a call still in line) and is ended at the next round, not when its turn to
     # open comes 19 rounds later. The GPU fleet test's churn cancels queued calls by the hundred.
-    opens = []
-    open_sessions = engine.open_sessions
-
-    def spy(requests, **kwargs):
-        opens.extend(r.text for r in requests)
-        return open_sessions(requests, **kwargs)
-
-    engine.open_sessions = spy
-    try:
+    with recording_opens(engine) as rounds:
         async with EngineService.for_engine(engine, max_round_ms=None, max_queued_streams=None,
                                             max_opens_per_round=1) as service:
             await service.wait_ready()
@@ -375,12 +357,11 @@ async def test_a_call_cancelled_while_it_waits_to_open_is_freed_at_the_next_roun
             texts = [f"Call {i}." for i in range(20)]
             streams = open_together(service, [SynthesisRequest(t, seed=i, max_frames=3) for i, t in enumerate(texts)])
             record = await asyncio.wait_for(streams[-1].aclose(), TIMEOUT)
-            opened_by_then = sum(t in opens for t in texts)
+            opened_by_then = sum(t in opened for opened in rounds for t in texts)
             got = [await asyncio.wait_for(service_frames(s), TIMEOUT) for s in streams[:-1]]
             live.cancel()
             await asyncio.wait_for(live.wait_closed(), TIMEOUT)
-    finally:
-        del engine.open_sessions
+    opens = [t for opened in rounds for t in opened]
     assert record.closed and not record.opened and record.stop_reason == "cancelled"
     assert opened_by_then < 10, f"{opened_by_then} calls ahead of it in line opened before it was freed"
     assert texts[-1] not in opens and got == [3] * 19
