@@ -389,12 +389,28 @@ def test_idle_timeout_ends_and_frees_the_turn(eager):
         eager.append_text(s, " late")
 
 
-def test_waiting_sends_decoded_audio(eager):
+class HandClock:
+    """A stand-in for the text session's `time`: it moves only when the test moves it, so a slow
+    machine's decoding takes no time on it (the deadlines are checked, not the machine's speed)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_waiting_sends_decoded_audio(eager, monkeypatch):
     """Frames decoded while the text is slow go out as audio once what was sent is about to run
     out (LOW_WATER_S), instead of waiting for their chunk to fill."""
-    # A first chunk of 8 frames (640 ms): the frames after it, decoded before the text runs
-    # out, must take less than its 440 ms above the low water (a loaded 2-core machine took
-    # more than the 120 ms a 4-frame chunk left).
+    from pipecat_qwen_fast.engine import text_first_frame, text_session
+
+    # On the wall clock a loaded 2-core machine took longer to decode the frames after the first
+    # chunk than the chunk left above the low water, and sent them early; on this clock the
+    # decoding takes no time, and the test moves it to the deadline.
+    clock = HandClock()
+    monkeypatch.setattr(text_session, "time", clock)
+    monkeypatch.setattr(text_first_frame, "time", clock)
     kw = {"voice": "ryan", "seed": 1, "max_frames": 40, "first_chunk_frames": 8, "chunk_frames": 8}
     s = eager.open_text_session(SynthesisRequest("", **kw))
     eager.append_text(s, "One two three four five six seven eight nine ten eleven ")
@@ -405,12 +421,12 @@ def test_waiting_sends_decoded_audio(eager):
     pending = s.frames_decoded - 8
     assert 0 < pending < 8
     wake = s.feed.deadline(s)
-    assert wake is not None and wake - time.monotonic() < 0.64 - 0.2 + 0.01
-    time.sleep(max(0.0, wake - time.monotonic()) + 0.01)
+    assert wake is not None and wake - clock.monotonic() < 0.64 - 0.2 + 0.01
+    clock.now = max(clock.now, wake) + 0.01
     sent = eager.poll_text(s)
     assert [c.num_frames for c in sent] == [pending]  # the chunk of 8 was not full
     assert (
-        eager.poll_text(s) == [] and s.feed.deadline(s) > time.monotonic() + 1
+        eager.poll_text(s) == [] and s.feed.deadline(s) > clock.monotonic() + 1
     )  # only the idle timeout left
     eager.cancel(s)
 
