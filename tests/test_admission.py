@@ -266,6 +266,26 @@ async def test_streamed_text_turns_are_measured_once_their_text_has_ended(engine
         assert 1 <= service.low_slack_chunks <= len(rest) - 1
 
 
+async def test_every_second_and_third_chunk_is_kept_with_the_rounds_since_its_first(engine):
+    # Whole texts beside streamed turns given their whole text (a server's WebSocket turns): the
+    # benchmark compares their early chunks over a level, not only those under the margin.
+    async with EngineService.for_engine(engine, max_round_ms=None, min_slack_ms=None) as service:
+        await service.wait_ready()
+        since = time.monotonic()
+        whole = service.open_stream(SynthesisRequest("Hello there, how are you?", seed=1, max_frames=8))
+        turn = service.open_text_stream(SynthesisRequest("", seed=2, max_frames=8))
+        turn.append("Hello there, how are you?")
+        turn.end()
+        await asyncio.wait_for(asyncio.gather(collect(whole), collect(turn)), TIMEOUT)
+        events = service.early_chunk_events(since)
+        assert service.early_chunk_events(time.monotonic() + 1) == []
+    # (arrival, slack, chunks before it, streamed turn, rounds since the first chunk): the default
+    # schedule 1, 1, 2 sends the second chunk a round after the first, the third three rounds after.
+    got = sorted((e[3], e[2], e[4]) for e in events)
+    assert got == [(False, 1, 1), (False, 2, 3), (True, 1, 1), (True, 2, 3)]
+    assert all(e[0] >= since for e in events)
+
+
 async def collect(stream) -> list:
     return [c async for c in stream]
 

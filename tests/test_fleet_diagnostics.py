@@ -9,6 +9,7 @@ from pipecat_qwen_fast.bench.fleet_workload import (
     COMPLETE,
     CUT,
     Utterance,
+    compare_early_chunks,
     place_low_slack,
     summarize_level,
     summarize_rounds,
@@ -77,3 +78,28 @@ def test_low_slack_chunks_are_placed_against_the_rounds_they_came_after():
     assert placed["any_3_rounds_mean"]["wall_ms"] == pytest.approx(3 * (49 * 15 + 35) / 50)
     assert place_low_slack([], rounds) is None
     assert place_low_slack([(9.0, 0.01, 1, False)], rounds) is None  # before the level's first round
+
+
+def test_early_chunks_of_whole_texts_and_streamed_turns_are_compared_whatever_their_slack():
+    watch = SlackWatch(0.02)
+    watch.note(0.050, 10.0, chunk=1, streamed=False, rounds=1)
+    watch.note(0.045, 10.1, chunk=1, streamed=False, rounds=1)
+    watch.note(0.130, 10.2, chunk=2, streamed=False, rounds=3)
+    watch.note(0.010, 10.3, chunk=1, streamed=True, rounds=2)  # under the margin: in both records
+    watch.note(0.040, 10.4, chunk=1, streamed=True, rounds=1)
+    watch.note(0.020, 10.5, chunk=1, streamed=True, rounds=7)
+    watch.note(0.300, 10.6, chunk=3, streamed=True, rounds=7)  # a fourth chunk: not an early one
+    watch.note(0.300, 10.7, chunk=2, streamed=True)  # no round count given: not kept
+    assert len(watch.low_events_since(0.0)) == 1
+    events = watch.early_events_since(10.05)
+    assert [e[0] for e in events] == pytest.approx([10.1, 10.2, 10.3, 10.4, 10.5])
+    early = compare_early_chunks(watch.early_events_since(0.0))
+    assert set(early) == {"whole", "streamed"}
+    whole, streamed = early["whole"], early["streamed"]
+    assert set(whole) == {"chunk 2", "chunk 3"} and set(streamed) == {"chunk 2"}
+    assert whole["chunk 2"]["n"] == 2 and whole["chunk 2"]["rounds_since_first"] == {"1": 2}
+    assert whole["chunk 3"]["rounds_since_first"] == {"3": 1}
+    assert streamed["chunk 2"]["rounds_since_first"] == {"1": 1, "2": 1, "4+": 1}
+    assert streamed["chunk 2"]["slack_ms_p50"] == pytest.approx(20.0)
+    assert streamed["chunk 2"]["slack_ms_p5"] < 20.0
+    assert compare_early_chunks([]) is None

@@ -58,6 +58,7 @@ from pipecat_qwen_fast.bench.fleet_workload import (
     Reply,
     Utterance,
     capacity,
+    compare_early_chunks,
     fleet_replies,
     gc_near_low_slack,
     histogram_lag,
@@ -351,6 +352,10 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                     if rounds:
                         level["low_slack"] = place_low_slack(events, rounds)
                     level["low_slack_gc"] = gc_near_low_slack(events, gc_pauses.pauses, gc_pauses.ended_at, wall)
+                # Every second and third chunk, whole texts beside streamed turns (in process).
+                early_events = getattr(run.endpoint.service, "early_chunk_events", None)
+                if early_events is not None:
+                    level["early_chunks"] = compare_early_chunks(early_events(level_t0))
                 level["misses"] = verdict(level, bar_ms, underruns_count=closed)
                 level["meets_bar"] = not level["misses"]
                 section["levels"].append(level)

@@ -143,6 +143,25 @@ def low_slack_table(levels: list[dict], key: str, title: str) -> str:
     return "\n".join(lines)
 
 
+def early_chunks_table(levels: list[dict], key: str, title: str) -> str:
+    """Every second and third chunk, whole texts beside streamed turns
+    (bench/fleet_workload.compare_early_chunks), level by level."""
+    lines = [
+        ("Second and third chunks, all of them: their slack (ms before playback), and after how many "
+         "of the engine's rounds since their stream's first chunk they arrived."),
+        "",
+        f"| {title} | turns | chunk | chunks | slack p5 / p50 (ms) | rounds since the first chunk: chunks |",
+        "|---|---|---|---|---|---|",
+    ]
+    for lv in levels:
+        for kind, chunks in lv["early_chunks"].items():
+            for name, c in chunks.items():
+                rounds = ", ".join(f"{k}: {v}" for k, v in c["rounds_since_first"].items())
+                lines.append(f"| {lv[key]:g} | {kind} | {name} | {c['n']} | "
+                             f"{_fmt(c['slack_ms_p5'])} / {_fmt(c['slack_ms_p50'])} | {rounds} |")
+    return "\n".join(lines)
+
+
 def render(result: dict) -> str:
     args = result.get("args", {})
     dev = result.get("device_info", {})
@@ -190,6 +209,9 @@ def render(result: dict) -> str:
         placed = [lv for lv in section.get("levels", []) if lv.get("low_slack")]
         if placed:
             out += ["", low_slack_table(placed, key, title)]
+        early = [lv for lv in section.get("levels", []) if lv.get("early_chunks")]
+        if early:
+            out += ["", early_chunks_table(early, key, title)]
         if section.get("stopped"):
             out += ["", f"Sweep stopped: {section['stopped']}."]
     out += ["", f"Plot: {result.get('plot')}.", ""]

@@ -295,6 +295,36 @@ def place_low_slack(events: list[tuple[float, float, int, bool]], rounds: list) 
     }
 
 
+# Rounds since the first chunk counted apart up to this many; more are counted together.
+EARLY_ROUNDS_SHOWN = 4
+
+
+def compare_early_chunks(events: list[tuple[float, float, int, bool, int]]) -> dict | None:
+    """Every second and third chunk of a level (`EngineService.early_chunk_events`: arrival,
+    slack, chunks its stream had before it, streamed turn or not, the engine's rounds since the
+    stream's first chunk), whole texts beside streamed turns: per kind and chunk, how many, their
+    slack's p5 and p50, and after how many rounds since the first chunk they came. Whether a
+    streamed turn's early chunks come a round later than a whole text's (less slack by a round)
+    or as late after fewer rounds (slower rounds) is what this tells."""
+    if not events:
+        return None
+    out: dict = {}
+    for streamed, kind in ((False, "whole"), (True, "streamed")):
+        for chunk in sorted({e[2] for e in events}):
+            mine = [e for e in events if e[3] == streamed and e[2] == chunk]
+            if not mine:
+                continue
+            rounds = collections.Counter(min(e[4], EARLY_ROUNDS_SHOWN) for e in mine)
+            out.setdefault(kind, {})[f"chunk {chunk + 1}"] = {
+                "n": len(mine),
+                "slack_ms_p5": 1e3 * percentile([e[1] for e in mine], 5),
+                "slack_ms_p50": 1e3 * percentile([e[1] for e in mine], 50),
+                "rounds_since_first": {(f"{k}+" if k == EARLY_ROUNDS_SHOWN else str(k)): rounds[k]
+                                       for k in sorted(rounds)},
+            }
+    return out
+
+
 def served_rounds(before: tuple[float, ...], after: tuple[float, ...] | None,
                   level_wall_s: float, source: str = "server /metrics") -> dict | None:
     """A level's rounds from the engine's counters (rounds, seconds, streams stepped: a server's

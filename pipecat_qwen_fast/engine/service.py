@@ -233,6 +233,7 @@ class SynthesisStream:
         self._audio_posted_s = 0.0
         self._playback = PlaybackClock()  # engine thread: for the slack of its chunks (slack.py)
         self._arrived = 0  # engine thread: chunks whose audio reached the stream
+        self._first_round = 0  # engine thread: the service's round count when its first chunk arrived
 
     def lead(self, now: float) -> float:
         """Seconds of audio posted ahead of its playback, which starts at the first chunk and
@@ -374,6 +375,9 @@ class SynthesisStream:
             self.record.first_chunk_at = now
         chunk = self._arrived
         self._arrived = chunk + 1
+        service = self._service
+        if chunk == 0:
+            self._first_round = service.rounds
         # A streamed-text turn's chunks wait for their text while it comes: their slack would
         # measure the text's arrival, not the engine, and refuse calls for it. Once the text has
         # ended (a server's WebSocket turn given its whole text at once, or the end of an LLM's
@@ -383,7 +387,7 @@ class SynthesisStream:
             return
         slack = self._playback.arrive(now, frames * FRAME_S)
         if slack is not None:
-            self._service._slack.note(slack, now, chunk, self.streams_text)
+            service._slack.note(slack, now, chunk, self.streams_text, service.rounds - self._first_round)
 
     def _held_back(self) -> None:
         """Engine thread: the stream skips a round because its reader has not taken its chunks."""
@@ -684,6 +688,12 @@ class EngineService:
         """The latest chunks under `min_slack_ms` that arrived from `since` (time.monotonic()) on:
         (arrival, slack in seconds, chunks its stream had before it, whether a streamed-text turn)."""
         return self._slack.low_events_since(since)
+
+    def early_chunk_events(self, since: float = float("-inf")) -> list[tuple[float, float, int, bool, int]]:
+        """Every stream's second and third chunks that arrived from `since` (time.monotonic()) on,
+        whatever their slack: (arrival, slack in seconds, chunks its stream had before it, whether
+        a streamed-text turn, the service's rounds since its stream's first chunk arrived)."""
+        return self._slack.early_events_since(since)
 
     @property
     def lowest_slack_ms(self) -> float | None:

@@ -41,6 +41,12 @@ SLACK_WINDOW_S = 1.0
 # The latest chunks under the margin kept for a benchmark to place against its round timings
 # (which chunk of its stream each was, which kind of stream): a few levels' worth at overload.
 LOW_EVENTS_KEPT = 4096
+# Every second and third chunk (chunks 1 and 2 of their streams) is kept too, with the rounds since
+# its stream's first chunk: the chunks a burst of opens makes low, for a benchmark to compare
+# whole texts' and streamed turns' over a whole level, not only those under the margin. A level
+# of 464 callers makes ~2 x 4000 of them in 20 s.
+EARLY_CHUNKS = (1, 2)
+EARLY_EVENTS_KEPT = 16384
 
 
 class PlaybackClock:
@@ -89,10 +95,16 @@ class SlackWatch:
         # `chunk` counts the chunks its stream had before it (1: the second chunk).
         self.low_events: collections.deque[tuple[float, float, int, bool]] = collections.deque(
             maxlen=LOW_EVENTS_KEPT)
+        # (now, slack_s, chunk, streamed, rounds since its stream's first chunk) of each chunk in
+        # EARLY_CHUNKS, whatever its slack, the latest EARLY_EVENTS_KEPT.
+        self.early_events: collections.deque[tuple[float, float, int, bool, int]] = collections.deque(
+            maxlen=EARLY_EVENTS_KEPT)
 
-    def note(self, slack_s: float, now: float, chunk: int = 0, streamed: bool = False) -> None:
-        """A chunk arrived at `now` with `slack_s` of slack; `chunk` and `streamed` only describe
-        it in `low_events`."""
+    def note(self, slack_s: float, now: float, chunk: int = 0, streamed: bool = False,
+             rounds: int | None = None) -> None:
+        """A chunk arrived at `now` with `slack_s` of slack; `chunk`, `streamed` and `rounds` (the
+        engine's rounds since its stream's first chunk arrived) only describe it in `low_events`
+        and `early_events`."""
         if now - self._window_at >= SLACK_WINDOW_S:
             adjacent = now - self._window_at < 2 * SLACK_WINDOW_S
             self._low_before = self._low if adjacent else math.inf
@@ -105,16 +117,16 @@ class SlackWatch:
             self.last_low_s = slack_s
             self.hold_until = now + SLACK_HOLD_S
             self.low_events.append((now, slack_s, chunk, streamed))
+        if rounds is not None and chunk in EARLY_CHUNKS:
+            self.early_events.append((now, slack_s, chunk, streamed, rounds))
 
     def low_events_since(self, since: float) -> list[tuple[float, float, int, bool]]:
         """`low_events` from `since` (time.monotonic()) on; from any thread."""
-        while True:
-            try:
-                events = list(self.low_events)
-                break
-            except RuntimeError:  # the engine thread appended while it was copied
-                continue
-        return [e for e in events if e[0] >= since]
+        return _since(self.low_events, since)
+
+    def early_events_since(self, since: float) -> list[tuple[float, float, int, bool, int]]:
+        """`early_events` from `since` (time.monotonic()) on; from any thread."""
+        return _since(self.early_events, since)
 
     def holding(self, now: float) -> bool:
         """Whether new streams are refused at `now`."""
@@ -128,6 +140,16 @@ class SlackWatch:
         if age < SLACK_WINDOW_S and self._low_before < low:
             low = self._low_before
         return None if low == math.inf else low * 1e3
+
+
+def _since(events: collections.deque, since: float) -> list:
+    while True:
+        try:
+            copied = list(events)
+            break
+        except RuntimeError:  # the engine thread appended while it was copied
+            continue
+    return [e for e in copied if e[0] >= since]
 
 
 def describe_slack(slack_s: float) -> str:
