@@ -8,10 +8,13 @@ per-call side (the megakernel on a GPU), the graph backend's batched frame run e
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from helpers_service import open_staggered, step_until_done
+from helpers_service import collect_all, open_staggered, step_until_done
 
 from pipecat_qwen_fast import QwenTTSEngine, SynthesisRequest
 from pipecat_qwen_fast.backends.graph import GraphBackend
@@ -80,6 +83,59 @@ def test_a_burst_or_a_batch_past_the_limit_goes_to_the_batch(tiny_checkpoint):
     for s in [*live, *burst, past]:
         engine.cancel(s)
     assert (hb.live_fast, hb.live_bulk) == (0, 0)
+
+
+async def test_streamed_turns_opened_in_one_round_are_one_burst(tiny_checkpoint):
+    # A server's calls are streamed turns, each opened on its own: the round's opens, whole texts
+    # and turns together, are one burst for the backend, so three opened beside a live call go to
+    # the batch as three whole texts would, and one opened alone makes its first frame alone.
+    engine = hybrid_engine(tiny_checkpoint("custom_voice", zero_eos=True))
+    hb = engine.backend
+
+    def turn(service, i: int):
+        stream = service.open_text_stream(SynthesisRequest("", voice="ryan", seed=i, greedy=True, max_frames=4,
+                                                           text_mode="dual_track", vocode=False))
+        stream.append(f"Caller number {i} says hello.")
+        stream.end()
+        return stream
+
+    async with EngineService.for_engine(engine) as service:
+        await service.wait_ready()
+        live = service.open_stream(request(0, frames=40))
+        await asyncio.wait_for(live.__anext__(), TIMEOUT)
+        assert hb.live_bulk == 1
+        with recording_places(hb) as places:
+            service._lock = threading.RLock()
+            with service._lock:  # all three in the inbox before the engine thread takes it
+                burst = [turn(service, i) for i in (1, 2, 3)]
+                burst.append(service.open_stream(request(4)))
+            await asyncio.wait_for(collect_all(burst, TIMEOUT), TIMEOUT)
+            assert places == [(4, False)] * 4, "a turn of a round's burst was placed to start alone"
+            assert service.first_frames_alone == 0
+            places.clear()
+            await asyncio.wait_for(collect_all([turn(service, 5)], TIMEOUT), TIMEOUT)
+            assert places == [(1, True)] and service.first_frames_alone == 1
+        live.cancel()
+        await asyncio.wait_for(live.wait_closed(), TIMEOUT)
+
+
+@contextmanager
+def recording_places(hb: HybridBackend) -> Iterator[list[tuple[int, bool]]]:
+    """Each new_state of `hb` while inside: (the burst it was placed in, placed to start alone)."""
+    places: list[tuple[int, bool]] = []
+    new_state = hb.new_state
+
+    def spy(**kwargs):
+        burst = hb.burst_size
+        state = new_state(**kwargs)
+        places.append((burst, state.alone_first))
+        return state
+
+    hb.new_state = spy
+    try:
+        yield places
+    finally:
+        del hb.new_state
 
 
 def test_switched_off_a_joining_call_goes_to_the_batch(tiny_checkpoint, monkeypatch):

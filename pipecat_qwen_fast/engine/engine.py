@@ -121,6 +121,7 @@ class QwenTTSEngine(text_session.TextSessions):
         self._ahead_allowed = True
         self.prepared_opens = 0  # sessions opened from a prepare_session made before their open
         self.prepared_begins = 0  # streamed-text segments begun from a prompt built ahead (prepare_text_session)
+        self._placing = False  # inside placing(): the outermost burst's count holds
         # True inside a batched round: chunks flushed there come back as VocoderJobs, vocoded at
         # the round's end, one batched call per chunk size, instead of one call each, each waited for.
         self._defer_vocoder = False
@@ -268,6 +269,24 @@ class QwenTTSEngine(text_session.TextSessions):
         s.prompt = self._segment_prompt(s)
         return s
 
+    @contextlib.contextmanager
+    def placing(self, n: int) -> Iterator[None]:
+        """The `n` sessions opened inside, whole texts and streamed turns alike, are placed by the
+        backend as one burst (the auto backend: a burst of more than FIRST_ALONE_BURST goes to
+        the batch whole, and only a call opened alone or in a pair makes its first frame alone;
+        backends/hybrid.py). Nested: the outermost count holds."""
+        opening = getattr(self.backend, "opening", None)  # a backend that places calls by load
+        if opening is None or self._placing:
+            yield
+            return
+        self._placing = True
+        opening(n)
+        try:
+            yield
+        finally:
+            opening(0)
+            self._placing = False
+
     def open_sessions(self, requests: list[SynthesisRequest],
                       prepared: list[Session | Exception | None] | None = None) -> list[Session | Exception]:
         """Open several sessions at once: each is validated and given its state on its own, then
@@ -280,43 +299,38 @@ class QwenTTSEngine(text_session.TextSessions):
             raise EngineClosedError("the engine is closed")
         out: list[Session | Exception | None] = [None] * len(requests)
         begun: list[tuple[int, Session, Tensor]] = []
-        opening = getattr(self.backend, "opening", None)  # a backend that places calls by load
-        try:
-            if opening is not None:
-                opening(len(requests))
-            for i, request in enumerate(requests):
-                s = None
-                try:
-                    ready = prepared[i] if prepared is not None else None
-                    if isinstance(ready, Exception):
-                        raise ready
-                    s = ready if ready is not None else self._new_session(request)
-                    self.prepared_opens += ready is not None
-                    begun.append((i, s, self._begin_segment(s)))
-                except BaseException as e:
-                    if s is not None:
-                        self.close_session(s)
-                    if not isinstance(e, Exception):
-                        raise
-                    out[i] = e  # reported to that request's caller
+        with self.placing(len(requests)):
             try:
-                self._prefill([s for _, s, _ in begun], [e for _, _, e in begun])
-            except Exception as e:  # noqa: BLE001 - the shared prefill failed
-                begun = self._prefill_alone(begun, out, e)
-            for i, s, _ in begun:
+                for i, request in enumerate(requests):
+                    s = None
+                    try:
+                        ready = prepared[i] if prepared is not None else None
+                        if isinstance(ready, Exception):
+                            raise ready
+                        s = ready if ready is not None else self._new_session(request)
+                        self.prepared_opens += ready is not None
+                        begun.append((i, s, self._begin_segment(s)))
+                    except BaseException as e:
+                        if s is not None:
+                            self.close_session(s)
+                        if not isinstance(e, Exception):
+                            raise
+                        out[i] = e  # reported to that request's caller
                 try:
-                    self._start_vocoder(s)
-                    out[i] = s
-                except Exception as e:  # noqa: BLE001
+                    self._prefill([s for _, s, _ in begun], [e for _, _, e in begun])
+                except Exception as e:  # noqa: BLE001 - the shared prefill failed
+                    begun = self._prefill_alone(begun, out, e)
+                for i, s, _ in begun:
+                    try:
+                        self._start_vocoder(s)
+                        out[i] = s
+                    except Exception as e:  # noqa: BLE001
+                        self.close_session(s)
+                        out[i] = e
+            except BaseException:
+                for _, s, _ in begun:
                     self.close_session(s)
-                    out[i] = e
-        except BaseException:
-            for _, s, _ in begun:
-                self.close_session(s)
-            raise
-        finally:
-            if opening is not None:
-                opening(0)
+                raise
         return out  # type: ignore[return-value]
 
     def _prefill_alone(self, begun: list[tuple[int, Session, Tensor]], out: list, error: Exception

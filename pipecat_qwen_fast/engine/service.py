@@ -25,6 +25,7 @@ import asyncio
 import atexit
 import collections
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import math
@@ -1009,7 +1010,14 @@ class EngineService:
 
     def _open_sessions(self, streams: list[SynthesisStream]) -> list[Any]:
         """Sessions for a round's new streams, in order: whole texts opened together (one batched
-        prefill), each streamed-text turn on its own."""
+        prefill), each streamed-text turn on its own, all of them placed by the backend as one
+        burst (`QwenTTSEngine.placing`: a streamed turn opened beside three others is not a call
+        joining the batch alone)."""
+        placing = getattr(self._engine, "placing", None)
+        with placing(len(streams)) if placing is not None else contextlib.nullcontext():
+            return self._open_each(streams)
+
+    def _open_each(self, streams: list[SynthesisStream]) -> list[Any]:
         out: list[Any] = [None] * len(streams)
         whole = [i for i, st in enumerate(streams) if not st.streams_text]
         if whole:
