@@ -4,9 +4,10 @@ at once), the in-process fleet's is a whole text, and through the server the fle
 callers against 448 in process (session 36). Which work does the streamed turn add?
 
 Per turn, over the fleet's replies, dual-track, a few turns at once and staggered as callers are:
-prefill calls and rows, prompts built, backend states made, text polls and batched begins, rounds
-and streams a round, and the engine thread's CPU time (tiny model on the CPU: the counts carry to
-the GPU, the time only says where Python grows). Tiny random checkpoint, CPU, a minute:
+prefill calls and rows, prompts built, backend states made, text polls (and their time) and
+batched begins, rounds and streams a round, the engine thread's CPU time, and the calling thread's
+CPU time to open the turn, a streamed turn's text given and ended included (tiny model on the CPU:
+the counts carry to the GPU, the times only say where Python grows). Tiny random checkpoint, CPU, a minute:
 
     python3 bench/probes/turn_work.py [--turns 48] [--at-once 8] [--frames 12]
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import statistics
 import time
 
 from tiny_cpu import print_measured  # beside this file
@@ -27,15 +29,22 @@ from pipecat_qwen_fast.engine.request import SynthesisRequest
 from pipecat_qwen_fast.engine.service import EngineService
 
 
-def count_calls(counts: collections.Counter, owner, name: str, rows=None) -> None:
-    """Wrap `owner.name` to count its calls (and `rows(*args)` of work, where given)."""
+def count_calls(counts: collections.Counter, owner, name: str, rows=None, times: list | None = None) -> None:
+    """Wrap `owner.name` to count its calls (and `rows(*args)` of work, where given; and each
+    call's microseconds into `times`, where given)."""
     real = getattr(owner, name)
 
     def counted(*args, **kwargs):
         counts[name] += 1
         if rows is not None:
             counts[f"{name}_rows"] += rows(*args, **kwargs)
-        return real(*args, **kwargs)
+        if times is None:
+            return real(*args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            times.append((time.perf_counter() - t0) * 1e6)
 
     setattr(owner, name, counted)
 
@@ -44,14 +53,19 @@ def engine_cpu_s(service: EngineService) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(service._thread.ident))
 
 
-async def run_turns(service, kind: str, turns: int, at_once: int, frames: int) -> None:
+async def run_turns(service, kind: str, turns: int, at_once: int, frames: int) -> float:
+    """Runs the turns; returns the calling thread's CPU seconds spent opening them (a streamed
+    turn's text given and ended included): the caller's share, beside the engine thread's."""
     replies = fleet_replies()
     gate = asyncio.Semaphore(at_once)
+    caller_s = 0.0
 
     async def one(i: int) -> None:
+        nonlocal caller_s
         async with gate:
             request = SynthesisRequest(replies[i % len(replies)].text, voice="ryan", seed=i,
                                        max_frames=frames, text_mode="dual_track")
+            t0 = time.thread_time()
             if kind == "whole":
                 stream = service.open_stream(request)
             else:  # as the server's WebSocket turn: opened, given the whole reply, ended
@@ -59,6 +73,7 @@ async def run_turns(service, kind: str, turns: int, at_once: int, frames: int) -
                     k: getattr(request, k) for k in ("voice", "seed", "max_frames", "text_mode")}))
                 stream.append(request.text)
                 stream.end()
+            caller_s += time.thread_time() - t0
             async for _ in stream:
                 pass
             await stream.wait_closed()
@@ -68,13 +83,16 @@ async def run_turns(service, kind: str, turns: int, at_once: int, frames: int) -
         await one(i)
 
     await asyncio.gather(*(staggered(i) for i in range(turns)))
+    return caller_s
 
 
 async def measure(engine, _folder: str, turns: int, at_once: int, frames: int) -> dict:
     counts: collections.Counter = collections.Counter()
     count_calls(counts, engine, "_prefill", rows=lambda sessions, embeds: len(sessions))
     count_calls(counts, engine.backend, "new_state")
-    count_calls(counts, engine, "poll_text")
+    # A turn's first poll may begin it (its prefill); the rest only check that its text is there.
+    poll_us: list[float] = []
+    count_calls(counts, engine, "poll_text", times=poll_us)
     count_calls(counts, engine, "begin_text_sessions", rows=lambda sessions: len(sessions))
     for module in (engine_module, text_session):  # each imported build_prompt by name
         count_calls(counts, module, "build_prompt")
@@ -85,13 +103,17 @@ async def measure(engine, _folder: str, turns: int, at_once: int, frames: int) -
         await run_turns(service, "streamed", at_once, at_once, frames)
         for kind in ("whole", "streamed"):
             counts.clear()
+            poll_us.clear()
             rounds, streams, cpu = service.rounds, service.round_streams, engine_cpu_s(service)
-            await run_turns(service, kind, turns, at_once, frames)
+            caller_s = await run_turns(service, kind, turns, at_once, frames)
             per_turn = {k: round(v / turns, 2) for k, v in sorted(counts.items())}
+            if poll_us:
+                per_turn["poll_text_us_p50_p90"] = [round(statistics.quantiles(poll_us, n=10)[i], 2) for i in (4, 8)]
             per_turn["rounds"] = round((service.rounds - rounds) / turns, 2)
             per_turn["streams_a_round"] = round(
                 (service.round_streams - streams) / max(1, service.rounds - rounds), 2)
             per_turn["engine_cpu_ms"] = round((engine_cpu_s(service) - cpu) * 1e3 / turns, 2)
+            per_turn["caller_open_cpu_ms"] = round(caller_s * 1e3 / turns, 3)
             out[kind] = per_turn
     return out
 
