@@ -9,12 +9,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
-def open_together(service, requests) -> list:
-    """Streams for `requests`, all in the engine thread's inbox before it next takes it: it takes the
-    inbox under the service's lock, held here (made reentrant, for open_stream's own use) until all
-    are queued. Then one round opens them all and later rounds batch the same rows, run after run."""
+@contextmanager
+def inbox_held(service) -> Iterator[None]:
+    """Streams opened inside are all in the engine thread's inbox before it next takes it: it takes
+    the inbox under the service's lock, held here (made reentrant, for the opens' own use). Then one
+    round opens them all."""
     service._lock = threading.RLock()
     with service._lock:
+        yield
+
+
+def open_together(service, requests) -> list:
+    """Streams for `requests`, opened in one round (`inbox_held`); later rounds batch the same rows,
+    run after run."""
+    with inbox_held(service):
         return [service.open_stream(r) for r in requests]
 
 

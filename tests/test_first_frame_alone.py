@@ -8,13 +8,12 @@ per-call side (the megakernel on a GPU), the graph backend's batched frame run e
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from helpers_service import collect_all, open_staggered, step_until_done
+from helpers_service import collect_all, inbox_held, open_staggered, step_until_done
 
 from pipecat_qwen_fast import QwenTTSEngine, SynthesisRequest
 from pipecat_qwen_fast.backends.graph import GraphBackend
@@ -105,8 +104,7 @@ async def test_streamed_turns_opened_in_one_round_are_one_burst(tiny_checkpoint)
         await asyncio.wait_for(live.__anext__(), TIMEOUT)
         assert hb.live_bulk == 1
         with recording_places(hb) as places:
-            service._lock = threading.RLock()
-            with service._lock:  # all three in the inbox before the engine thread takes it
+            with inbox_held(service):  # all four opened in one round
                 burst = [turn(service, i) for i in (1, 2, 3)]
                 burst.append(service.open_stream(request(4)))
             await asyncio.wait_for(collect_all(burst, TIMEOUT), TIMEOUT)

@@ -1010,14 +1010,7 @@ class EngineService:
 
     def _open_sessions(self, streams: list[SynthesisStream]) -> list[Any]:
         """Sessions for a round's new streams, in order: whole texts opened together (one batched
-        prefill), each streamed-text turn on its own, all of them placed by the backend as one
-        burst (`QwenTTSEngine.placing`: a streamed turn opened beside three others is not a call
-        joining the batch alone)."""
-        placing = getattr(self._engine, "placing", None)
-        with placing(len(streams)) if placing is not None else contextlib.nullcontext():
-            return self._open_each(streams)
-
-    def _open_each(self, streams: list[SynthesisStream]) -> list[Any]:
+        prefill), each streamed-text turn on its own."""
         out: list[Any] = [None] * len(streams)
         whole = [i for i, st in enumerate(streams) if not st.streams_text]
         if whole:
@@ -1060,8 +1053,12 @@ class EngineService:
         live = self._end_cancelled(streams)  # cancelled since _take_opens: nothing to open
         if not live:
             return []
+        # All of them one burst for the backend's placement (`QwenTTSEngine.placing`): a streamed
+        # turn opened beside three others is not a call joining the batch alone.
+        placing = getattr(self._engine, "placing", None)
         try:
-            results = self._open_sessions(live)
+            with placing(len(live)) if placing is not None else contextlib.nullcontext():
+                results = self._open_sessions(live)
         except Exception as exc:  # the engine refused them all (closed, say)
             if _is_fatal(exc):
                 raise
