@@ -306,7 +306,11 @@ def test_short_sweep_writes_json_and_markdown(endless, tmp_path):
         # The process's collections over the level, by generation (engine/heap.py's GcPauses).
         gcp = lv["gc_pauses"]
         assert set(gcp) == {"gen0", "gen1", "gen2"}
-        assert all(g["collections"] >= 0 and 0 <= g["max_ms"] <= g["total_ms"] for g in gcp.values())
+        assert all(g["collections"] >= 0 and 0 <= g["max_ms"] <= g["total_ms"] and g["collected"] >= 0
+                   for g in gcp.values())
+        # What a full collection would walk after the level (the engine is in this process).
+        heap = lv["heap_after"]
+        assert len(heap["unfrozen"]) == 3 and sum(heap["unfrozen"]) > 0 and heap["types"]
         assert lv["frames_compiled"] == 0  # the CPU's eager engine compiles nothing
         # A level meets this bar (any latency) exactly when nothing was cut unheard, late, refused or failed.
         assert lv["meets_bar"] == (not lv["misses"])
@@ -316,6 +320,7 @@ def test_short_sweep_writes_json_and_markdown(endless, tmp_path):
     assert result["closed"]["capacity_callers"] == max(met, default=None)
     md = (out / "fleet.md").read_text()
     assert "| callers |" in md and "| requests/s |" in md and "## Open loop" in md
+    assert "unfrozen objects gen0 / gen1 / gen2" in md
     assert result["plot"] == "fleet.png" or result["plot"].startswith("skipped: matplotlib")
 
 

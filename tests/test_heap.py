@@ -9,7 +9,7 @@ import gc
 import pytest
 
 from pipecat_qwen_fast.engine.engine import QwenTTSEngine
-from pipecat_qwen_fast.engine.heap import GcPauses, freeze_heap, release_heap
+from pipecat_qwen_fast.engine.heap import GcPauses, freeze_heap, heap_census, release_heap
 from pipecat_qwen_fast.engine.request import SynthesisRequest
 from pipecat_qwen_fast.engine.service import EngineService
 
@@ -102,3 +102,32 @@ def test_gc_pauses_times_each_collection_by_generation():
     assert summary["gen2"]["collections"] >= 1 and summary["gen2"]["max_ms"] > 0
     assert summary["gen0"]["collections"] >= 1
     assert set(summary) == {"gen0", "gen1", "gen2"}
+
+
+def test_gc_pauses_count_what_full_collections_free():
+    class Node:
+        pass
+
+    with GcPauses() as pauses:
+        for _ in range(300):  # cycles only a collection frees
+            a, b = Node(), Node()
+            a.other, b.other = b, a
+        del a, b
+        gc.collect()
+    assert pauses.summary()["gen2"]["collected"] >= 600
+
+
+def test_heap_census_counts_what_a_full_collection_would_walk(thawed):
+    class Kept:
+        pass
+
+    name = f"{__name__}.{Kept.__qualname__}"
+    kept = [Kept() for _ in range(5000)]
+    census = heap_census()
+    assert sum(census["unfrozen"]) >= 5000
+    assert dict(census["types"])[name] == 5000
+    gc.freeze()  # out of a full collection's walk, so out of the census
+    frozen = heap_census()
+    assert frozen["frozen"] >= census["frozen"] + 5000
+    assert name not in dict(frozen["types"])
+    assert len(kept) == 5000

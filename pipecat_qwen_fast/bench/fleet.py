@@ -72,7 +72,7 @@ from pipecat_qwen_fast.bench.fleet_workload import (
     verdict,
 )
 from pipecat_qwen_fast.bench.main import build_checkpoint, git_commit, log
-from pipecat_qwen_fast.engine.heap import GcPauses
+from pipecat_qwen_fast.engine.heap import GcPauses, heap_census
 from pipecat_qwen_fast.engine.service import EngineService, parse_admission
 
 RESULT = "fleet.json"
@@ -356,6 +356,10 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 early_events = getattr(run.endpoint.service, "early_chunk_events", None)
                 if early_events is not None:
                     level["early_chunks"] = compare_early_chunks(early_events(level_t0))
+                # What the level's full collections walked (the engine's process is this one):
+                # taken after the level, where no caller waits on it.
+                if isinstance(getattr(run.endpoint, "service", None), EngineService):
+                    level["heap_after"] = heap_census()
                 level["misses"] = verdict(level, bar_ms, underruns_count=closed)
                 level["meets_bar"] = not level["misses"]
                 section["levels"].append(level)

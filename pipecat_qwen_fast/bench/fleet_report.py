@@ -162,6 +162,26 @@ def early_chunks_table(levels: list[dict], key: str, title: str) -> str:
     return "\n".join(lines)
 
 
+def heap_table(levels: list[dict], key: str, title: str) -> str:
+    """The engine's process after each level: its full collections during the level, what they
+    freed, and the tracked objects outside the frozen heap then (engine/heap.heap_census)."""
+    lines = [
+        ("The engine's process: full collections during the level (longest, unreachable objects "
+         "they freed), and after it the tracked objects outside the frozen heap, which a full "
+         "collection walks, with the most common types."),
+        "",
+        f"| {title} | full gc: count, longest ms, freed | unfrozen objects gen0 / gen1 / gen2 | most common |",
+        "|---|---|---|---|",
+    ]
+    for lv in levels:
+        full = (lv.get("gc_pauses") or {}).get("gen2") or {}
+        heap = lv["heap_after"]
+        common = ", ".join(f"{name} {n}" for name, n in heap["types"][:6])
+        lines.append(f"| {lv[key]:g} | {full.get('collections', 0)}, {_fmt(full.get('max_ms'))}, "
+                     f"{full.get('collected', 'n/a')} | {' / '.join(str(n) for n in heap['unfrozen'])} | {common} |")
+    return "\n".join(lines)
+
+
 def render(result: dict) -> str:
     args = result.get("args", {})
     dev = result.get("device_info", {})
@@ -212,6 +232,9 @@ def render(result: dict) -> str:
         early = [lv for lv in section.get("levels", []) if lv.get("early_chunks")]
         if early:
             out += ["", early_chunks_table(early, key, title)]
+        censused = [lv for lv in section.get("levels", []) if lv.get("heap_after")]
+        if censused:
+            out += ["", heap_table(censused, key, title)]
         if section.get("stopped"):
             out += ["", f"Sweep stopped: {section['stopped']}."]
     out += ["", f"Plot: {result.get('plot')}.", ""]

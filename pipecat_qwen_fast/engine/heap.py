@@ -10,6 +10,7 @@ is alive now out of the collector's reach, so later collections walk only what c
 
 from __future__ import annotations
 
+import collections
 import gc
 import threading
 import time
@@ -43,16 +44,21 @@ def release_heap(holder: int) -> None:
                 gc.unfreeze()
 
 
-def watch_gc(observe: Callable[[int, float], None]) -> Callable[[], None]:
-    """Call `observe(generation, seconds)` after every collection, from the collector's own
-    callbacks (in whichever thread set it off, the GIL held); returns what stops it."""
+def watch_gc(observe: Callable[..., None], *, collected: bool = False) -> Callable[[], None]:
+    """Call `observe(generation, seconds)` after every collection (with `collected`, also the
+    count of unreachable objects it found: `observe(generation, seconds, collected)`), from the
+    collector's own callbacks (in whichever thread set it off, the GIL held); returns what stops it."""
     started: list[float] = []
 
     def callback(phase: str, info: dict) -> None:
         if phase == "start":
             started[:] = [time.perf_counter()]
         elif started:
-            observe(info["generation"], time.perf_counter() - started.pop())
+            seconds = time.perf_counter() - started.pop()
+            if collected:
+                observe(info["generation"], seconds, info["collected"])
+            else:
+                observe(info["generation"], seconds)
 
     gc.callbacks.append(callback)
     return lambda: gc.callbacks.remove(callback)
@@ -65,14 +71,16 @@ class GcPauses:
     def __init__(self) -> None:
         self.pauses: list[tuple[int, float]] = []  # (generation, ms)
         self.ended_at: list[float] = []  # time.monotonic() at each one's end, in the same order
+        self.collected: list[int] = []  # unreachable objects each one found, in the same order
         self._stop: Callable[[], None] | None = None
 
     def __enter__(self) -> Self:
-        def observe(generation: int, seconds: float) -> None:
+        def observe(generation: int, seconds: float, collected: int) -> None:
             self.pauses.append((generation, seconds * 1e3))
             self.ended_at.append(time.monotonic())
+            self.collected.append(collected)
 
-        self._stop = watch_gc(observe)
+        self._stop = watch_gc(observe, collected=True)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -80,10 +88,30 @@ class GcPauses:
             self._stop()
 
     def summary(self) -> dict:
-        """Per generation: collections, total and longest ms."""
+        """Per generation: collections, total and longest ms, and the unreachable objects they
+        found (a full collection's time is the tracked objects it walks: those it frees, and the
+        live ones `heap_census` counts)."""
         out = {}
         for gen in (0, 1, 2):
             ms = [d for g, d in self.pauses if g == gen]
+            freed = sum(n for (g, _), n in zip(self.pauses, self.collected) if g == gen)
             out[f"gen{gen}"] = {"collections": len(ms), "total_ms": round(sum(ms), 2),
-                                "max_ms": round(max(ms), 2) if ms else 0.0}
+                                "max_ms": round(max(ms), 2) if ms else 0.0, "collected": freed}
         return out
+
+
+def heap_census(top: int = 12) -> dict:
+    """What a full collection would walk now: the tracked objects outside the frozen heap, by
+    generation, and the most common types among them. It lists every tracked object (tens of ms
+    over a large heap): call it where no stream waits, such as after a benchmark's level."""
+    gens = [gc.get_objects(generation=g) for g in (0, 1, 2)]
+    types = collections.Counter(_type_name(o) for objs in gens for o in objs)
+    counts = [len(objs) for objs in gens]
+    del gens
+    return {"unfrozen": counts, "frozen": gc.get_freeze_count(),
+            "types": [[name, n] for name, n in types.most_common(top)]}
+
+
+def _type_name(obj: object) -> str:
+    kind = type(obj)
+    return f"{getattr(kind, '__module__', '?')}.{getattr(kind, '__qualname__', kind.__name__)}"
