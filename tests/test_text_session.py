@@ -245,6 +245,46 @@ def test_turns_begin_together_in_one_prefill(graph, shared_fails, monkeypatch):
         assert np.array_equal(np.stack(s.codes), whole)
 
 
+def test_begin_seeds_the_text_rows_the_first_poll_would_compute(eager, monkeypatch):
+    """`_seed_rows` (the fast path) against `_push` computing every row at the turn's first poll
+    (SEED_ROWS off, the reference): the same text vectors handed to the backend, bit for bit, and
+    the same codes, for a turn whose whole text came before its begin (a server's turn: then the
+    first poll computes no row at all) and for one whose text arrives in pieces."""
+    from pipecat_qwen_fast.engine import text_session as ts
+
+    handed: list[torch.Tensor] = []
+    real_set = eager.backend.set_trailing
+    monkeypatch.setattr(eager.backend, "set_trailing", lambda st, t: handed.append(t.clone()) or real_set(st, t))
+    computed: list[int] = []
+    real_rows = ts.text_rows
+    monkeypatch.setattr(ts, "text_rows", lambda *a, **k: computed.append(1) or real_rows(*a, **k))
+    kw = {"voice": "serena", "seed": 5, "max_frames": 20, "vocode": False}
+
+    def run(seed: bool, pieces: int | None) -> tuple[np.ndarray, torch.Tensor, int]:
+        monkeypatch.setattr(ts, "SEED_ROWS", seed)
+        handed.clear()
+        computed.clear()
+        s = eager.open_text_session(SynthesisRequest("", **kw))
+        if pieces is None:  # all of it before the begin
+            eager.append_text(s, TEXTS[0])
+            eager.end_text(s)
+            chunks = drive(eager, s, [], random.Random(0))
+        else:
+            chunks = drive(eager, s, split(random.Random(8), TEXTS[0], pieces), random.Random(9))
+        assert chunks and s.stop_reason == "frame_cap"
+        return np.stack(s.codes), handed[-1], len(computed)
+
+    for pieces in (None, 6):
+        ref_codes, ref_rows, ref_computed = run(False, pieces)
+        codes, rows, seeded_computed = run(True, pieces)
+        assert np.array_equal(codes, ref_codes), pieces
+        assert rows.shape == ref_rows.shape and torch.equal(rows, ref_rows), pieces
+        assert np.array_equal(codes, whole_codes(eager, TEXTS[0], **kw))
+        assert ref_computed >= 1
+        if pieces is None:
+            assert seeded_computed == 0  # its prompt held every row
+
+
 def test_a_closed_turn_is_freed_without_the_collector(eager):
     """A turn's session and its text feed refer to each other until the session closes: then the
     feed lets go, so the turn is freed by reference counting (no cycle left for the collector's

@@ -81,6 +81,10 @@ _PROBE_TEXT = "a"
 # fleet of streamed turns opened ~1 a round at 256-320 callers, each paying a probe prompt (a
 # tokenization and a few small launches) beside its own segment's prompt and prefill.
 PROBE_CACHE_SIZE = 64
+# A segment's begin hands the text vectors its prompt already holds to the backend state
+# (`_seed_rows`); False: its first poll computes them again (`_push`, the reference the tests
+# compare it with).
+SEED_ROWS = True
 
 
 @dataclass
@@ -461,6 +465,7 @@ class _Begin:
     prompt: object | None
     tokens: int
     closed: bool
+    ids: list[int] = dataclasses.field(default_factory=list)  # the segment's tokens it begins with
 
 
 def _begin(engine, s) -> bool:
@@ -553,7 +558,7 @@ def _plan_begin(engine, s) -> _Begin | None:
         s.early = None  # frame 0's audio made for another guess (text_first_frame.speculate)
     s.frame_cap = cap
     s.segment_frames = 0
-    return _Begin(prompt, len(tokens), closed)
+    return _Begin(prompt, len(tokens), closed, tokens)
 
 
 def _end_begin(engine, s, plan: _Begin) -> None:
@@ -569,6 +574,8 @@ def _end_begin(engine, s, plan: _Begin) -> None:
         # The whole text went into the prefill (spec §4.6); every frame adds tts_pad.
         engine.backend.set_trailing(s.state, prompt.trailing)
         feed.closed = True
+    elif prompt is not None and not feed.ref and SEED_ROWS:
+        _seed_rows(engine, s, plan)
     with feed.turn.lock:
         feed.spans.append([s.frames_decoded, None])
 
@@ -599,6 +606,29 @@ def _fresh_state(engine, s) -> None:
         pad_vec=feed.pad_vec,
     )
     feed.guess = None
+
+
+def _seed_rows(engine, s, plan: _Begin) -> None:
+    """The segment's text vectors from its prompt, which holds them for every token it was built
+    from (and tts_eos after them): the rows `_push` would compute next, bit for bit (both take
+    each row from its TEXT_ROW_BLOCK-aligned block, model/prompt.py `text_rows`). Handed over at
+    the begin, they leave `_push` only the tokens that come later, instead of each turn's first
+    poll recomputing all of them between rounds while the GPU waits (a server's turn comes with
+    its whole text). A prompt built from other tokens than the segment's is left to `_push`."""
+    feed, prompt = s.feed, plan.prompt
+    if feed.k != 1 or prompt.body != plan.ids or not plan.ids:
+        return
+    count = len(plan.ids) - 1 + (1 if plan.closed else 0)  # text rows of ids[1:], tts_eos if closed
+    if prompt.trailing.shape[0] < count:
+        return
+    feed.seq = list(plan.ids)
+    feed.rows = prompt.trailing
+    feed.trailing = count
+    if count:
+        engine.backend.set_trailing(s.state, prompt.trailing[:count])
+    if plan.closed:
+        feed.closed = True
+        s.frame_cap = _cap(engine, s, len(plan.ids))
 
 
 def _push(engine, s) -> None:

@@ -50,6 +50,7 @@ class Prompt:
     pad_vec: Tensor  # [D] tts_pad vector added after the trailing text is exhausted
     num_text_tokens: int  # target text body length (drives the frame cap)
     eos_vec: Tensor | None = None  # [D] tts_eos, which ends the trailing text (streamed text appends it)
+    body: list[int] | None = None  # the target text's body tokens (spec §4.2), where build_prompt made it
 
 
 def supported_languages(cfg: ModelConfig) -> list[str]:
@@ -278,6 +279,7 @@ def build_prompt(
         pad_vec=pad_vec,
         num_text_tokens=len(body),
         eos_vec=eos_vec,
+        body=list(body),
     )
 
 
