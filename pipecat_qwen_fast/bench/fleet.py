@@ -356,9 +356,9 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 early_events = getattr(run.endpoint.service, "early_chunk_events", None)
                 if early_events is not None:
                     level["early_chunks"] = compare_early_chunks(early_events(level_t0))
-                # What the level's full collections walked (the engine's process is this one):
-                # taken after the level, where no caller waits on it.
-                if isinstance(getattr(run.endpoint, "service", None), EngineService):
+                # What the level's full collections walked, where the engine's process is this
+                # one (a service here): taken after the level, where no caller waits on it.
+                if run.endpoint.service is not None:
                     level["heap_after"] = heap_census()
                 level["misses"] = verdict(level, bar_ms, underruns_count=closed)
                 level["meets_bar"] = not level["misses"]
