@@ -5,11 +5,14 @@ callers against 448 in process (session 36). Which work does the streamed turn a
 
 Per turn, over the fleet's replies, dual-track, a few turns at once and staggered as callers are:
 prefill calls and rows, prompts built, backend states made, text polls (and their time) and
-batched begins, rounds and streams a round, the engine thread's CPU time, and the calling thread's
-CPU time to open the turn, a streamed turn's text given and ended included (tiny model on the CPU:
-the counts carry to the GPU, the times only say where Python grows). Tiny random checkpoint, CPU, a minute:
+batched begins, rounds and streams a round, the engine thread's CPU time, the calling thread's
+CPU time to open the turn (a streamed turn's text given and ended included), and the torch
+operations the engine thread dispatched, between rounds and in the window it overlaps with the
+GPU's frame (tiny model on the CPU: the counts carry to the GPU, where each operation is a launch
+or more, except the decode's, which the GPU replays as graphs; the times only say where Python
+grows). Tiny random checkpoint, CPU, a minute:
 
-    python3 bench/probes/turn_work.py [--turns 48] [--at-once 8] [--frames 12]
+    python3 bench/probes/turn_work.py [--turns 48] [--at-once 8] [--frames 12] [--no-seed-rows]
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import statistics
 import time
 
 from tiny_cpu import print_measured  # beside this file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipecat_qwen_fast.bench.fleet_workload import fleet_replies
 from pipecat_qwen_fast.engine import engine as engine_module
@@ -47,6 +51,42 @@ def count_calls(counts: collections.Counter, owner, name: str, rows=None, times:
             times.append((time.perf_counter() - t0) * 1e6)
 
     setattr(owner, name, counted)
+
+
+class CountOps(TorchDispatchMode):
+    """Torch operations dispatched in the thread that entered it (modes are per thread), split by
+    whether they ran in the window the engine overlaps with the GPU's frame (`prepare`: the
+    service's `_prepare_opens`) or between rounds, where the GPU waits on them (`critical`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = collections.Counter()
+        self.window = "critical"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[self.window] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_engine_ops(service_class) -> CountOps:
+    """Count the engine thread's torch operations: the service's thread runs `_serve` inside the
+    mode, its `_prepare_opens` marked as the overlapped window. Call before the service starts."""
+    counter = CountOps()
+    serve, prepare = service_class._serve, service_class._prepare_opens
+
+    def counted_serve(self):
+        with counter:
+            return serve(self)
+
+    def counted_prepare(self):
+        counter.window = "prepare"
+        try:
+            return prepare(self)
+        finally:
+            counter.window = "critical"
+
+    service_class._serve, service_class._prepare_opens = counted_serve, counted_prepare
+    return counter
 
 
 def engine_cpu_s(service: EngineService) -> float:
@@ -97,13 +137,15 @@ async def measure(engine, _folder: str, turns: int, at_once: int, frames: int) -
     for module in (engine_module, text_session):  # each imported build_prompt by name
         count_calls(counts, module, "build_prompt")
     out = {"turns": turns, "at_once": at_once, "frames": frames}
-    async with EngineService.for_engine(engine) as service:
+    ops = count_engine_ops(EngineService)
+    async with EngineService.for_engine(engine, prepare_opens=True) as service:
         await service.wait_ready()
         await run_turns(service, "whole", at_once, at_once, frames)  # what the first turns make once
         await run_turns(service, "streamed", at_once, at_once, frames)
         for kind in ("whole", "streamed"):
             counts.clear()
             poll_us.clear()
+            ops.ops.clear()
             rounds, streams, cpu = service.rounds, service.round_streams, engine_cpu_s(service)
             caller_s = await run_turns(service, kind, turns, at_once, frames)
             per_turn = {k: round(v / turns, 2) for k, v in sorted(counts.items())}
@@ -114,6 +156,9 @@ async def measure(engine, _folder: str, turns: int, at_once: int, frames: int) -
                 (service.round_streams - streams) / max(1, service.rounds - rounds), 2)
             per_turn["engine_cpu_ms"] = round((engine_cpu_s(service) - cpu) * 1e3 / turns, 2)
             per_turn["caller_open_cpu_ms"] = round(caller_s * 1e3 / turns, 3)
+            # Each a launch or more on a GPU: between rounds the GPU waits on them.
+            per_turn["engine_ops_between_rounds"] = round(ops.ops["critical"] / turns, 1)
+            per_turn["engine_ops_overlapped"] = round(ops.ops["prepare"] / turns, 1)
             out[kind] = per_turn
     return out
 
@@ -123,7 +168,10 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=48)
     p.add_argument("--at-once", type=int, default=8)
     p.add_argument("--frames", type=int, default=12)
+    p.add_argument("--no-seed-rows", action="store_true",
+                   help="a streamed turn's first poll computes its text vectors (text_session.SEED_ROWS off)")
     args = p.parse_args()
+    text_session.SEED_ROWS = not args.no_seed_rows
     print_measured(lambda engine, folder: measure(engine, folder, args.turns, args.at_once, args.frames))
 
 
