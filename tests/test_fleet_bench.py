@@ -311,6 +311,8 @@ def test_short_sweep_writes_json_and_markdown(endless, tmp_path):
         # What a full collection would walk after the level (the engine is in this process).
         heap = lv["heap_after"]
         assert len(heap["unfrozen"]) == 3 and sum(heap["unfrozen"]) > 0 and heap["types"]
+        # The engine thread worked through the level (on the CPU, eager: most of it).
+        assert 0 < lv["thread_cpu"]["engine"] <= 1.5
         assert lv["frames_compiled"] == 0  # the CPU's eager engine compiles nothing
         # A level meets this bar (any latency) exactly when nothing was cut unheard, late, refused or failed.
         assert lv["meets_bar"] == (not lv["misses"])
@@ -681,6 +683,32 @@ def test_loop_lag_quantiles_from_a_servers_histogram_deltas():
     assert bucket_quantile([(1.0, 0.0), (float("inf"), 0.0)], 0.5) is None
     quiet = histogram_lag(after, after)
     assert quiet["n"] == 0 and quiet["p50_ms"] is None and quiet["mean_ms"] is None
+
+
+def test_engine_threads_cpu_from_a_servers_metrics():
+    """Through a server whose engine runs in a process of its own, its threads' CPU time comes
+    from /metrics (server/metrics.py), each level's as a share of its wall time."""
+    from pipecat_qwen_fast.bench.fleet import cpu_shares, engine_thread_cpu
+
+    class Remote:
+        service = None  # the engine is not in this process
+
+    def scrape(engine: float, relay: float, pipe: float) -> dict[str, float]:
+        return parse_metrics("\n".join([
+            "# TYPE qwen_tts_engine_thread_cpu_seconds counter",
+            f'qwen_tts_engine_thread_cpu_seconds_total{{thread="engine"}} {engine}',
+            f'qwen_tts_engine_thread_cpu_seconds_total{{thread="pipe"}} {pipe}',
+            f'qwen_tts_engine_thread_cpu_seconds_total{{thread="relay"}} {relay}',
+        ]))
+
+    before = engine_thread_cpu(Remote(), scrape(10.0, 2.0, 0.5))
+    after = engine_thread_cpu(Remote(), scrape(25.0, 6.0, 1.0))
+    assert before == {"engine": 10.0, "relay": 2.0, "pipe": 0.5}
+    shares = cpu_shares(before, after, 20.0)
+    assert shares == {"engine": 0.75, "pipe": 0.025, "relay": 0.2}
+    assert fleet_report.thread_cpu_text(shares) == ", engine threads' CPU engine 0.75, pipe 0.03, relay 0.20"
+    assert cpu_shares(None, after, 20.0) is None and cpu_shares(before, {}, 20.0) is None
+    assert engine_thread_cpu(Remote(), None) is None and fleet_report.thread_cpu_text(None) == ""
 
 
 def test_lag_column_reads_each_caller_process():

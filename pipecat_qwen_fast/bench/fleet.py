@@ -313,6 +313,7 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 low_before = low_slack_chunks(run.endpoint, served_before)
                 counted_before, _ = counted_rounds(run.endpoint, served_before)
                 refusals_before = engine_refusals(run.endpoint, served_before)
+                cpu_before = engine_thread_cpu(run.endpoint, served_before)
                 # New calls whose first frame ran alone before a round (backends/hybrid.py; in process).
                 alone_service = _counting_service(run.endpoint, "first_frames_alone")
                 alone_before = alone_service.first_frames_alone if alone_service is not None else None
@@ -342,6 +343,9 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                                              else int(low_after - low_before))
                 # Which of the engine's admission settings refused the level's calls.
                 level["refused_by"] = count_delta(refusals_before, engine_refusals(run.endpoint, served_after))
+                # How busy the engine's threads were (the engine thread's share against its rounds'
+                # wall time: the rest is waiting, for the GPU or for the GIL).
+                level["thread_cpu"] = cpu_shares(cpu_before, engine_thread_cpu(run.endpoint, served_after), wall)
                 level["first_frames_alone"] = (None if alone_before is None
                                                else alone_service.first_frames_alone - alone_before)
                 # Where in their streams those chunks came, the rounds before them, and whether a long
@@ -375,7 +379,8 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                     f"{fleet_report.lag_text(level['loop_lag'])}; {fleet_report.gc_text(level['gc_pauses'])}"
                     + (f" (server's: {fleet_report.served_gc_text(level['server_gc_pauses'])})"
                        if level["server_gc_pauses"] else "") + ", "
-                    f"{level['frames_compiled']} frames compiled: "
+                    f"{level['frames_compiled']} frames compiled"
+                    + fleet_report.thread_cpu_text(level.get("thread_cpu")) + ": "
                     + ("bar met" if level["meets_bar"] else "bar missed"))
                 if level["misses"] and not args.keep_going:
                     section["stopped"] = f"{key} {value} missed the bar (--keep-going runs the levels after it)"
@@ -411,6 +416,21 @@ def low_slack_chunks(endpoint, metrics: dict[str, float] | None) -> float | None
     """The engine's chunks under its min_slack_ms so far."""
     return engine_count(endpoint, metrics, "low_slack_chunks",
                         lambda m: m.get("qwen_tts_engine_low_slack_chunks_total"))
+
+
+def engine_thread_cpu(endpoint, metrics: dict[str, float] | None) -> dict[str, float] | None:
+    """CPU seconds so far of the engine's threads (the engine's; through a server whose engine
+    runs in a process of its own, also that process's relay and pipe reader)."""
+    return engine_count(endpoint, metrics, "thread_cpu",
+                        lambda m: labelled(m, "qwen_tts_engine_thread_cpu_seconds_total", "thread"))
+
+
+def cpu_shares(before: dict[str, float] | None, after: dict[str, float] | None, wall_s: float) -> dict | None:
+    """Each thread's CPU time over a level as a share of the level's wall time (1.0: a core's
+    whole time), where it was read on both sides."""
+    if not before or not after or wall_s <= 0:
+        return None
+    return {name: round((after[name] - before[name]) / wall_s, 3) for name in sorted(after) if name in before}
 
 
 def counted_rounds(endpoint, metrics: dict[str, float] | None) -> tuple[tuple[float, float, float | None] | None, str]:

@@ -67,6 +67,16 @@ def served_gc_text(pauses: dict) -> str:
     return text
 
 
+def thread_cpu_text(shares: dict | None) -> str:
+    """", engine threads' CPU engine 0.62, relay 0.21, pipe 0.04" (each a share of the level's
+    wall time: 1.0 is a core's whole time), or nothing where it was not read."""
+    return ", engine threads' CPU " + _cpu_list(shares) if shares else ""
+
+
+def _cpu_list(shares: dict) -> str:
+    return ", ".join(f"{name} {share:.2f}" for name, share in shares.items())
+
+
 def lag_text(loop_lag: dict | None) -> str:
     """A level's event-loop lag, p50 / p99 in ms: the server's (from its /metrics), then each
     caller process's."""
@@ -232,6 +242,14 @@ def render(result: dict) -> str:
         early = [lv for lv in section.get("levels", []) if lv.get("early_chunks")]
         if early:
             out += ["", early_chunks_table(early, key, title)]
+        busy = [lv for lv in section.get("levels", []) if lv.get("thread_cpu")]
+        if busy:
+            out += ["", ("The engine's threads' CPU time over each level, as a share of its wall time "
+                         "(1.00: a core's whole time): the engine thread's rounds, and where the engine "
+                         "runs in a process of its own, that process's relay (streams and chunks, "
+                         "streamed text cut into tokens) and pipe reader, which share its GIL."), ""]
+            out += [f"| {title} | CPU by thread |", "|---|---|"]
+            out += [f"| {lv[key]:g} | {_cpu_list(lv['thread_cpu'])} |" for lv in busy]
         censused = [lv for lv in section.get("levels", []) if lv.get("heap_after")]
         if censused:
             out += ["", heap_table(censused, key, title)]

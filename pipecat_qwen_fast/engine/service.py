@@ -707,6 +707,13 @@ class EngineService:
         """Streams queued, being opened, waiting for a slot, or live."""
         return self._admitted
 
+    @property
+    def thread_cpu(self) -> dict[str, float]:
+        """CPU seconds the engine thread has used ({"engine": s}; empty where the platform cannot
+        tell a thread's): beside the wall time of its rounds, how much of them is Python and
+        launches rather than waiting for the GPU or for the GIL."""
+        return thread_cpu_seconds({"engine": self._thread})
+
     def _admit(self, stream: SynthesisStream) -> SynthesisStream:
         """Hand a new stream to the engine thread, or refuse it: the service is closed, it
         already serves `max_streams`, its rounds are too slow, too many calls wait to start, or
@@ -1168,6 +1175,21 @@ class EngineService:
 
 def _is_finite_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def thread_cpu_seconds(threads: dict[str, threading.Thread | None]) -> dict[str, float]:
+    """Each started, live thread's CPU seconds so far, by name (Linux and other platforms with
+    pthread_getcpuclockid; elsewhere, or for a thread that has ended, left out)."""
+    out = {}
+    for name, thread in threads.items():
+        ident = getattr(thread, "ident", None)
+        if ident is None or not thread.is_alive():
+            continue
+        try:
+            out[name] = time.clock_gettime(time.pthread_getcpuclockid(ident))
+        except (AttributeError, OSError):  # no per-thread clock here, or the thread just ended
+            continue
+    return out
 
 
 def _is_fatal(exc: BaseException) -> bool:

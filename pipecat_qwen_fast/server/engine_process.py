@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from pipecat_qwen_fast.engine.heap import freeze_heap, release_heap
+from pipecat_qwen_fast.engine.service import thread_cpu_seconds
 from pipecat_qwen_fast.errors import EngineClosedError, InvalidInputError
 
 logger = logging.getLogger("pipecat_qwen_fast.server")
@@ -56,7 +57,7 @@ CALL_TIMEOUT_S = 120.0
 # answers before the first report.
 REPORTED: dict[str, Any] = {"rounds": 0, "round_seconds": 0.0, "round_streams": 0, "round_ms": 0.0,
                             "low_slack_chunks": 0, "lowest_slack_ms": None, "admitted_streams": 0,
-                            "refusals": {}}
+                            "refusals": {}, "thread_cpu": {}}
 
 
 def _reported(name: str) -> property:
@@ -327,6 +328,9 @@ class EngineProcess:
     lowest_slack_ms = _reported("lowest_slack_ms")
     admitted_streams = _reported("admitted_streams")
     refusals = _reported("refusals")
+    # The engine process's threads: the engine's, the relay's (this module's loop: streams in,
+    # chunks out, a streamed turn's text cut into tokens) and the pipe reader's, which share its GIL.
+    thread_cpu = _reported("thread_cpu")
 
     def open_stream(self, request: Any) -> RemoteStream:
         return self._open(request, False, None)
@@ -510,6 +514,7 @@ class EngineHost:
         self.streams: dict[int, Any] = {}
         self.relays: dict[int, asyncio.Task] = {}
         self.gc_pauses: list[tuple[int, float]] = []
+        self.reader: threading.Thread | None = None  # the pipe reader (serve)
         self.stopped = asyncio.Event()
 
     def send(self, msg: tuple) -> None:
@@ -526,8 +531,9 @@ class EngineHost:
         loop = asyncio.get_running_loop()
         stop_gc_watch = watch_gc(lambda generation, s: self.gc_pauses.append((generation, s)))
         self.service = load_engine_service(self.settings)
-        reader = threading.Thread(target=pump, args=(self.conn, loop, self.handle, self.stopped.set),
-                                  name="qwen-tts-server-pipe", daemon=True)
+        reader = self.reader = threading.Thread(
+            target=pump, args=(self.conn, loop, self.handle, self.stopped.set), name="qwen-tts-server-pipe",
+            daemon=True)
         reader.start()
         reporter = asyncio.create_task(self.report())
         try:
@@ -640,8 +646,10 @@ class EngineHost:
                  "library": library.names() if library is not None else []}
         while True:
             pauses, self.gc_pauses = self.gc_pauses, []
+            threads = thread_cpu_seconds({"relay": threading.current_thread(), "pipe": self.reader})
             self.send(("state", {**state, "alive": service.alive,
                                  **{name: getattr(service, name) for name in REPORTED},
+                                 "thread_cpu": {**service.thread_cpu, **threads},
                                  "fully_warm": bool(getattr(engine, "fully_warm", True)),
                                  "gc": pauses}))
             state = {}

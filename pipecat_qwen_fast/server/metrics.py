@@ -194,6 +194,14 @@ class EngineRounds:
         for reason, count in sorted(service.refusals.items()):
             refused.add_metric([reason], float(count))
         yield refused
+        cpu = CounterMetricFamily("qwen_tts_engine_thread_cpu_seconds", "CPU time of the engine's "
+                                  "threads: engine (its rounds), and where the engine runs in a "
+                                  "process of its own, relay (streams and chunks to and from the "
+                                  "server, streamed text cut into tokens) and pipe (the reader), "
+                                  "which share that process's GIL.", labels=["thread"])
+        for thread, seconds in sorted((getattr(service, "thread_cpu", None) or {}).items()):
+            cpu.add_metric([thread], float(seconds))
+        yield cpu
         lowest = service.lowest_slack_ms
         # NaN while no chunk was measured recently: a scrape can tell "none" from a missing metric.
         yield GaugeMetricFamily("qwen_tts_engine_lowest_slack_ms", "The lowest slack (playback time "

@@ -90,11 +90,15 @@ async def test_engine_runs_in_a_child_process_and_speaks_as_in_process(proc_serv
         assert unknown.status_code == 400 and "valid voices" in unknown.json()["error"]["message"]
         # The engine process's rounds reach /metrics (bench fleet reads them per level).
         await asyncio.sleep(0.5)
-        samples = {s.name: s.value for f in text_string_to_metric_families((await http.get("/metrics")).text)
-                   for s in f.samples}
+        metrics_text = (await http.get("/metrics")).text
+        samples = {s.name: s.value for f in text_string_to_metric_families(metrics_text) for s in f.samples}
     assert samples["qwen_tts_engine_rounds_total"] > 0
     assert samples["qwen_tts_engine_round_seconds_total"] > 0
     assert samples["qwen_tts_engine_round_streams_total"] >= samples["qwen_tts_engine_rounds_total"]
+    # The engine process's threads' CPU time: the engine's ran the rounds, the relay the streams.
+    cpu = {s.labels["thread"]: s.value for f in text_string_to_metric_families(metrics_text)
+           for s in f.samples if s.name == "qwen_tts_engine_thread_cpu_seconds_total"}
+    assert set(cpu) == {"engine", "relay", "pipe"} and cpu["engine"] > 0 and cpu["relay"] > 0
     # Admission by slack is off on a CPU ("auto"): slack is watched, nothing counts as low.
     assert samples["qwen_tts_engine_low_slack_chunks_total"] == 0
     assert "qwen_tts_engine_lowest_slack_ms" in samples

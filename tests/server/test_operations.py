@@ -173,6 +173,9 @@ async def test_metrics_count_streams_audio_first_audio_refusals_and_errors(endle
         # Each of those rounds stepped one or both streams: 24 frames in all.
         assert m[("qwen_tts_engine_round_streams_total", ())] - streams_before == 24
         assert m[("qwen_tts_engine_round_ms", ())] > 0
+        # In the server's process the engine runs on its service's thread alone.
+        assert m[("qwen_tts_engine_thread_cpu_seconds_total", (("thread", "engine"),))] > 0
+        assert not [k for k in m if k[0] == "qwen_tts_engine_thread_cpu_seconds_total" and k[1] != (("thread", "engine"),)]
         assert m[("qwen_tts_engine_low_slack_chunks_total", ())] == 0  # off on a CPU
         assert ("qwen_tts_engine_lowest_slack_ms", ()) in m
         # The event loop's lag, sampled every 10 ms while the server ran (seconds, here).
