@@ -585,9 +585,11 @@ def test_callers_split_over_two_processes_against_a_server(served, tmp_path):
     served = level["server_gc_pauses"]
     assert set(served) == {"gen0", "gen1", "gen2", "by_process"}
     assert set(served["by_process"]) <= {"server", "engine"} and "server" in served["by_process"]
+    # Its engine process's threads, from /metrics: the engine's worked most of the level.
+    assert set(level["thread_cpu"]) == {"engine", "relay", "pipe"} and level["thread_cpu"]["engine"] > 0
     md = (out / "fleet.md").read_text()
     assert "split over 2 processes" in md
-    (row,) = [line for line in md.splitlines() if line.startswith("| 4 |")]
+    row = next(line for line in md.splitlines() if line.startswith("| 4 |"))  # the level table's
     assert row.count("|") == 13 and "; 2 caller processes " in row  # 12 columns, the lag among them
 
 

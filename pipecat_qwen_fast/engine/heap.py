@@ -100,18 +100,18 @@ class GcPauses:
         return out
 
 
-def heap_census(top: int = 12) -> dict:
+def heap_census(top: int | None = 12) -> dict:
     """What a full collection would walk now: the tracked objects outside the frozen heap, by
-    generation, and the most common types among them. It lists every tracked object (tens of ms
-    over a large heap): call it where no stream waits, such as after a benchmark's level."""
+    generation, and the `top` most common types among them (None: all). It lists every tracked
+    object (tens of ms over a large heap): call it where no stream waits, such as after a
+    benchmark's level."""
     gens = [gc.get_objects(generation=g) for g in (0, 1, 2)]
-    types = collections.Counter(_type_name(o) for objs in gens for o in objs)
+    types = collections.Counter(type(o) for objs in gens for o in objs)
     counts = [len(objs) for objs in gens]
     del gens
     return {"unfrozen": counts, "frozen": gc.get_freeze_count(),
-            "types": [[name, n] for name, n in types.most_common(top)]}
+            "types": [[_type_name(kind), n] for kind, n in types.most_common(top)]}
 
 
-def _type_name(obj: object) -> str:
-    kind = type(obj)
+def _type_name(kind: type) -> str:
     return f"{getattr(kind, '__module__', '?')}.{getattr(kind, '__qualname__', kind.__name__)}"
