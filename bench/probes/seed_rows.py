@@ -14,22 +14,11 @@ from __future__ import annotations
 import statistics
 import time
 
-from tiny_cpu import print_measured  # beside this file
-from torch.utils._python_dispatch import TorchDispatchMode
+from tiny_cpu import CountOps, print_measured  # beside this file
 
 from pipecat_qwen_fast.bench.fleet_workload import fleet_replies
 from pipecat_qwen_fast.engine import text_session
 from pipecat_qwen_fast.engine.request import SynthesisRequest
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
 
 
 def first_polls(engine, seed: bool) -> dict:
@@ -49,7 +38,7 @@ def first_polls(engine, seed: bool) -> dict:
                 t0 = time.perf_counter()
                 assert engine.poll_text(s) is None  # its text is all there: it can step
                 us.append((time.perf_counter() - t0) * 1e6)
-            ops.append(counted.ops)
+            ops.append(counted.ops["all"])
         for s in sessions:
             engine.close_session(s)
     return {"turns": len(ops), "ops_mean": round(statistics.mean(ops), 2), "ops_max": max(ops),

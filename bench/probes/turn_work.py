@@ -23,8 +23,7 @@ import collections
 import statistics
 import time
 
-from tiny_cpu import print_measured  # beside this file
-from torch.utils._python_dispatch import TorchDispatchMode
+from tiny_cpu import CountOps, print_measured  # beside this file
 
 from pipecat_qwen_fast.bench.fleet_workload import fleet_replies
 from pipecat_qwen_fast.engine import engine as engine_module
@@ -53,25 +52,11 @@ def count_calls(counts: collections.Counter, owner, name: str, rows=None, times:
     setattr(owner, name, counted)
 
 
-class CountOps(TorchDispatchMode):
-    """Torch operations dispatched in the thread that entered it (modes are per thread), split by
-    whether they ran in the window the engine overlaps with the GPU's frame (`prepare`: the
-    service's `_prepare_opens`) or between rounds, where the GPU waits on them (`critical`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = collections.Counter()
-        self.window = "critical"
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[self.window] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def count_engine_ops(service_class) -> CountOps:
     """Count the engine thread's torch operations: the service's thread runs `_serve` inside the
-    mode, its `_prepare_opens` marked as the overlapped window. Call before the service starts."""
-    counter = CountOps()
+    mode, counting under "critical" (between rounds, the GPU waiting on them), its `_prepare_opens`
+    under "prepare" (the window overlapped with the GPU's frame). Call before the service starts."""
+    counter = CountOps("critical")
     serve, prepare = service_class._serve, service_class._prepare_opens
 
     def counted_serve(self):

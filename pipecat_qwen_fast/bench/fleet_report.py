@@ -172,6 +172,21 @@ def early_chunks_table(levels: list[dict], key: str, title: str) -> str:
     return "\n".join(lines)
 
 
+def thread_cpu_table(levels: list[dict], key: str, title: str) -> str:
+    """The engine's threads' CPU time over each level (`thread_cpu`), level by level."""
+    lines = [
+        ("The engine's threads' CPU time over each level, as a share of its wall time (1.00: a "
+         "core's whole time): the engine thread's rounds, and where the engine runs in a process of "
+         "its own, that process's relay (streams and chunks, streamed text cut into tokens) and pipe "
+         "reader, which share its GIL."),
+        "",
+        f"| {title} | CPU by thread |",
+        "|---|---|",
+    ]
+    lines += [f"| {lv[key]:g} | {_cpu_list(lv['thread_cpu'])} |" for lv in levels]
+    return "\n".join(lines)
+
+
 def heap_table(levels: list[dict], key: str, title: str) -> str:
     """The engine's process after each level: its full collections during the level, what they
     freed, and the tracked objects outside the frozen heap then (engine/heap.heap_census)."""
@@ -244,12 +259,7 @@ def render(result: dict) -> str:
             out += ["", early_chunks_table(early, key, title)]
         busy = [lv for lv in section.get("levels", []) if lv.get("thread_cpu")]
         if busy:
-            out += ["", ("The engine's threads' CPU time over each level, as a share of its wall time "
-                         "(1.00: a core's whole time): the engine thread's rounds, and where the engine "
-                         "runs in a process of its own, that process's relay (streams and chunks, "
-                         "streamed text cut into tokens) and pipe reader, which share its GIL."), ""]
-            out += [f"| {title} | CPU by thread |", "|---|---|"]
-            out += [f"| {lv[key]:g} | {_cpu_list(lv['thread_cpu'])} |" for lv in busy]
+            out += ["", thread_cpu_table(busy, key, title)]
         censused = [lv for lv in section.get("levels", []) if lv.get("heap_after")]
         if censused:
             out += ["", heap_table(censused, key, title)]

@@ -46,6 +46,7 @@ from pipecat_qwen_fast.engine.slack import MIN_SLACK_MS, PlaybackClock, SlackWat
 from pipecat_qwen_fast.engine.stack_samples import start_from_env as start_stack_samples
 from pipecat_qwen_fast.engine.text_session import DEFAULT_IDLE_TIMEOUT_S
 from pipecat_qwen_fast.errors import EngineClosedError, EngineOverloadedError, NoFreeSlotError
+from pipecat_qwen_fast.utils.threads import thread_cpu_seconds
 
 if TYPE_CHECKING:
     from pipecat_qwen_fast.engine.request import AudioChunk
@@ -1175,21 +1176,6 @@ class EngineService:
 
 def _is_finite_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def thread_cpu_seconds(threads: dict[str, threading.Thread | None]) -> dict[str, float]:
-    """Each started, live thread's CPU seconds so far, by name (Linux and other platforms with
-    pthread_getcpuclockid; elsewhere, or for a thread that has ended, left out)."""
-    out = {}
-    for name, thread in threads.items():
-        ident = getattr(thread, "ident", None)
-        if ident is None or not thread.is_alive():
-            continue
-        try:
-            out[name] = time.clock_gettime(time.pthread_getcpuclockid(ident))
-        except (AttributeError, OSError):  # no per-thread clock here, or the thread just ended
-            continue
-    return out
 
 
 def _is_fatal(exc: BaseException) -> bool:

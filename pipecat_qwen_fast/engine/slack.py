@@ -9,8 +9,9 @@ run late, most at their second chunk. Slack measures that miss itself: after a c
 `min_slack_ms` of its playback, new streams are refused for SLACK_HOLD_S.
 
 Both classes run on the engine thread for every chunk (hundreds a second): a few float compares,
-no locks, and a deque append for a stream's second and third chunks (and any under the margin). `SlackWatch.holding` and `lowest_ms` are read from other threads; each reads
-floats that the engine thread replaces whole, so a reader sees an old value or a new one.
+no locks, and a deque append for a stream's second and third chunks (and any under the margin).
+`SlackWatch.holding` and `lowest_ms` are read from other threads; each reads floats that the
+engine thread replaces whole, so a reader sees an old value or a new one.
 """
 
 from __future__ import annotations

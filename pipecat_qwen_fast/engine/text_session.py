@@ -463,9 +463,12 @@ class _Begin:
     guess at its first token was right and its prefill is kept)."""
 
     prompt: object | None
-    tokens: int
+    ids: list[int]  # the segment's tokens it begins with
     closed: bool
-    ids: list[int] = dataclasses.field(default_factory=list)  # the segment's tokens it begins with
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
 
 
 def _begin(engine, s) -> bool:
@@ -558,7 +561,7 @@ def _plan_begin(engine, s) -> _Begin | None:
         s.early = None  # frame 0's audio made for another guess (text_first_frame.speculate)
     s.frame_cap = cap
     s.segment_frames = 0
-    return _Begin(prompt, len(tokens), closed, tokens)
+    return _Begin(prompt, tokens, closed)
 
 
 def _end_begin(engine, s, plan: _Begin) -> None:
@@ -616,11 +619,9 @@ def _seed_rows(engine, s, plan: _Begin) -> None:
     poll recomputing all of them between rounds while the GPU waits (a server's turn comes with
     its whole text). A prompt built from other tokens than the segment's is left to `_push`."""
     feed, prompt = s.feed, plan.prompt
-    if feed.k != 1 or prompt.body != plan.ids or not plan.ids:
+    if prompt.body != plan.ids or not plan.ids:
         return
-    count = len(plan.ids) - 1 + (1 if plan.closed else 0)  # text rows of ids[1:], tts_eos if closed
-    if prompt.trailing.shape[0] < count:
-        return
+    count = plan.tokens - 1 + (1 if plan.closed else 0)  # text rows of ids[1:], tts_eos if closed
     feed.seq = list(plan.ids)
     feed.rows = prompt.trailing
     feed.trailing = count
@@ -628,7 +629,7 @@ def _seed_rows(engine, s, plan: _Begin) -> None:
         engine.backend.set_trailing(s.state, prompt.trailing[:count])
     if plan.closed:
         feed.closed = True
-        s.frame_cap = _cap(engine, s, len(plan.ids))
+        s.frame_cap = _cap(engine, s, plan.tokens)
 
 
 def _push(engine, s) -> None:

@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 
 from pipecat_qwen_fast.engine.heap import freeze_heap, release_heap
-from pipecat_qwen_fast.engine.service import thread_cpu_seconds
 from pipecat_qwen_fast.errors import EngineClosedError, InvalidInputError
+from pipecat_qwen_fast.utils.threads import thread_cpu_seconds
 
 logger = logging.getLogger("pipecat_qwen_fast.server")
 
