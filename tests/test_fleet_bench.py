@@ -19,6 +19,7 @@ from pipecat_qwen_fast.bench.fleet_callers import is_overload
 from pipecat_qwen_fast.bench.fleet_workload import (
     COMPLETE,
     CUT,
+    ERROR,
     REFUSED,
     Utterance,
     bucket_quantile,
@@ -115,6 +116,26 @@ def test_level_summary_counts_each_outcome_and_frames_in_the_window():
     assert s["frames_per_s"] == pytest.approx((4 + 4 + 10) / 2.0)
     assert verdict(s, 200.0, underruns_count=False) == ["1 refused"]
     assert len(verdict(s, 200.0, underruns_count=True)) == 2
+
+
+def test_level_summary_counts_callers_heard_again_after_a_failed_stream():
+    def said(caller, submitted, outcome=COMPLETE):
+        u = utterance(submitted, [] if outcome == ERROR else [submitted + 0.05], [] if outcome == ERROR else [1],
+                      outcome=outcome)
+        u.caller = caller
+        if outcome == ERROR:
+            u.error = "RemoteTTSError: the server closed the stream"
+        return u
+
+    utts = [
+        said(0, 0.0), said(0, 1.0, ERROR), said(0, 2.0),  # failed, then heard again
+        said(1, 0.5, ERROR), said(1, 0.8, ERROR), said(1, 3.0, REFUSED),  # failed twice, never heard again
+        said(2, 0.2), said(2, 1.2, ERROR),  # heard only before its failure
+        said(3, 0.3),
+    ]
+    s = summarize_level(utts, window_s=4.0)
+    assert s["errors"] == 4 and s["errored_callers"] == 3
+    assert s["errored_callers_heard_again"] == 1
 
 
 def test_capacity_is_the_most_callers_that_met_the_bar():

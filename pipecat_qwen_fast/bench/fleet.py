@@ -111,6 +111,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     src.add_argument("--server-url", help="a running server (qwen-fast-tts serve, or Ray Serve's proxy): callers on "
                                           "its WebSocket, no engine in this process (its checkpoint's EOS row zeroed)")
     p.add_argument("--voice", default=None, help="with --server-url: the voice callers ask for (default: the server's)")
+    p.add_argument("--server-metrics", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --server-url: read the server's /metrics before and after each level (its rounds, "
+                        "refusals, loop lag); --no-server-metrics behind a proxy over several replicas, where "
+                        "each read reaches one of them")
     p.add_argument("--caller-processes", type=int, default=1,
                    help="with --server-url: split each level's callers over this many OS processes (spawned), "
                         "each with its own event loop and client, all starting the level at one instant")
@@ -318,6 +322,8 @@ async def sweep(args: argparse.Namespace, runs: list[Run], device: torch.device 
                 alone_service = _counting_service(run.endpoint, "first_frames_alone")
                 alone_before = alone_service.first_frames_alone if alone_service is not None else None
                 level_t0 = time.monotonic()
+                # bench scaleout kills a replica a set time after this line.
+                log(f"{run.name} level {value} starts")
                 with GcPauses() as gc_pauses:
                     utts, wall, caller_lag = await run_callers(run, replies, LevelPlan(
                         closed=closed, value=value, duration=args.duration, stagger=args.stagger,
@@ -465,7 +471,7 @@ def workload(args: argparse.Namespace, replies: list) -> dict:
 def sweep_server(args: argparse.Namespace, deadline: float, report: Report, save, started: float) -> int:
     """The sweep against a server of another process or machine: what its clients see, with no
     view of its engine (no round timing, no GPU memory)."""
-    endpoint = ServerEndpoint(args.server_url, args.voice, args.text_mode)
+    endpoint = ServerEndpoint(args.server_url, args.voice, args.text_mode, metrics=args.server_metrics)
     n = args.caller_processes
     report.put("endpoint", f"a server at {args.server_url} (WebSocket)"
                + (f", the callers split over {n} processes" if n > 1 else ""))

@@ -117,14 +117,17 @@ class InProcessEndpoint:
 class ServerEndpoint(InProcessEndpoint):
     """A server over its WebSocket protocol (`qwen-fast-tts serve`, or Ray Serve's proxy), through
     the remote adapters' client: a socket per utterance, closed by a cancel. `service`, where the
-    server runs on an engine of this process, lends its round timings and its stream count."""
+    server runs on an engine of this process, lends its round timings and its stream count.
+    `metrics` False: its /metrics are not read (behind a proxy over several replicas each read
+    reaches one of them, so a level's before and after need not be the same server's)."""
 
     def __init__(self, base_url: str, voice: str | None, text_mode: str | None = None,
-                 service: Any = None) -> None:
+                 service: Any = None, metrics: bool = True) -> None:
         from pipecat_qwen_fast.remote import RemoteTTSClient
 
         super().__init__(service, voice, text_mode)
         self.client = RemoteTTSClient(base_url)
+        self.metrics = metrics
 
     def open(self, request: SynthesisRequest) -> Any:
         return self.client.open_stream(request)
@@ -145,6 +148,8 @@ class ServerEndpoint(InProcessEndpoint):
         it does not answer them."""
         from pipecat_qwen_fast.remote import http_url
 
+        if not self.metrics:
+            return None
         try:
             async with self.client.http().get(http_url(self.client.base_url, "/metrics"),
                                               headers=self.client._headers) as response:

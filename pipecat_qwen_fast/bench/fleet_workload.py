@@ -136,6 +136,14 @@ def summarize_level(utterances: list[Utterance], window_s: float) -> dict:
     late = [u for u in heard if u.underrun]
     samples_in_window = sum(n for u in utterances for a, n in zip(u.arrivals, u.samples) if a <= window_s)
     errors = [u.error for u in utterances if u.outcome == ERROR]
+    first_error: dict[int, float] = {}
+    for u in utterances:
+        if u.outcome == ERROR:
+            first_error[u.caller] = min(u.submitted, first_error.get(u.caller, math.inf))
+    # Callers whose stream failed (its server died) and who were heard in full afterwards: they
+    # spoke again (a new socket) and were served.
+    heard_again = {u.caller for u in utterances
+                   if u.outcome == COMPLETE and u.submitted > first_error.get(u.caller, math.inf)}
     return {
         "utterances": len(utterances),
         "completed": sum(u.outcome == COMPLETE for u in utterances),
@@ -143,6 +151,8 @@ def summarize_level(utterances: list[Utterance], window_s: float) -> dict:
         "refused": sum(u.outcome == REFUSED for u in utterances),
         "errors": len(errors),
         "error_samples": sorted(set(errors))[:3],
+        "errored_callers": len(first_error),
+        "errored_callers_heard_again": len(heard_again),
         "no_audio": len(served) - len(heard),
         "first_audio_ms": _ms({"n": len(first), "p50": percentile(first, 50), "p95": percentile(first, 95),
                                "p99": percentile(first, 99), "max": max(first, default=None)}),

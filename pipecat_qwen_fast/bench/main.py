@@ -13,6 +13,8 @@ are merged into `results.json` and `results.md` in --out.
 engine (pipecat_qwen_fast/bench/fleet.py; `qwen-fast-tts bench fleet --help`).
 `qwen-fast-tts bench streaming-text ...`: first audio after an LLM's first token, sentence mode
 against token mode in Pipecat and LiveKit (pipecat_qwen_fast/bench/streaming_text.py).
+`qwen-fast-tts bench scaleout ...`: the fleet on Ray Serve, one replica then one per GPU, and a
+replica killed mid-level (pipecat_qwen_fast/bench/scaleout.py).
 `qwen-fast-tts bench voice-clone ...`: voice creation, cloned first audio and frame time
 (pipecat_qwen_fast/bench/voice_clone.py).
 """
@@ -166,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         from pipecat_qwen_fast.bench.fleet import main as fleet_main
 
         return fleet_main(argv[1:])
+    if argv[:1] == ["scaleout"]:
+        from pipecat_qwen_fast.bench.scaleout import main as scaleout_main
+
+        return scaleout_main(argv[1:])
     if argv[:1] == ["voice-clone"]:
         from pipecat_qwen_fast.bench.voice_clone import main as voice_clone_main
 
