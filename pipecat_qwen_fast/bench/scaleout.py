@@ -8,8 +8,8 @@ One run on one machine, in this order:
    request by request in turn.
 3. The fleet benchmark (closed-loop callers, `bench fleet --server-url`) through the ingress at
    --one-levels.
-4. Serve scales the same application to --replicas (one more engine per GPU); the fleet at
-   --many-levels.
+4. Serve scales the deployment to --replicas (one engine per GPU; the first replica serves on);
+   the fleet at --many-levels.
 5. At --kill-level (default: the largest many-replica level that met the bar), a replica is killed
    --kill-after seconds into the level. Its callers' streams end with an error and they speak
    again; the other replica's callers play on. Ray's replacement is timed until it is warm, then
@@ -209,7 +209,8 @@ def level_row(level: dict) -> dict:
 
 # -- Ray -------------------------------------------------------------------------------------------
 
-def deploy(args: argparse.Namespace, replicas: int) -> None:
+def deploy(args: argparse.Namespace) -> None:
+    """One replica of the server, its count left to scale()."""
     from ray import serve
 
     from pipecat_qwen_fast.server.ray_serve import tts_app
@@ -219,8 +220,23 @@ def deploy(args: argparse.Namespace, replicas: int) -> None:
     # (max_streams far above what a level opens).
     settings = ServerSettings(model=args.model, device=args.device, dtype=args.dtype, backend=args.backend,
                               max_streams=100000, engine_process=True, log_level="warning")
-    serve.run(tts_app(settings, num_replicas=replicas, num_gpus=args.replica_gpus, num_cpus=args.replica_cpus),
-              name=APP, route_prefix="/", blocking=False)
+    serve.run(tts_app(settings, num_replicas=1, num_gpus=args.replica_gpus, num_cpus=args.replica_cpus),
+              name=APP, route_prefix="/", blocking=False, external_scaler_enabled=True)
+
+
+def scale(replicas: int) -> None:
+    """The deployment's replica count, the replicas running kept. A second serve.run with another
+    count would be a new version of the app, and Serve replaces every replica of an old version
+    (one engine load each); this is what Serve's REST scale endpoint asks of its controller."""
+    import ray
+    from ray import serve
+    from ray.serve._private.common import DeploymentID
+
+    from pipecat_qwen_fast.server.ray_serve import QwenTTSDeployment
+
+    controller = serve.context._get_global_client()._controller
+    ray.get(controller.update_deployment_replicas.remote(DeploymentID(name=QwenTTSDeployment.name, app_name=APP),
+                                                         replicas))
 
 
 def kill_replica(replica: str) -> None:
@@ -278,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
 
         t0 = time.monotonic()
-        deploy(args, 1)
-        waited, seen = wait_warm(1, args.ready_timeout)
+        deploy(args)
+        _, seen = wait_warm(1, args.ready_timeout)
         report["one_replica_warm_s"] = time.monotonic() - t0
         (replica, info), = seen.items()
         save()
@@ -297,8 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         save()
 
         t0 = time.monotonic()
-        deploy(args, args.replicas)
+        scale(args.replicas)
         _, seen = wait_warm(args.replicas, args.ready_timeout)
+        report["scaled_kept"] = replica in seen  # the first replica served on, not replaced
         report["scale_up_warm_s"] = time.monotonic() - t0
         many = run_fleet(args, "many", args.many_levels)
         report["many"] = {"capacity_callers": many.get("capacity_callers"),
@@ -390,6 +407,9 @@ def render(report: dict) -> str:
         ratio = report.get("ratio")
         lines += [f"Capacity: {c1} callers on one replica, {cn} on {report.get('replicas')}: ratio "
                   f"{'n/a' if ratio is None else f'{ratio:.2f}'} (bar {RATIO_BAR:g}).", ""]
+    if "scale_up_warm_s" in report:
+        lines += [f"Scaled to {report.get('replicas')} replicas: warm {ms(report['scale_up_warm_s'])} s after the "
+                  f"scale call; the first replica kept: {report.get('scaled_kept')}.", ""]
     if kill:
         lines.append(f"Kill: replica {kill.get('victim')} killed: {kill.get('killed')}; its replacement warm "
                      f"{ms(kill.get('replacement_warm_s'))} s after the kill.")

@@ -9,9 +9,15 @@ replica that dies or fails its health check. Run it from Python::
     from pipecat_qwen_fast.server import ServerSettings
     from pipecat_qwen_fast.server.ray_serve import tts_app
 
-    serve.run(tts_app(ServerSettings(model="Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice")))
+    serve.run(tts_app(ServerSettings(model="Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice",
+                                     engine_process=True)))
 
 or from the shell: ``serve run pipecat_qwen_fast.server.ray_serve:app_builder model=<model>``.
+``engine_process=True`` runs each replica's engine in a child process, as ``qwen-fast-tts serve``
+does (app_builder's default), so the replica's socket work never holds up the engine's thread.
+For many streams per replica, start Ray with ``RAY_SERVE_ENABLE_HA_PROXY=1``: Serve's HAProxy
+ingress hands each socket to the replica's own server, where its Python proxy relays every
+WebSocket message through an actor call (docs/SERVER.md, scale-out).
 Needs ``ray[serve]`` (the ``server`` extra brings it).
 """
 
@@ -116,23 +122,33 @@ DEPLOYMENT_ARGS = {"num_replicas": int, "min_replicas": int, "max_replicas": int
                    "num_gpus": float, "num_cpus": float, "target_ongoing_requests": float,
                    "max_ongoing_requests": int, "max_queued_requests": int,
                    "health_check_period_s": float}
+def _flag(value: str) -> bool:
+    if value.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value.lower() in ("true", "1", "yes", "on")
+
+
 SETTINGS_ARGS = {"model": str, "device": str, "dtype": str, "backend": str, "api_key": str,
                  "max_streams": int, "max_input_chars": int, "max_frames": int,
                  "retry_after_s": int,
                  "drain_timeout_s": float, "ws_config_timeout_s": float,
                  "ws_idle_timeout_s": float, "served_model_name": str,
+                 "engine_process": _flag,
                  "voice_aliases": lambda v: parse_voice_aliases(v.split(","))}
 
 
 def app_builder(args: dict[str, str]) -> Any:
     """For ``serve run pipecat_qwen_fast.server.ray_serve:app_builder model=... max_replicas=4``:
     ServerSettings fields and :func:`tts_app`'s keyword arguments as strings
-    (``voice_aliases=alloy=ryan,nova=vivian``; ``num_replicas=auto``)."""
+    (``voice_aliases=alloy=ryan,nova=vivian``; ``num_replicas=auto``). The engine runs in a child
+    process of each replica, as under ``qwen-fast-tts serve`` (``engine_process=false``: in the
+    replica's own)."""
     unknown = sorted(set(args) - set(DEPLOYMENT_ARGS) - set(SETTINGS_ARGS))
     if unknown:
         raise ValueError(f"unknown arguments: {', '.join(unknown)}; valid: "
                          f"{', '.join(sorted({*DEPLOYMENT_ARGS, *SETTINGS_ARGS}))}")
-    settings = {k: SETTINGS_ARGS[k](v) for k, v in args.items() if k in SETTINGS_ARGS}
+    settings = {"engine_process": True,
+                **{k: SETTINGS_ARGS[k](v) for k, v in args.items() if k in SETTINGS_ARGS}}
     deployment = {k: v if v == "auto" else DEPLOYMENT_ARGS[k](v)
                   for k, v in args.items() if k in DEPLOYMENT_ARGS}
     return tts_app(ServerSettings(**settings), **deployment)

@@ -149,6 +149,11 @@ def test_app_builder_reads_serve_run_arguments():
     (settings,) = deployment.init_args
     assert (settings.model, settings.max_streams, settings.max_frames) == ("/models/tts", 8, 600)
     assert settings.voice_aliases == {"alloy": "ryan", "nova": "vivian"}
+    assert settings.engine_process  # as `qwen-fast-tts serve` runs it
+    (settings,) = app_builder({"model": "/m", "engine_process": "false"})._bound_deployment.init_args
+    assert not settings.engine_process
+    with pytest.raises(ValueError, match="expected true or false, got 'maybe'"):
+        app_builder({"model": "/m", "engine_process": "maybe"})
     config = deployment._deployment_config
     assert config.autoscaling_config.max_replicas == 4
     assert config.autoscaling_config.target_ongoing_requests == 8
