@@ -332,6 +332,7 @@ def test_short_sweep_writes_json_and_markdown(endless, tmp_path):
         # What a full collection would walk after the level (the engine is in this process).
         heap = lv["heap_after"]
         assert len(heap["unfrozen"]) == 3 and sum(heap["unfrozen"]) > 0 and heap["types"]
+        assert heap["function_modules"] and all(n > 0 for _, n in heap["function_modules"])
         # The engine thread worked through the level (on the CPU, eager: most of it).
         assert 0 < lv["thread_cpu"]["engine"] <= 1.5
         assert lv["frames_compiled"] == 0  # the CPU's eager engine compiles nothing
@@ -344,6 +345,7 @@ def test_short_sweep_writes_json_and_markdown(endless, tmp_path):
     md = (out / "fleet.md").read_text()
     assert "| callers |" in md and "| requests/s |" in md and "## Open loop" in md
     assert "unfrozen objects gen0 / gen1 / gen2" in md
+    assert "; functions from " in md
     assert result["plot"] == "fleet.png" or result["plot"].startswith("skipped: matplotlib")
 
 

@@ -126,6 +126,10 @@ def test_heap_census_counts_what_a_full_collection_would_walk(thawed):
     census = heap_census(top=None)  # every type (a test worker's heap has larger ones)
     assert sum(census["unfrozen"]) >= 5000
     assert dict(census["types"])[name] == 5000
+    here = dict(census["function_modules"])
+    made = [lambda: 0 for _ in range(300)]  # 300 functions defined in this module
+    assert dict(heap_census(top=None)["function_modules"])[__name__] == here.get(__name__, 0) + 300
+    del made
     assert len(heap_census()["types"]) == 12
     gc.freeze()  # out of a full collection's walk, so out of the census
     frozen = heap_census(top=None)

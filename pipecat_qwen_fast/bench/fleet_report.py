@@ -202,6 +202,8 @@ def heap_table(levels: list[dict], key: str, title: str) -> str:
         full = (lv.get("gc_pauses") or {}).get("gen2") or {}
         heap = lv["heap_after"]
         common = ", ".join(f"{name} {n}" for name, n in heap["types"][:6])
+        if heap.get("function_modules"):
+            common += "; functions from " + ", ".join(f"{m} {n}" for m, n in heap["function_modules"][:3])
         lines.append(f"| {lv[key]:g} | {full.get('collections', 0)}, {_fmt(full.get('max_ms'))}, "
                      f"{full.get('collected', 'n/a')} | {' / '.join(str(n) for n in heap['unfrozen'])} | {common} |")
     return "\n".join(lines)

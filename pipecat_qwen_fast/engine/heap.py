@@ -15,6 +15,7 @@ import gc
 import threading
 import time
 from collections.abc import Callable
+from types import FunctionType
 from typing import Self
 
 _holders: set[int] = set()  # who froze the heap and has not let go (EngineService ids)
@@ -107,10 +108,14 @@ def heap_census(top: int | None = 12) -> dict:
     benchmark's level."""
     gens = [gc.get_objects(generation=g) for g in (0, 1, 2)]
     types = collections.Counter(type(o) for objs in gens for o in objs)
+    # Functions by the module that defined them: code compiled or imported after the freeze
+    # (a lazily built graph, a late import) shows here by name.
+    modules = collections.Counter(o.__module__ for objs in gens for o in objs if type(o) is FunctionType)
     counts = [len(objs) for objs in gens]
     del gens
     return {"unfrozen": counts, "frozen": gc.get_freeze_count(),
-            "types": [[_type_name(kind), n] for kind, n in types.most_common(top)]}
+            "types": [[_type_name(kind), n] for kind, n in types.most_common(top)],
+            "function_modules": [[str(m), n] for m, n in modules.most_common(top)]}
 
 
 def _type_name(kind: type) -> str:
