@@ -328,17 +328,20 @@ def main(argv: list[str] | None = None) -> int:
         victim = min(seen, key=lambda r: seen[r]["port"])
         killed: dict[str, float] = {}
 
-        def kill_later() -> None:
-            def kill() -> None:
-                killed["at"] = time.monotonic()
-                kill_replica(victim)
-                log(f"killed replica {victim}")
-            threading.Timer(args.kill_after, kill).start()
+        def kill() -> None:
+            killed["at"] = time.monotonic()
+            kill_replica(victim)
+            log(f"killed replica {victim}")
 
-        kill = run_fleet(args, "kill", [kill_level], warmup=False, on_level_start=kill_later)
+        # Started when the level's callers start; cancelled if the fleet run ends before it fires.
+        timer = threading.Timer(args.kill_after, kill)
+        try:
+            kill_run = run_fleet(args, "kill", [kill_level], warmup=False, on_level_start=timer.start)
+        finally:
+            timer.cancel()
         report["kill"] = {"callers": kill_level, "victim": victim, "after_s": args.kill_after,
                           "killed": "at" in killed,
-                          "level": level_row(kill["levels"][0]) if kill.get("levels") else None}
+                          "level": level_row(kill_run["levels"][0]) if kill_run.get("levels") else None}
         save()
         if "at" in killed:
             _, back = wait_warm(args.replicas, args.ready_timeout)
@@ -405,7 +408,7 @@ def render(report: dict) -> str:
     cn = (report.get("many") or {}).get("capacity_callers")
     if "one" in report:
         ratio = report.get("ratio")
-        lines += [f"Capacity: {c1} callers on one replica, {cn} on {report.get('replicas')}: ratio "
+        lines += [f"Capacity: {c1 or 'none'} callers on one replica, {cn or 'none'} on {report.get('replicas')}: ratio "
                   f"{'n/a' if ratio is None else f'{ratio:.2f}'} (bar {RATIO_BAR:g}).", ""]
     if "scale_up_warm_s" in report:
         lines += [f"Scaled to {report.get('replicas')} replicas: warm {ms(report['scale_up_warm_s'])} s after the "
