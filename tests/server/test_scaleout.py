@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -22,11 +23,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 def test_scaleout_runs_every_phase_on_two_cpu_replicas(endless_path, tmp_path):
     out = tmp_path / "scaleout"
+    with socket.socket() as sock:  # the ingress's port: any free one, not 8000
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "pipecat_qwen_fast.cli", "bench", "scaleout", "--model", str(endless_path),
            "--out", str(out), "--device", "cpu", "--dtype", "float32", "--backend", "torch",
            "--replica-gpus", "0", "--replica-cpus", "0.25", "--one-levels", "2", "--many-levels", "4",
            "--duration", "3", "--drain", "3", "--caller-processes", "1", "--latency-requests", "3",
-           "--kill-after", "1", "--fleet-args", "--text-mode dual_track --warmup 0", "--ready-timeout", "120"]
+           "--kill-after", "1", "--port", str(port), "--fleet-args", "--text-mode dual_track --warmup 0",
+           "--ready-timeout", "120"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
     report = json.loads((out / "scaleout.json").read_text())
