@@ -253,18 +253,12 @@ def render(result: dict) -> str:
             "",
             level_table(section.get("levels", []), key, title),
         ]
-        placed = [lv for lv in section.get("levels", []) if lv.get("low_slack")]
-        if placed:
-            out += ["", low_slack_table(placed, key, title)]
-        early = [lv for lv in section.get("levels", []) if lv.get("early_chunks")]
-        if early:
-            out += ["", early_chunks_table(early, key, title)]
-        busy = [lv for lv in section.get("levels", []) if lv.get("thread_cpu")]
-        if busy:
-            out += ["", thread_cpu_table(busy, key, title)]
-        censused = [lv for lv in section.get("levels", []) if lv.get("heap_after")]
-        if censused:
-            out += ["", heap_table(censused, key, title)]
+        # The optional tables, each over the levels that recorded its figure.
+        for field, table in (("low_slack", low_slack_table), ("early_chunks", early_chunks_table),
+                             ("thread_cpu", thread_cpu_table), ("heap_after", heap_table)):
+            levels = [lv for lv in section.get("levels", []) if lv.get(field)]
+            if levels:
+                out += ["", table(levels, key, title)]
         if section.get("stopped"):
             out += ["", f"Sweep stopped: {section['stopped']}."]
     out += ["", f"Plot: {result.get('plot')}.", ""]

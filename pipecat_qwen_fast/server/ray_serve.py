@@ -122,6 +122,8 @@ DEPLOYMENT_ARGS = {"num_replicas": int, "min_replicas": int, "max_replicas": int
                    "num_gpus": float, "num_cpus": float, "target_ongoing_requests": float,
                    "max_ongoing_requests": int, "max_queued_requests": int,
                    "health_check_period_s": float}
+
+
 def _flag(value: str) -> bool:
     if value.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
         raise ValueError(f"expected true or false, got {value!r}")

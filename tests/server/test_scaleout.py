@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from pipecat_qwen_fast.bench.server_latency import free_port
 
 pytest.importorskip("ray.serve")
 
@@ -23,9 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 def test_scaleout_runs_every_phase_on_two_cpu_replicas(endless_path, tmp_path):
     out = tmp_path / "scaleout"
-    with socket.socket() as sock:  # the ingress's port: any free one, not 8000
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # the ingress's: any free one, not 8000
     cmd = [sys.executable, "-m", "pipecat_qwen_fast.cli", "bench", "scaleout", "--model", str(endless_path),
            "--out", str(out), "--device", "cpu", "--dtype", "float32", "--backend", "torch",
            "--replica-gpus", "0", "--replica-cpus", "0.25", "--one-levels", "2", "--many-levels", "4",
